@@ -1,0 +1,208 @@
+"""The Case: every axis of one conformance input as plain, hashable, JSON-able data."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Any
+
+DTYPES = ("bf16", "fp16", "fp32")
+STATE_DTYPES = ("fp32", "bf16")
+GATE_FORMS = ("log", "softplus", "lower_bound")
+GATE_REGIMES = ("typical", "weak", "strong")
+KEY_REGIMES = ("random", "correlated", "repeated")
+BETA_REGIMES = ("typical", "near_one")
+INITIAL_STATES = ("none", "random", "large")
+STATE_LAYOUTS = ("k_first", "v_first")
+
+# Bumped when materialize() changes how it draws tensors from a seed: the same id
+# must always mean the same inputs, so the version is part of the id.
+GENERATOR_VERSION = 1
+
+
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not allowed; choose one of {', '.join(allowed)}")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One input configuration. Tensors are drawn from ``seed`` by ``materialize``.
+
+    ``seq_lens`` holds one length per sequence. With ``packed`` the sequences are
+    concatenated into one row with ``cu_seqlens`` (zero lengths allowed);
+    without it they form a ``[B, T]`` batch, so all lengths must be equal.
+    ``checkpoints`` are ``(sequence, tokens)`` pairs: the state after the first
+    ``tokens`` tokens of that sequence.
+    """
+
+    seq_lens: tuple[int, ...] = (64,)
+    packed: bool = False
+    num_heads: int = 2
+    num_v_heads: int = 2
+    head_k_dim: int = 64
+    head_v_dim: int = 64
+    dtype: str = "bf16"
+    state_dtype: str = "fp32"
+    gate: str = "lower_bound"
+    lower_bound: float | None = -5.0
+    safe_gate: bool = True
+    gate_regime: str = "typical"
+    key_regime: str = "random"
+    key_rho: float = 0.0
+    beta_regime: str = "typical"
+    l2norm_in_kernel: bool = True
+    beta_sigmoid_in_kernel: bool = True
+    initial_state: str = "none"
+    state_layout: str = "k_first"
+    checkpoints: tuple[tuple[int, int], ...] = ()
+    scale: float | None = None
+    seed: int = 0
+    tags: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        # Accept lists (from JSON) but store tuples, so cases stay hashable.
+        object.__setattr__(self, "seq_lens", tuple(int(n) for n in self.seq_lens))
+        object.__setattr__(self, "checkpoints", tuple((int(s), int(p)) for s, p in self.checkpoints))
+        object.__setattr__(self, "tags", tuple(self.tags))
+        if not self.seq_lens:
+            raise ValueError("seq_lens must name at least one sequence length")
+        if any(n < 0 for n in self.seq_lens):
+            raise ValueError(f"seq_lens must be >= 0, got {self.seq_lens}")
+        if not self.packed:
+            if len(set(self.seq_lens)) != 1:
+                raise ValueError(f"seq_lens {self.seq_lens} differ in length: set packed=True to pack them")
+            if self.seq_lens[0] == 0:
+                raise ValueError("a zero-length sequence needs packed=True (cu_seqlens)")
+        if self.total_tokens == 0:
+            raise ValueError("seq_lens must hold at least one token in all")
+        for name in ("num_heads", "num_v_heads", "head_k_dim", "head_v_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_v_heads % self.num_heads:
+            raise ValueError(f"num_v_heads={self.num_v_heads} must be a multiple of num_heads={self.num_heads} (GVA)")
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("state_dtype", self.state_dtype, STATE_DTYPES)
+        _choice("gate", self.gate, GATE_FORMS)
+        _choice("gate_regime", self.gate_regime, GATE_REGIMES)
+        _choice("key_regime", self.key_regime, KEY_REGIMES)
+        _choice("beta_regime", self.beta_regime, BETA_REGIMES)
+        _choice("initial_state", self.initial_state, INITIAL_STATES)
+        _choice("state_layout", self.state_layout, STATE_LAYOUTS)
+        if self.gate == "lower_bound":
+            if self.lower_bound is None or not self.lower_bound < 0:
+                raise ValueError(f"gate='lower_bound' needs lower_bound < 0, got {self.lower_bound}")
+        elif self.lower_bound is not None and self.gate == "softplus":
+            raise ValueError("lower_bound selects the lower-bound gate; use gate='lower_bound' or lower_bound=None")
+        if self.safe_gate and self.lower_bound is None:
+            raise ValueError("safe_gate=True needs a lower_bound (the bound the gates respect)")
+        if not 0.0 <= self.key_rho <= 1.0:
+            raise ValueError(f"key_rho must be in [0, 1], got {self.key_rho}")
+        for s, p in self.checkpoints:
+            if not 0 <= s < self.num_seqs:
+                raise ValueError(f"checkpoint sequence {s} out of range: the case has {self.num_seqs} sequences")
+            if not 0 <= p <= self.seq_lens[s]:
+                raise ValueError(f"checkpoint ({s}, {p}) lies outside sequence {s} of {self.seq_lens[s]} tokens")
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.seq_lens)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Sequence start offsets plus the end: the ``cu_seqlens`` of the packed layout."""
+        return (0, *accumulate(self.seq_lens))
+
+    @property
+    def max_len(self) -> int:
+        return max(self.seq_lens)
+
+    @property
+    def gate_in_kernel(self) -> bool:
+        return self.gate != "log"
+
+    @property
+    def state_v_first(self) -> bool:
+        return self.state_layout == "v_first"
+
+    @property
+    def has_initial_state(self) -> bool:
+        return self.initial_state != "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["seq_lens"] = list(self.seq_lens)
+        data["checkpoints"] = [list(c) for c in self.checkpoints]
+        data["tags"] = list(self.tags)
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Case:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known - {"id"})
+        if unknown:
+            raise ValueError(f"unknown Case fields {unknown}; known fields: {sorted(known)}")
+        fields = {key: value for key, value in data.items() if key in known}
+        case = cls(**fields)
+        if "id" in data and data["id"] != case.id:
+            raise ValueError(
+                f"case JSON says id {data['id']} but its fields give {case.id}: "
+                "it was written by another generator version or edited by hand"
+            )
+        return case
+
+    @classmethod
+    def from_json(cls, text: str) -> Case:
+        return cls.from_dict(json.loads(text))
+
+    def replace(self, **changes: Any) -> Case:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def id(self) -> str:
+        """Stable short id: a hash of every field that shapes the inputs, plus the generator version."""
+        data = self.to_dict()
+        data.pop("tags")
+        data["generator"] = GENERATOR_VERSION
+        digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+        return f"kda-{digest[:12]}"
+
+    @property
+    def label(self) -> str:
+        """A readable summary for tables; the id is the key."""
+        lens = (
+            "+".join(str(n) for n in self.seq_lens)
+            if len(self.seq_lens) <= 4
+            else (f"{self.num_seqs}seq/{self.total_tokens}")
+        )
+        gate = {"log": "g", "softplus": "sp", "lower_bound": "lb"}[self.gate]
+        if self.lower_bound is not None:
+            gate += f"{self.lower_bound:g}"
+        parts = [
+            f"T{lens}",
+            self.dtype,
+            f"H{self.num_heads}/{self.num_v_heads}",
+            f"K{self.head_k_dim}V{self.head_v_dim}",
+            gate,
+        ]
+        if self.gate_regime != "typical":
+            parts.append(self.gate_regime)
+        if self.key_regime != "random":
+            parts.append(f"{self.key_regime}{self.key_rho:g}" if self.key_regime == "correlated" else self.key_regime)
+        if self.has_initial_state:
+            parts.append(f"h0:{self.initial_state}")
+        if self.state_v_first:
+            parts.append("vfirst")
+        if self.state_dtype != "fp32":
+            parts.append(f"S:{self.state_dtype}")
+        return " ".join(parts)

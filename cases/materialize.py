@@ -1,0 +1,157 @@
+"""Seeded inputs for a Case: drawn on the CPU from the seed, then moved, so one id means one set of bits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+import torch.nn.functional as F
+
+from kda_cases.case import Case
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class KDAInputs:
+    """Everything a backend call needs, in the form chunk_kda takes it.
+
+    ``q k v g beta`` are in the case's input dtype; ``g`` and ``beta`` are raw
+    pre-activations when the case applies the gate or sigmoid in the kernel.
+    ``initial_state`` is in the case's state dtype and layout.
+    """
+
+    case: Case
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    A_log: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+    initial_state: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def kernel_kwargs(self) -> dict:
+        """Keyword arguments shared by the reference and chunk_kda-style kernels."""
+        c = self.case
+        return dict(
+            scale=c.scale,
+            initial_state=self.initial_state,
+            cu_seqlens=self.cu_seqlens,
+            use_qk_l2norm_in_kernel=c.l2norm_in_kernel,
+            use_beta_sigmoid_in_kernel=c.beta_sigmoid_in_kernel,
+            use_gate_in_kernel=c.gate_in_kernel,
+            A_log=self.A_log,
+            dt_bias=self.dt_bias,
+            lower_bound=c.lower_bound,
+            state_v_first=c.state_v_first,
+        )
+
+
+def _keys(case: Case, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    k = torch.randn(shape, generator=gen)
+    if case.key_regime == "correlated":
+        # AR(1) along time per sequence: k_t = rho k_{t-1} + sqrt(1 - rho^2) noise.
+        rho = case.key_rho
+        out = torch.empty_like(k)
+        for _, start, end in _spans(case):
+            prev = None
+            for t in range(start, end):
+                prev = k[:, t] if prev is None else rho * prev + (1 - rho * rho) ** 0.5 * k[:, t]
+                out[:, t] = prev
+        k = out
+    elif case.key_regime == "repeated":
+        # Runs of 16 identical tokens, the pattern that broke FlashKDA's fp16 inverse.
+        index = torch.arange(shape[1]) // 16 * 16
+        k = k[:, index]
+    if not case.l2norm_in_kernel:
+        # The delta rule is stable for unit-norm keys; normalize here when the kernel does not.
+        k = F.normalize(k, dim=-1)
+    return k
+
+
+def _spans(case: Case) -> list[tuple[int, int, int]]:
+    if case.packed:
+        return [(0, s, e) for s, e in pairwise(case.offsets)]
+    return [(b, 0, case.seq_lens[0]) for b in range(case.num_seqs)]
+
+
+def _gate(
+    case: Case, shape: tuple[int, ...], gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    HV, K = case.num_v_heads, case.head_k_dim
+    noise = torch.randn(shape, generator=gen)
+    A_log = dt_bias = None
+    if case.gate == "log":
+        if case.gate_regime == "weak":
+            g = -torch.rand(shape, generator=gen) * 0.01
+        elif case.gate_regime == "strong":
+            g = -3.0 - 2.0 * torch.rand(shape, generator=gen)
+        else:
+            g = F.logsigmoid(noise)
+        if case.lower_bound is not None:
+            # A precomputed gate under safe_gate must respect the bound itself.
+            g = g.clamp(min=case.lower_bound)
+        return g, None, None
+    A_log = torch.log(torch.empty(HV).uniform_(1.0, 16.0, generator=gen))
+    dt_bias = 0.1 * torch.randn(HV * K, generator=gen)
+    # Raw pre-activations: a negative shift makes softplus / sigmoid tiny (decay near 1,
+    # weak), a positive one saturates them (strong decay, at the lower bound if any).
+    shift = {"typical": 0.0, "weak": -8.0, "strong": 4.0}[case.gate_regime]
+    return noise + shift, A_log, dt_bias
+
+
+def materialize(case: Case, device: str | torch.device = "cpu") -> KDAInputs:
+    """Draw the case's tensors on the CPU from its seed and move them to ``device``."""
+    gen = torch.Generator(device="cpu").manual_seed(case.seed)
+    B = 1 if case.packed else case.num_seqs
+    T = case.total_tokens if case.packed else case.seq_lens[0]
+    H, HV, K, V = case.num_heads, case.num_v_heads, case.head_k_dim, case.head_v_dim
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = _keys(case, (B, T, H, K), gen)
+    if not case.l2norm_in_kernel:
+        q = F.normalize(q, dim=-1)
+    v = torch.randn(B, T, HV, V, generator=gen)
+    g, A_log, dt_bias = _gate(case, (B, T, HV, K), gen)
+    beta_raw = torch.randn(B, T, HV, generator=gen) + (6.0 if case.beta_regime == "near_one" else 0.0)
+    beta = beta_raw if case.beta_sigmoid_in_kernel else torch.sigmoid(beta_raw)
+
+    h0 = None
+    if case.has_initial_state:
+        h0 = torch.randn(case.num_seqs, HV, K, V, generator=gen)
+        if case.initial_state == "large":
+            h0 = h0 * 30.0
+        if case.state_v_first:
+            h0 = h0.transpose(-1, -2).contiguous()
+        h0 = h0.to(TORCH_DTYPES[case.state_dtype])
+
+    cu = None
+    if case.packed:
+        cu = torch.tensor(case.offsets, dtype=torch.long)
+
+    dtype = TORCH_DTYPES[case.dtype]
+    dev = torch.device(device)
+
+    def move(x: torch.Tensor | None, cast: torch.dtype | None = None) -> torch.Tensor | None:
+        if x is None:
+            return None
+        return (x.to(cast) if cast is not None else x).to(dev)
+
+    return KDAInputs(
+        case=case,
+        q=move(q, dtype),
+        k=move(k, dtype),
+        v=move(v, dtype),
+        g=move(g, dtype),
+        beta=move(beta, dtype),
+        A_log=move(A_log),
+        dt_bias=move(dt_bias),
+        initial_state=move(h0),
+        cu_seqlens=move(cu),
+    )

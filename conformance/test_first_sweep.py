@@ -1,0 +1,32 @@
+"""The first sweep: fixed cases through the reference and every selected backend, against provisional budgets."""
+
+from __future__ import annotations
+
+import pytest
+
+from kda_cases.case import Case
+from kda_conformance.compare import passes, provisional_budget
+from kda_conformance.sweep import first_sweep_cases, run_backend
+from kda_kernels import registry
+
+CASES = first_sweep_cases()
+
+
+@pytest.mark.kda_device_dependent
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_first_sweep(case: Case, kda_backend_name: str, kda_device, kda_truth, request) -> None:  # type: ignore[no-untyped-def]
+    backend = registry.get(kda_backend_name)
+    inputs, truth = kda_truth(case, kda_device)
+    outcome = run_backend(case, backend, kda_device, truth, inputs)
+    if outcome.status == "skip":
+        pytest.skip(f"{backend.name}: {outcome.reason}")
+    repro = f"pytest '{request.node.nodeid}' --kda-device {kda_device.type}"
+    if outcome.status == "error":
+        pytest.fail(f"{case.id} ({case.label}) {backend.name} raised {outcome.reason}\nrepro: {repro}")
+    failures = [
+        f"{case.id} ({case.label}) {backend.name} {err.tensor}: max_abs {err.max_abs:.3e} > budget "
+        f"{provisional_budget(case, err.tensor):.1e} (nonfinite {err.nonfinite}) {err.detail}"
+        for err in outcome.errors
+        if not passes(err, provisional_budget(case, err.tensor))
+    ]
+    assert not failures, "\n".join(failures) + f"\nrepro: {repro}"

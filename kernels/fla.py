@@ -1,0 +1,147 @@
+"""Adapters for FLA's KDA kernels (fla-core): the Triton chunk pipeline and the recurrent kernel.
+
+``FLA_DISABLE_BACKEND_DISPATCH=1`` is forced before FLA is imported: otherwise
+``chunk_kda`` silently hands suitable calls to FlashKDA when that package is
+installed, and the Triton path would not be what is tested. On a CPU the
+kernels run in Triton's interpreter (``kernels/triton_interpret.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+from kda_cases.case import Case
+from kda_cases.materialize import TORCH_DTYPES, KDAInputs
+from kda_kernels import triton_interpret
+from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported
+
+FLA_MAX_HEAD_K_DIM = 256
+SAFE_LOWER_BOUND_RANGE = (-5.0, 0.0)
+
+
+def _import_fla_kda(device: torch.device) -> ModuleType:
+    """Import ``fla.ops.kda`` set up for ``device``: interpreter on a CPU, compiled on a GPU."""
+    if device.type == "cpu":
+        triton_interpret.enable()
+    elif triton_interpret.interpreting():
+        raise RuntimeError(f"TRITON_INTERPRET is set, so FLA cannot run compiled on {device}; unset it for GPU runs")
+    os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"
+    import fla.backends
+    import fla.ops.kda
+
+    fla.backends._DISPATCH_DISABLED = True  # in case FLA was imported before we set the variable
+    return fla.ops.kda
+
+
+def _fla_availability(device: torch.device) -> Support:
+    if importlib.util.find_spec("fla") is None:
+        return Support.no("fla-core is not installed (pip install fla-core==0.6.0)")
+    if device.type == "cpu":
+        problem = triton_interpret.problem()
+        return Support.no(problem) if problem else Support.yes()
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return Support.no("no CUDA/ROCm device is visible to torch")
+        if triton_interpret.interpreting():
+            return Support.no("TRITON_INTERPRET is set in this process, so Triton cannot compile for the GPU")
+        return Support.yes()
+    return Support.no(f"FLA's Triton kernels do not run on device type {device.type!r}")
+
+
+def _common_envelope(case: Case) -> Support:
+    if case.head_k_dim > FLA_MAX_HEAD_K_DIM:
+        return Support.no(f"FLA supports head_k_dim <= {FLA_MAX_HEAD_K_DIM}, the case has {case.head_k_dim}")
+    return Support.yes()
+
+
+def _state_for_kernel(inputs: KDAInputs) -> torch.Tensor | None:
+    # FLA takes an fp32 state only; a bf16 pool is widened exactly, as serving glue does.
+    h0 = inputs.initial_state
+    return None if h0 is None else h0.float()
+
+
+def _stored_state(final: torch.Tensor | None, case: Case) -> torch.Tensor | None:
+    # The state a server keeps is the kernel's fp32 state rounded to the pool's dtype.
+    return None if final is None else final.to(TORCH_DTYPES[case.state_dtype])
+
+
+class FlaChunk(Backend):
+    name = "fla_chunk"
+    description = "fla.ops.kda.chunk_kda, the Triton chunk pipeline (dispatch to FlashKDA disabled)"
+
+    def __init__(self, chunk_size: int = 64) -> None:
+        if chunk_size not in (32, 64):
+            raise ValueError(f"chunk_size must be 32 or 64 for FLA's chunk_kda, got {chunk_size}")
+        self.chunk_size = chunk_size
+        if chunk_size != 64:
+            self.name = f"fla_chunk{chunk_size}"
+
+    def availability(self, device: torch.device) -> Support:
+        return _fla_availability(device)
+
+    def supports(self, case: Case) -> Support:
+        common = _common_envelope(case)
+        if not common:
+            return common
+        lo, hi = SAFE_LOWER_BOUND_RANGE
+        if case.safe_gate and case.gate_in_kernel and not (lo <= (case.lower_bound or 0.0) < hi):
+            return Support.no(
+                f"chunk_kda's safe gate with the in-kernel gate needs lower_bound in [{lo:g}, {hi:g}), "
+                f"the case has {case.lower_bound}"
+            )
+        return Support.yes()
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        support = self.supports(inputs.case)
+        if not support:
+            raise Unsupported(support.reason)
+        kda = _import_fla_kda(inputs.device)
+        kwargs = inputs.kernel_kwargs()
+        kwargs["initial_state"] = _state_for_kernel(inputs)
+        with torch.inference_mode():
+            o, final = kda.chunk_kda(
+                inputs.q,
+                inputs.k,
+                inputs.v,
+                inputs.g,
+                inputs.beta,
+                output_final_state=True,
+                safe_gate=inputs.case.safe_gate,
+                chunk_size=self.chunk_size,
+                **kwargs,
+            )
+        return BackendOutput(o=o, final_state=_stored_state(final, inputs.case))
+
+
+class FlaRecurrent(Backend):
+    name = "fla_recurrent"
+    description = "fla.ops.kda.fused_recurrent_kda, the per-token Triton kernel with an fp32 state"
+
+    def availability(self, device: torch.device) -> Support:
+        return _fla_availability(device)
+
+    def supports(self, case: Case) -> Support:
+        return _common_envelope(case)
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        support = self.supports(inputs.case)
+        if not support:
+            raise Unsupported(support.reason)
+        kda = _import_fla_kda(inputs.device)
+        kwargs = inputs.kernel_kwargs()
+        kwargs["initial_state"] = _state_for_kernel(inputs)
+        with torch.inference_mode():
+            o, final = kda.fused_recurrent_kda(
+                inputs.q,
+                inputs.k,
+                inputs.v,
+                inputs.g,
+                inputs.beta,
+                output_final_state=True,
+                **kwargs,
+            )
+        return BackendOutput(o=o, final_state=_stored_state(final, inputs.case))

@@ -1,0 +1,74 @@
+"""The one small protocol every implementation under test sits behind."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from kda_cases.case import Case
+from kda_cases.materialize import KDAInputs
+
+
+@dataclass(frozen=True)
+class Support:
+    """A yes, or a no with the reason a person can act on."""
+
+    ok: bool
+    reason: str = ""
+
+    @classmethod
+    def yes(cls) -> Support:
+        return cls(True)
+
+    @classmethod
+    def no(cls, reason: str) -> Support:
+        return cls(False, reason)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@dataclass(frozen=True)
+class BackendOutput:
+    """What a backend computed, as it returned it (its own dtypes, the case's state layout).
+
+    ``checkpoint_states`` is None when the backend cannot produce states at the
+    case's checkpoints.
+    """
+
+    o: torch.Tensor
+    final_state: torch.Tensor | None
+    checkpoint_states: torch.Tensor | None = None
+
+
+class Unsupported(Exception):
+    """Raised by ``run`` for a case outside the backend's envelope; carries the reason."""
+
+
+class Backend(ABC):
+    """An implementation under test.
+
+    ``availability`` says whether it can run in this environment at all (package
+    installed, device present); ``supports`` whether it takes this case; ``run``
+    computes it. Neither check may raise or crash: both answer with a reason.
+    """
+
+    name: str = ""
+    description: str = ""
+
+    @abstractmethod
+    def availability(self, device: torch.device) -> Support:
+        """Whether this backend can run on ``device`` in this environment."""
+
+    @abstractmethod
+    def supports(self, case: Case) -> Support:
+        """Whether this backend takes ``case``, and if not, why."""
+
+    @abstractmethod
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        """Run on the inputs (already on the device). Raise Unsupported for cases outside the envelope."""
+
+    def __repr__(self) -> str:
+        return f"<backend {self.name}>"

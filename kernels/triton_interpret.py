@@ -1,0 +1,239 @@
+"""Workarounds that let FLA's Triton kernels run on a CPU under ``TRITON_INTERPRET=1``.
+
+The Triton interpreter executes kernels with NumPy. For FLA's KDA kernels it has
+five gaps, each patched here and each covered by a test in
+``tests/test_triton_interpret.py`` that fails both when the workaround stops
+working and when the interpreter no longer needs it:
+
+1. ``autotune``: the autotuner benchmarks every config on a GPU driver, which a
+   CPU does not have ("0 active drivers"). We keep only the first config.
+2. ``loop_index``: ``for i in range(n)`` yields Python ints in the interpreter and
+   FLA calls ``i.to(tl.int64)`` on them. FLA modules get a ``range`` whose items
+   are ints with a ``to`` method.
+3. ``bf16_arith``: bf16 values are stored as raw ``uint16``; elementwise ops and
+   ``tl.dot`` then compute on the bit patterns. We decode to fp32, compute, and
+   round back.
+4. ``bf16_round``: fp32 -> bf16 casts truncate; a GPU rounds to nearest even.
+5. ``gather``: ``fla.ops.kda.chunk_intra`` calls a ``gather`` alias the
+   interpreter does not patch (safe-gate path); we switch FLA to its
+   ``tl.load`` fallback.
+
+Everything is applied only by :func:`enable`, called by the FLA adapters when
+they run on a CPU. The patches are written against one Triton release
+(:data:`PINNED_TRITON`); a different release refuses them with a clear error,
+since the interpreter internals they touch are private.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+from collections.abc import Collection, Iterator
+
+PINNED_TRITON = "3.9.0"
+WORKAROUNDS = ("autotune", "loop_index", "bf16_arith", "bf16_round", "gather")
+
+_enabled = False
+
+
+class TritonInterpretError(RuntimeError):
+    """The CPU interpreter path cannot be set up in this environment."""
+
+
+class _LoopIndex(int):
+    """An int that accepts Triton's ``.to(dtype)``, as a loop index does on a GPU."""
+
+    def to(self, *_args: object, **_kwargs: object) -> int:
+        return int(self)
+
+
+def _loop_range(*args: int) -> Iterator[int]:
+    return (_LoopIndex(i) for i in range(*args))
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its NumPy interpreter in this process."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def problem() -> str:
+    """Why the interpreter path cannot be used in this process, or '' when it can.
+
+    Checked without importing triton: importing it before ``TRITON_INTERPRET`` is
+    set makes ``@triton.jit`` functions compiled ones, which the interpreter then
+    refuses to call ("Cannot call @triton.jit'd outside of the scope of a kernel").
+    """
+    try:
+        version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return f"triton is not installed; the CPU path needs triton=={PINNED_TRITON}"
+    if version != PINNED_TRITON:
+        return (
+            f"the CPU interpreter workarounds are written for triton=={PINNED_TRITON}, found "
+            f"triton=={version}; install triton=={PINNED_TRITON} to run FLA kernels on a CPU"
+        )
+    if not _enabled and not interpreting():
+        early = [name for name in ("triton", "fla") if name in sys.modules]
+        if early:
+            return (
+                f"{' and '.join(early)} was imported before the Triton interpreter was switched on; "
+                "run CPU cases in a fresh process (or set TRITON_INTERPRET=1 before importing them)"
+            )
+    return ""
+
+
+def enable(skip: Collection[str] = ()) -> None:
+    """Switch this process to the Triton interpreter and apply the workarounds.
+
+    Must run before ``triton`` or ``fla`` is first imported (see :func:`problem`).
+    ``skip`` leaves named workarounds out; the suite's own tests use it to show
+    that each one is still needed.
+    """
+    global _enabled
+    unknown = set(skip) - set(WORKAROUNDS)
+    if unknown:
+        raise ValueError(f"unknown workarounds {sorted(unknown)}; known: {', '.join(WORKAROUNDS)}")
+    if _enabled:
+        return
+    reason = problem()
+    if reason:
+        raise TritonInterpretError(reason)
+    os.environ["TRITON_INTERPRET"] = "1"
+    patches = {
+        "autotune": _patch_autotune,
+        "bf16_arith": _patch_bf16_arith,
+        "bf16_round": _patch_bf16_round,
+        "loop_index": _patch_loop_index,
+        "gather": _use_gather_fallback,
+    }
+    for name, patch in patches.items():
+        if name not in skip:
+            patch()
+    _enabled = True
+
+
+def _patch_autotune() -> None:
+    from triton.runtime.autotuner import Autotuner
+
+    original_run = Autotuner.run
+
+    def run_first_config(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if len(self.configs) > 1:
+            self.configs = self.configs[:1]
+        return original_run(self, *args, **kwargs)
+
+    Autotuner.run = run_first_config
+
+
+def _to_f32(data):  # type: ignore[no-untyped-def]
+    import numpy as np
+
+    return (data.astype(np.uint32) << 16).view(np.float32)
+
+
+def _to_bf16(data):  # type: ignore[no-untyped-def]
+    """fp32 -> bf16 bits, round to nearest even, NaN kept a quiet NaN (a GPU's cvt.rn.bf16.f32)."""
+    import numpy as np
+
+    f32 = np.ascontiguousarray(data, dtype=np.float32)
+    bits = f32.view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
+    return np.where(np.isnan(f32), np.uint32(0x7FC0), rounded).astype(np.uint16)
+
+
+def _patch_bf16_arith() -> None:
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    builder = interp.InterpreterBuilder
+
+    def is_bf16(handle: interp.TensorHandle) -> bool:
+        return handle.dtype.scalar == tl.bfloat16 and handle.data.dtype == np.uint16
+
+    def decoded(handle: interp.TensorHandle) -> interp.TensorHandle:
+        return interp.TensorHandle(_to_f32(handle.data), tl.float32) if is_bf16(handle) else handle
+
+    def encoded(result: interp.TensorHandle) -> interp.TensorHandle:
+        if result.dtype.scalar == tl.float32 and result.data.dtype == np.float32:
+            return interp.TensorHandle(_to_bf16(result.data), tl.bfloat16)
+        return result
+
+    original_binary = builder.binary_op
+    original_unary = builder.unary_op
+    original_ternary = builder.ternary_op
+    original_dot = builder.create_dot
+    original_fma = builder.create_fma
+
+    def binary_op(self, lhs, rhs, op):  # type: ignore[no-untyped-def]
+        if is_bf16(lhs) or is_bf16(rhs):
+            return encoded(original_binary(self, decoded(lhs), decoded(rhs), op))
+        return original_binary(self, lhs, rhs, op)
+
+    def unary_op(self, arg, op):  # type: ignore[no-untyped-def]
+        if is_bf16(arg):
+            return encoded(original_unary(self, decoded(arg), op))
+        return original_unary(self, arg, op)
+
+    def ternary_op(self, lhs, rhs, other, op):  # type: ignore[no-untyped-def]
+        # np.where on raw bits is a correct select; np.clip on raw bits is not.
+        if op is np.clip and is_bf16(lhs):
+            return encoded(original_ternary(self, decoded(lhs), decoded(rhs), decoded(other), op))
+        return original_ternary(self, lhs, rhs, other, op)
+
+    def create_fma(self, x, y, z):  # type: ignore[no-untyped-def]
+        if is_bf16(z):
+            return encoded(original_fma(self, decoded(x), decoded(y), decoded(z)))
+        return original_fma(self, x, y, z)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # type: ignore[no-untyped-def]
+        # A GPU multiplies bf16 operands exactly and accumulates in d's type (fp32).
+        return original_dot(self, decoded(a), decoded(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.binary_op = binary_op
+    builder.unary_op = unary_op
+    builder.ternary_op = ternary_op
+    builder.create_fma = create_fma
+    builder.create_dot = create_dot
+
+
+def _patch_bf16_round() -> None:
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    builder = interp.InterpreterBuilder
+    original_cast = builder.cast_impl
+    original_fp_to_fp = builder.create_fp_to_fp
+
+    def cast_impl(self, src, dst_type):  # type: ignore[no-untyped-def]
+        if dst_type.scalar == tl.bfloat16 and src.dtype.scalar != tl.bfloat16:
+            return interp.TensorHandle(_to_bf16(src.data.astype(np.float32)), tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):  # type: ignore[no-untyped-def]
+        if dst_type.scalar == tl.bfloat16 and src.dtype.scalar == tl.float32:
+            return cast_impl(self, src, dst_type)
+        return original_fp_to_fp(self, src, dst_type, rounding_mode)
+
+    builder.cast_impl = cast_impl
+    builder.create_fp_to_fp = create_fp_to_fp
+    for name in ("create_si_to_fp", "create_ui_to_fp", "create_fp_ext", "create_fp_trunc"):
+        setattr(builder, name, lambda self, src, dst_type: cast_impl(self, src, dst_type))
+
+
+def _patch_loop_index() -> None:
+    import fla.ops.kda  # noqa: F401  (loads every module the KDA entry points use)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("fla.") and module is not None:
+            module.range = _loop_range  # type: ignore[attr-defined]
+
+
+def _use_gather_fallback() -> None:
+    import fla.ops.kda.chunk_intra as chunk_intra
+
+    if not hasattr(chunk_intra, "IS_GATHER_SUPPORTED"):
+        raise TritonInterpretError("fla.ops.kda.chunk_intra no longer has IS_GATHER_SUPPORTED to switch off")
+    chunk_intra.IS_GATHER_SUPPORTED = False

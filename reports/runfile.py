@@ -1,0 +1,76 @@
+"""One run, one file: records as parquet, the environment as JSON, and a readable summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pandas as pd
+
+DEFAULT_OUT = Path("out")
+
+
+def new_run_id() -> str:
+    """Sortable by time, unique across machines: ``20261130T051200Z-1a2b3c``."""
+    return f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
+
+
+def _atomic_write(path: Path, write) -> None:  # type: ignore[no-untyped-def]
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def write_run(records: pd.DataFrame, env: dict, out_dir: Path, run_id: str) -> dict[str, Path]:
+    """Write ``runs/<run_id>.parquet``, ``.env.json``, ``.summary.md`` and ``.csv`` under ``out_dir``."""
+    runs = out_dir / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "records": runs / f"{run_id}.parquet",
+        "environment": runs / f"{run_id}.env.json",
+        "summary_md": runs / f"{run_id}.summary.md",
+        "summary_csv": runs / f"{run_id}.summary.csv",
+    }
+    _atomic_write(paths["environment"], lambda p: p.write_text(json.dumps(env, indent=2, sort_keys=True)))
+    _atomic_write(paths["records"], lambda p: records.to_parquet(p, index=False))
+    table = summary(records)
+    _atomic_write(paths["summary_csv"], lambda p: table.to_csv(p, index=False))
+    _atomic_write(paths["summary_md"], lambda p: p.write_text(summary_markdown(table, env, run_id)))
+    return paths
+
+
+def read_run(path: Path) -> pd.DataFrame:
+    return pd.read_parquet(path)
+
+
+SUMMARY_COLUMNS = ["case_id", "label", "backend", "tensor", "verdict", "max_abs", "budget", "rel_rms", "seconds"]
+
+
+def summary(records: pd.DataFrame) -> pd.DataFrame:
+    """One line per case x backend x tensor with the headline numbers."""
+    cols = [c for c in SUMMARY_COLUMNS if c in records.columns]
+    return records[cols].sort_values(["backend", "case_id", "tensor"], kind="stable").reset_index(drop=True)
+
+
+def summary_markdown(table: pd.DataFrame, env: dict, run_id: str) -> str:
+    counts = table["verdict"].value_counts().to_dict() if len(table) else {}
+    head = [
+        f"# KDA conformance run {run_id}",
+        "",
+        f"Device: {env.get('device_name', '')} ({env.get('device_type', '')}, {env.get('arch', '')}); "
+        f"torch {env.get('torch', '')}, triton {env.get('triton', '')}, fla {env.get('fla', '')}; "
+        f"suite {env.get('suite_commit', '')}.",
+        "",
+        "Verdicts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
+        "",
+    ]
+    shown = table.copy()
+    for col in ("max_abs", "budget", "rel_rms"):
+        if col in shown:
+            shown[col] = shown[col].map(lambda x: f"{x:.3g}" if pd.notna(x) else "")
+    if "seconds" in shown:
+        shown["seconds"] = shown["seconds"].map(lambda x: f"{x:.2f}" if pd.notna(x) else "")
+    return "\n".join(head) + shown.to_markdown(index=False) + "\n"

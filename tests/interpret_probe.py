@@ -1,0 +1,71 @@
+"""Runs one small Triton computation under the interpreter, with chosen workarounds left out.
+
+``python tests/interpret_probe.py PROBE [SKIP ...]`` prints one JSON line: the
+error against the exact answer, or the exception the probe raised. Used by
+``test_triton_interpret.py`` in a fresh process per call, since the interpreter
+and the patches are process-wide.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+
+
+def main() -> None:
+    probe, skip = sys.argv[1], sys.argv[2:]
+    from kda_kernels import triton_interpret
+
+    triton_interpret.enable(skip=skip)
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast_kernel(x, y, n: tl.constexpr):
+        offs = tl.arange(0, n)
+        tl.store(y + offs, tl.load(x + offs).to(tl.bfloat16))
+
+    @triton.jit
+    def arith_kernel(a, b, y, n: tl.constexpr):
+        offs = tl.arange(0, n)
+        tl.store(y + offs, tl.load(a + offs) * tl.load(b + offs) + tl.load(a + offs))
+
+    gen = torch.Generator().manual_seed(0)
+    try:
+        if probe == "cast":
+            x = torch.randn(1024, generator=gen)
+            y = torch.empty(1024, dtype=torch.bfloat16)
+            cast_kernel[(1,)](x, y, n=1024)
+            result = {"mismatches": int((y != x.to(torch.bfloat16)).sum())}
+        elif probe == "arith":
+            a = torch.randn(1024, generator=gen).bfloat16()
+            b = torch.randn(1024, generator=gen).bfloat16()
+            y = torch.empty(1024, dtype=torch.bfloat16)
+            arith_kernel[(1,)](a, b, y, n=1024)
+            # A GPU rounds after each bf16 operation: the product, then the sum.
+            want = ((a.float() * b.float()).bfloat16().float() + a.float()).bfloat16()
+            result = {"mismatches": int((y.view(torch.int16) != want.view(torch.int16)).sum())}
+        elif probe in ("chunk_fp32", "chunk_bf16"):
+            from kda_cases.case import Case
+            from kda_cases.materialize import materialize
+            from kda_kernels.fla import FlaChunk
+            from kda_reference.run import run_reference
+
+            case = Case(seq_lens=(37,), dtype=probe.split("_")[1], initial_state="random")
+            inputs = materialize(case)
+            out = FlaChunk().run(inputs)
+            ref = run_reference(inputs)
+            result = {"max_abs": float((out.o.double() - ref.o).abs().max())}
+        else:
+            raise SystemExit(f"unknown probe {probe}")
+    except Exception as exc:
+        result = {"exception": f"{type(exc).__name__}: {exc}"[:300]}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
