@@ -11,29 +11,28 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kda_cases.case import DTYPES
-from kda_conformance.sweep import Outcome, first_sweep_cases, outcome_records, resolve_device, run_cases
+from kda_conformance.sweep import (
+    Outcome,
+    first_sweep_cases,
+    outcome_records,
+    parse_dtypes,
+    parse_lengths,
+    resolve_device,
+    run_cases,
+)
 from kda_kernels import registry
 from kda_reports.environment import environment
 from kda_reports.runfile import DEFAULT_OUT, new_run_id, write_run
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+def _arg(parse):  # type: ignore[no-untyped-def]
+    def convert(text: str):  # type: ignore[no-untyped-def]
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
-
-def _dtype_list(text: str) -> list[str]:
-    values = [x for x in text.split(",") if x]
-    bad = [x for x in values if x not in DTYPES]
-    if bad or not values:
-        raise argparse.ArgumentTypeError(f"dtypes {bad or text!r} not allowed; choose from {', '.join(DTYPES)}")
-    return values
+    return convert
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="backend to test, repeatable (default: fla_chunk and fla_recurrent)",
     )
-    run.add_argument("--lengths", type=_int_list, default=None, help="sequence lengths, e.g. 37,64,65,130")
-    run.add_argument("--dtypes", type=_dtype_list, default=["bf16", "fp32"], help="input dtypes, e.g. bf16,fp32")
+    run.add_argument("--lengths", type=_arg(parse_lengths), default=None, help="sequence lengths, e.g. 37,64,65,130")
+    run.add_argument("--dtypes", type=_arg(parse_dtypes), default=["bf16", "fp32"], help="input dtypes, e.g. bf16,fp32")
     run.add_argument("--heads", type=int, default=2, help="query/key heads (= value heads) per case")
     run.add_argument("--head-dim", type=int, default=64, help="K = V head dimension")
     run.add_argument("--seed", type=int, default=0)

@@ -1,18 +1,29 @@
-"""The pytest plugin: options, the device under test, and device markers on conformance tests."""
+"""The pytest plugin: options, the device under test, device markers, and the report a run leaves."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
 from kda_cases.case import Case
 from kda_cases.materialize import KDAInputs, materialize
-from kda_conformance.sweep import resolve_device
+from kda_conformance.sweep import (
+    FIRST_SWEEP_LENGTHS,
+    Outcome,
+    first_sweep_cases,
+    outcome_records,
+    parse_dtypes,
+    parse_lengths,
+    resolve_device,
+)
 from kda_kernels import registry, triton_interpret
 from kda_reference.recurrent import ReferenceResult
 from kda_reference.run import run_reference
+
+RECORDS = pytest.StashKey[list[dict]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -25,6 +36,27 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="NAME",
         help="backend to test (repeatable); default: every registered backend",
     )
+    group.addoption("--kda-lengths", default=None, help="first-sweep sequence lengths, e.g. 37,2048,32768")
+    group.addoption("--kda-dtypes", default="bf16,fp32", help="first-sweep input dtypes (default: bf16,fp32)")
+    group.addoption("--kda-heads", type=int, default=2, help="first-sweep heads, H = HV (default: 2)")
+    group.addoption("--kda-head-dim", type=int, default=64, help="first-sweep K = V (default: 64)")
+    group.addoption("--kda-out", default="out", help="where a run's report goes (default: out)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "kda_device_dependent: runs on the device chosen by --kda-device")
+    config.stash[RECORDS] = []
+    # On a CPU the FLA kernels run in Triton's interpreter, which must be switched on
+    # before anything imports triton or fla (test modules included).
+    if _device(config).type == "cpu" and not triton_interpret.problem():
+        triton_interpret.enable()
+
+
+def _device(config: pytest.Config) -> torch.device:
+    try:
+        return resolve_device(config.getoption("--kda-device"))
+    except ValueError as exc:
+        raise pytest.UsageError(f"--kda-device: {exc}") from None
 
 
 def selected_backends(config: pytest.Config) -> list[str]:
@@ -38,14 +70,31 @@ def selected_backends(config: pytest.Config) -> list[str]:
     return known
 
 
+def first_sweep(config: pytest.Config) -> list[Case]:
+    try:
+        lengths = parse_lengths(config.getoption("--kda-lengths")) if config.getoption("--kda-lengths") else None
+        dtypes = parse_dtypes(config.getoption("--kda-dtypes"))
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    return first_sweep_cases(
+        lengths=lengths or FIRST_SWEEP_LENGTHS,
+        dtypes=dtypes,
+        num_heads=config.getoption("--kda-heads"),
+        head_dim=config.getoption("--kda-head-dim"),
+    )
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "kda_backend_name" in metafunc.fixturenames:
         metafunc.parametrize("kda_backend_name", selected_backends(metafunc.config))
+    if "first_sweep_case" in metafunc.fixturenames:
+        cases = first_sweep(metafunc.config)
+        metafunc.parametrize("first_sweep_case", cases, ids=[c.id for c in cases])
 
 
 @pytest.fixture(scope="session")
 def kda_device(request: pytest.FixtureRequest) -> torch.device:
-    return resolve_device(request.config.getoption("--kda-device"))
+    return _device(request.config)
 
 
 @pytest.fixture(scope="session")
@@ -63,18 +112,59 @@ def kda_truth() -> Callable[[Case, torch.device], tuple[KDAInputs, ReferenceResu
     return get
 
 
+@pytest.fixture
+def kda_record(request: pytest.FixtureRequest, kda_device: torch.device) -> Callable[[Outcome], None]:
+    """Adds an outcome's rows to this pytest run's report."""
+
+    def record(outcome: Outcome) -> None:
+        for row in outcome_records(outcome, kda_device):
+            request.config.stash[RECORDS].append({**row, "test": request.node.nodeid})
+
+    return record
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Conformance tests run on the chosen device: mark them so `-m cpu` / `-m cuda` select them.
-    device = resolve_device(config.getoption("--kda-device"))
+    device = _device(config)
     marker = "cpu" if device.type == "cpu" else ("rocm" if torch.version.hip else "cuda")
     for item in items:
         if item.get_closest_marker("kda_device_dependent"):
             item.add_marker(getattr(pytest.mark, marker))
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "kda_device_dependent: runs on the device chosen by --kda-device")
-    # On a CPU the FLA kernels run in Triton's interpreter, which must be switched on
-    # before anything imports triton or fla (test modules included).
-    if resolve_device(config.getoption("--kda-device")).type == "cpu" and not triton_interpret.problem():
-        triton_interpret.enable()
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
+    rows = config.stash.get(RECORDS, [])
+    if not rows:
+        return
+    tr = terminalreporter
+    tr.section("KDA conformance: max-abs error against the float64 reference")
+    tr.write_line(
+        f"{'case':17} {'label':42} {'backend':14} {'tensor':12} {'verdict':7} {'max_abs':>9} {'budget':>9} "
+        f"{'rel_rms':>9} {'s':>7}"
+    )
+    for r in rows:
+
+        def num(key: str, r: dict = r) -> str:
+            value = r.get(key)
+            return f"{value:9.2e}" if isinstance(value, float) else f"{'':9}"
+
+        tr.write_line(
+            f"{r['case_id']:17} {r['label'][:42]:42} {r['backend']:14} {r['tensor'] or '-':12} "
+            f"{r['verdict']:7} {num('max_abs')} {num('budget')} {num('rel_rms')} {r['seconds']:7.2f}"
+        )
+    try:
+        import pandas as pd
+
+        from kda_reports.environment import environment
+        from kda_reports.runfile import new_run_id, write_run
+
+        run_id = new_run_id()
+        env = {**environment(_device(config)), "run_id": run_id}
+        frame = pd.DataFrame(rows)
+        for key, value in env.items():
+            frame[f"env_{key}"] = value
+        frame["run_id"] = run_id
+        paths = write_run(frame, env, Path(config.getoption("--kda-out")), run_id)
+        tr.write_line(f"report: {paths['records']} and {paths['summary_md']}")
+    except ImportError as exc:
+        tr.write_line(f"no report file written: {exc} (pandas and pyarrow write it)")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kda_cases.case import Case
+from kda_cases.case import DTYPES, Case
 from kda_cases.materialize import materialize
 from kda_conformance.compare import TensorError, compare, passes, provisional_budget
 from kda_kernels.protocol import Backend, Unsupported
@@ -37,6 +37,26 @@ def first_sweep_cases(
     packed = (min(lengths), 0, max(lengths), 17)
     cases.append(base.replace(seq_lens=packed, packed=True, dtype=dtypes[0], initial_state="random"))
     return cases
+
+
+def parse_lengths(text: str) -> list[int]:
+    """``"37,2048"`` -> ``[37, 2048]``; every length must be a positive integer."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"lengths must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"lengths must be positive integers, got {text!r}")
+    return values
+
+
+def parse_dtypes(text: str) -> list[str]:
+    """``"bf16,fp32"`` -> ``["bf16", "fp32"]``, each one of the case dtypes."""
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in values if x not in DTYPES]
+    if bad or not values:
+        raise ValueError(f"dtypes {bad or text!r} not allowed; choose from {', '.join(DTYPES)}")
+    return values
 
 
 def resolve_device(name: str) -> torch.device:

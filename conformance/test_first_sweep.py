@@ -6,18 +6,18 @@ import pytest
 
 from kda_cases.case import Case
 from kda_conformance.compare import passes, provisional_budget
-from kda_conformance.sweep import first_sweep_cases, run_backend
+from kda_conformance.sweep import run_backend
 from kda_kernels import registry
-
-CASES = first_sweep_cases()
 
 
 @pytest.mark.kda_device_dependent
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_first_sweep(case: Case, kda_backend_name: str, kda_device, kda_truth, request) -> None:  # type: ignore[no-untyped-def]
+def test_first_sweep(first_sweep_case: Case, kda_backend_name: str, kda_device, kda_truth, kda_record, request) -> None:  # type: ignore[no-untyped-def]
+    """The sweep's cases come from --kda-lengths/--kda-dtypes/--kda-heads/--kda-head-dim (plugin)."""
+    case = first_sweep_case
     backend = registry.get(kda_backend_name)
     inputs, truth = kda_truth(case, kda_device)
     outcome = run_backend(case, backend, kda_device, truth, inputs)
+    kda_record(outcome)
     if outcome.status == "skip":
         pytest.skip(f"{backend.name}: {outcome.reason}")
     repro = f"pytest '{request.node.nodeid}' --kda-device {kda_device.type}"
