@@ -117,8 +117,13 @@ def kda_record(request: pytest.FixtureRequest, kda_device: torch.device) -> Call
     """Adds an outcome's rows to this pytest run's report."""
 
     def record(outcome: Outcome) -> None:
-        for row in outcome_records(outcome, kda_device):
-            request.config.stash[RECORDS].append({**row, "test": request.node.nodeid})
+        rows = outcome_records(outcome, kda_device)
+        request.config.stash[RECORDS].extend({**row, "test": request.node.nodeid} for row in rows)
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        if request.config.getoption("verbose") > 0 and reporter is not None:
+            # With -v, numbers appear as they are measured, so a run cut short still shows them.
+            for row in rows:
+                reporter.write_line(_row_line(row))
 
     return record
 
@@ -132,6 +137,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(getattr(pytest.mark, marker))
 
 
+def _row_line(r: dict) -> str:
+    def num(key: str) -> str:
+        value = r.get(key)
+        return f"{value:9.2e}" if isinstance(value, float) else f"{'':9}"
+
+    return (
+        f"{r['case_id']:17} {r['label'][:42]:42} {r['backend']:14} {r['tensor'] or '-':12} "
+        f"{r['verdict']:7} {num('max_abs')} {num('budget')} {num('rel_rms')} {r['seconds']:7.2f}"
+    )
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
     rows = config.stash.get(RECORDS, [])
     if not rows:
@@ -142,16 +158,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         f"{'case':17} {'label':42} {'backend':14} {'tensor':12} {'verdict':7} {'max_abs':>9} {'budget':>9} "
         f"{'rel_rms':>9} {'s':>7}"
     )
-    for r in rows:
-
-        def num(key: str, r: dict = r) -> str:
-            value = r.get(key)
-            return f"{value:9.2e}" if isinstance(value, float) else f"{'':9}"
-
-        tr.write_line(
-            f"{r['case_id']:17} {r['label'][:42]:42} {r['backend']:14} {r['tensor'] or '-':12} "
-            f"{r['verdict']:7} {num('max_abs')} {num('budget')} {num('rel_rms')} {r['seconds']:7.2f}"
-        )
+    for row in rows:
+        tr.write_line(_row_line(row))
     try:
         import pandas as pd
 
