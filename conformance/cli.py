@@ -42,6 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: ./out)")
     run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     run.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE, which registers more backends (repeatable)",
+    )
+    run.add_argument(
         "--backend",
         action="append",
         dest="backends",
@@ -83,9 +90,11 @@ def _summary_table(frame: pd.DataFrame) -> Table:
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     try:
         device = resolve_device(args.device)
+        for module in args.plugin:
+            registry.load_plugin(module)
         names = args.backends or ["fla_chunk", "fla_recurrent"]
         backends = [registry.get(name) for name in names]
-    except (ValueError, KeyError) as exc:
+    except (ValueError, KeyError, registry.PluginError) as exc:
         console.print(f"[red]error:[/] {exc.args[0]}")
         return 2
     cases = first_sweep_cases(

@@ -36,6 +36,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="NAME",
         help="backend to test (repeatable); default: every registered backend",
     )
+    group.addoption(
+        "--kda-plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE, which registers more backends (repeatable)",
+    )
     group.addoption("--kda-lengths", default=None, help="first-sweep sequence lengths, e.g. 37,2048,32768")
     group.addoption("--kda-dtypes", default="bf16,fp32", help="first-sweep input dtypes (default: bf16,fp32)")
     group.addoption("--kda-heads", type=int, default=2, help="first-sweep heads, H = HV (default: 2)")
@@ -46,6 +53,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kda_device_dependent: runs on the device chosen by --kda-device")
     config.stash[RECORDS] = []
+    for module in config.getoption("--kda-plugin"):
+        try:
+            registry.load_plugin(module)
+        except registry.PluginError as exc:
+            raise pytest.UsageError(f"--kda-plugin: {exc}") from None
     # On a CPU the FLA kernels run in Triton's interpreter, which must be switched on
     # before anything imports triton or fla (test modules included).
     if _device(config).type == "cpu" and not triton_interpret.problem():

@@ -1,43 +1,73 @@
-"""Backends by name. Built-in ones register here; plugins add theirs with :func:`register`."""
+"""Backends by name.
+
+Built-in backends register here. A plugin adds its own without editing this
+project: a module that calls :func:`register` when imported, named either by
+an entry point in the group ``kda_conformance.backends`` (loaded on first use)
+or by ``--kda-plugin MODULE`` (pytest) / ``--plugin MODULE`` (the CLI).
+See docs/plugins.md.
+"""
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 from collections.abc import Callable
 
 from kda_kernels.protocol import Backend
 
+ENTRY_POINT_GROUP = "kda_conformance.backends"
+
 _FACTORIES: dict[str, Callable[[], Backend]] = {}
+_loaded = False
+
+
+class PluginError(RuntimeError):
+    """A plugin could not be loaded; the message names it."""
 
 
 def register(name: str, factory: Callable[[], Backend], *, replace: bool = False) -> None:
     """Make ``factory()`` available as backend ``name``."""
+    if not name or not name.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"backend name {name!r} must be letters, digits, '_' or '-'")
     if name in _FACTORIES and not replace:
         raise ValueError(f"a backend named {name!r} is already registered")
     _FACTORIES[name] = factory
 
 
+def load_plugin(module: str) -> None:
+    """Import ``module``, which registers its backends when imported."""
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise PluginError(f"plugin module {module!r} cannot be imported: {exc}") from exc
+
+
 def names() -> list[str]:
-    _register_builtins()
+    _load()
     return sorted(_FACTORIES)
 
 
 def get(name: str) -> Backend:
-    _register_builtins()
+    _load()
     if name not in _FACTORIES:
         raise KeyError(f"unknown backend {name!r}; known backends: {', '.join(sorted(_FACTORIES))}")
     return _FACTORIES[name]()
 
 
-_builtins_done = False
-
-
-def _register_builtins() -> None:
-    global _builtins_done
-    if _builtins_done:
+def _load() -> None:
+    global _loaded
+    if _loaded:
         return
-    _builtins_done = True
+    _loaded = True
     from kda_kernels.fla import FlaChunk, FlaRecurrent
 
     register("fla_chunk", FlaChunk)
     register("fla_chunk32", lambda: FlaChunk(chunk_size=32))
     register("fla_recurrent", FlaRecurrent)
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            entry.load()
+        except Exception as exc:
+            raise PluginError(
+                f"entry point {entry.name!r} ({entry.value}) of {ENTRY_POINT_GROUP} failed: {exc}"
+            ) from exc

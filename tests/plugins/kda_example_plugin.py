@@ -1,0 +1,33 @@
+"""A minimal backend plugin, the one docs/plugins.md shows: the float64 reference, rounded to the input dtype.
+
+Its errors are pure output rounding, so it passes every budget; the suite's tests
+use it to exercise the plugin mechanism, the CLI and the pytest report quickly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kda_cases.case import Case
+from kda_cases.materialize import KDAInputs
+from kda_kernels.protocol import Backend, BackendOutput, Support
+from kda_kernels.registry import register
+from kda_reference.run import run_reference
+
+
+class RoundedReference(Backend):
+    name = "example_rounded_reference"
+    description = "the float64 reference with its output rounded to the input dtype"
+
+    def availability(self, device: torch.device) -> Support:
+        return Support.yes()
+
+    def supports(self, case: Case) -> Support:
+        return Support.yes()
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        truth = run_reference(inputs)
+        return BackendOutput(o=truth.o.to(inputs.v.dtype), final_state=truth.final_state.float())
+
+
+register(RoundedReference.name, RoundedReference)

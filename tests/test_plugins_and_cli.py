@@ -1,0 +1,126 @@
+"""Backends from plugins, the `kda-conformance run` command and the report a pytest run leaves."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from kda_conformance.cli import main
+from kda_kernels import registry
+
+PLUGINS = Path(__file__).with_name("plugins")
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def example_plugin(monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    return "kda_example_plugin"
+
+
+def test_cli_run_with_a_plugin_backend_writes_a_report(example_plugin: str, tmp_path: Path) -> None:
+    rc = main(
+        [
+            "run",
+            "--plugin",
+            example_plugin,
+            "--backend",
+            "example_rounded_reference",
+            "--device",
+            "cpu",
+            "--lengths",
+            "5,9",
+            "--dtypes",
+            "fp32",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert rc == 0
+    [parquet] = (tmp_path / "runs").glob("*.parquet")
+    frame = pd.read_parquet(parquet)
+    assert set(frame["backend"]) == {"example_rounded_reference"}
+    assert set(frame["tensor"]) == {"o", "final_state"}
+    assert (frame["verdict"] == "pass").all()
+    assert len(frame) == 2 * 5  # (2 lengths x 2 initial states + 1 packed) x 2 tensors
+    assert {"case_id", "case_dtype", "max_abs", "rel_rms", "env_torch", "env_fla", "run_id"} <= set(frame.columns)
+    assert (tmp_path / "runs" / f"{frame['run_id'][0]}.summary.md").read_text().startswith("# KDA conformance run")
+
+
+def test_cli_rejects_bad_input_with_a_clear_message(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--backend", "no_such_backend", "--device", "cpu"]) == 2
+    assert "unknown backend 'no_such_backend'; known backends:" in capsys.readouterr().out
+    assert main(["run", "--plugin", "no.such.module", "--device", "cpu"]) == 2
+    assert "plugin module 'no.such.module' cannot be imported" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["run", "--dtypes", "fp8"])
+    assert "choose from bf16, fp16, fp32" in capsys.readouterr().err
+
+
+def test_register_refuses_duplicates_and_bad_names() -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register("fla_chunk", object)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must be letters"):
+        registry.register("bad name", object)  # type: ignore[arg-type]
+
+
+def test_pytest_run_with_plugin_leaves_a_report(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "conformance",
+            "-q",
+            "--kda-device",
+            "cpu",
+            "--kda-plugin",
+            "kda_example_plugin",
+            "--kda-backend",
+            "example_rounded_reference",
+            "--kda-lengths",
+            "7",
+            "--kda-dtypes",
+            "fp32",
+            "--kda-out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "PYTHONPATH": str(PLUGINS)},
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "3 passed" in done.stdout
+    [parquet] = (tmp_path / "runs").glob("*.parquet")
+    frame = pd.read_parquet(parquet)
+    assert len(frame) == 6 and set(frame["verdict"]) == {"pass"}
+    assert frame["test"].str.contains("test_first_sweep").all()
+
+
+def test_entry_point_plugins_load_on_first_lookup(monkeypatch: pytest.MonkeyPatch, example_plugin: str) -> None:
+    import importlib.metadata
+
+    sys.modules.pop(example_plugin, None)
+    entry = importlib.metadata.EntryPoint(name="example", value=example_plugin, group=registry.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry.importlib.metadata, "entry_points", lambda group: [entry])
+    monkeypatch.setattr(registry, "_FACTORIES", {})
+    monkeypatch.setattr(registry, "_loaded", False)
+    assert "example_rounded_reference" in registry.names()
+    assert "fla_chunk" in registry.names()
+
+
+def test_broken_entry_point_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+
+    entry = importlib.metadata.EntryPoint(name="broken", value="no_such_plugin_mod", group=registry.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry.importlib.metadata, "entry_points", lambda group: [entry])
+    monkeypatch.setattr(registry, "_FACTORIES", {})
+    monkeypatch.setattr(registry, "_loaded", False)
+    with pytest.raises(registry.PluginError, match="entry point 'broken'"):
+        registry.names()
