@@ -6,7 +6,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from typing import Any
 
 DTYPES = ("bf16", "fp16", "fp32")
@@ -119,6 +119,13 @@ class Case:
     def offsets(self) -> tuple[int, ...]:
         """Sequence start offsets plus the end: the ``cu_seqlens`` of the packed layout."""
         return (0, *accumulate(self.seq_lens))
+
+    @property
+    def row_spans(self) -> tuple[tuple[int, int, int], ...]:
+        """``(batch row, start, end)`` of each sequence in the materialized ``[B, T, ...]`` tensors."""
+        if self.packed:
+            return tuple((0, s, e) for s, e in pairwise(self.offsets))
+        return tuple((b, 0, self.seq_lens[0]) for b in range(self.num_seqs))
 
     @property
     def max_len(self) -> int:

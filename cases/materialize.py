@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +59,7 @@ def _keys(case: Case, shape: tuple[int, ...], gen: torch.Generator) -> torch.Ten
         # AR(1) along time per sequence: k_t = rho k_{t-1} + sqrt(1 - rho^2) noise.
         rho = case.key_rho
         out = torch.empty_like(k)
-        for _, start, end in _spans(case):
+        for _, start, end in case.row_spans:
             prev = None
             for t in range(start, end):
                 prev = k[:, t] if prev is None else rho * prev + (1 - rho * rho) ** 0.5 * k[:, t]
@@ -74,12 +73,6 @@ def _keys(case: Case, shape: tuple[int, ...], gen: torch.Generator) -> torch.Ten
         # The delta rule is stable for unit-norm keys; normalize here when the kernel does not.
         k = F.normalize(k, dim=-1)
     return k
-
-
-def _spans(case: Case) -> list[tuple[int, int, int]]:
-    if case.packed:
-        return [(0, s, e) for s, e in pairwise(case.offsets)]
-    return [(b, 0, case.seq_lens[0]) for b in range(case.num_seqs)]
 
 
 def _gate(

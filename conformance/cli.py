@@ -131,6 +131,11 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     console.print(_summary_table(frame))
     for row in frame[frame["verdict"].isin(["error", "skip"])].itertuples():
         console.print(f"[yellow]{row.verdict}[/] {row.backend} {row.case_id} ({row.label}): {row.reason}")
+    for row in frame[frame["verdict"] == "fail"].itertuples():
+        console.print(
+            f"[red]fail[/] {row.backend} {row.case_id} ({row.label}) {row.tensor}: max_abs {row.max_abs:.3e} > "
+            f"budget {row.budget:.1e}, first bad: {row.first_bad or '-'}, non-finite: {row.nonfinite}"
+        )
     counts = frame["verdict"].value_counts().to_dict()
     console.print(f"run {run_id}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     console.print(f"records: {paths['records']}\nsummary: {paths['summary_md']}")

@@ -7,7 +7,7 @@ the tolerance policy replaces them with derived ones.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,13 @@ class TensorError:
     nonfinite: int
     shape_ok: bool
     detail: str = ""
+    # Max error per leading index: [B, T, HV] for outputs (token x head), [N, HV] for states.
+    # Kept in memory to locate the first bad token once a budget is known; not reported.
+    per_index: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    curve: tuple[float, ...] = ()  # outputs: max error per CURVE_CHUNK tokens, in token order
+
+
+CURVE_CHUNK = 64
 
 
 def tensor_error(name: str, got: torch.Tensor | None, want: torch.Tensor) -> TensorError:
@@ -63,6 +70,13 @@ def tensor_error(name: str, got: torch.Tensor | None, want: torch.Tensor) -> Ten
     max_abs = float(diff.max()) if diff.numel() else 0.0
     err_rms = float(diff.pow(2).mean().sqrt()) if diff.numel() else 0.0
     tiny = torch.finfo(torch.float64).tiny
+    per_index = diff.amax(dim=-1) if name == "o" else diff.flatten(2).amax(dim=-1)
+    curve: tuple[float, ...] = ()
+    if name == "o" and diff.numel():
+        per_token = per_index.amax(dim=-1).flatten()  # batch rows laid end to end
+        pad = (-per_token.numel()) % CURVE_CHUNK
+        padded = torch.cat([per_token, per_token.new_zeros(pad)])
+        curve = tuple(padded.view(-1, CURVE_CHUNK).amax(dim=-1).tolist())
     return TensorError(
         tensor=name,
         max_abs=max_abs,
@@ -70,6 +84,8 @@ def tensor_error(name: str, got: torch.Tensor | None, want: torch.Tensor) -> Ten
         max_abs_over_ref_rms=max_abs / max(ref_rms, tiny),
         nonfinite=nonfinite,
         shape_ok=True,
+        per_index=per_index.cpu(),
+        curve=curve,
     )
 
 
@@ -88,6 +104,24 @@ def provisional_budget(case: Case, tensor: str) -> float:
     if tensor != "o" and case.state_dtype == "bf16":
         return BF16_STATE_BUDGET
     return PROVISIONAL_BUDGETS[case.dtype]["o" if tensor == "o" else "final_state"]
+
+
+def first_bad(case: Case, error: TensorError, budget: float) -> str:
+    """Where the error first exceeds ``budget``: ``seq S token T head H`` (outputs) or ``seq S head H`` (states).
+
+    Sequences in order, then tokens in order within a sequence; '' when nothing exceeds it.
+    """
+    if error.per_index is None:
+        return ""
+    bad = error.per_index > budget
+    if error.tensor != "o":
+        hits = bad.nonzero()
+        return f"seq {int(hits[0, 0])} head {int(hits[0, 1])}" if len(hits) else ""
+    for seq, (row, start, end) in enumerate(case.row_spans):
+        hits = bad[row, start:end].nonzero()
+        if len(hits):
+            return f"seq {seq} token {int(hits[0, 0])} head {int(hits[0, 1])}"
+    return ""
 
 
 def passes(error: TensorError, budget: float) -> bool:

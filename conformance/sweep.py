@@ -11,7 +11,7 @@ import torch
 
 from kda_cases.case import DTYPES, Case
 from kda_cases.materialize import materialize
-from kda_conformance.compare import TensorError, compare, passes, provisional_budget
+from kda_conformance.compare import TensorError, compare, first_bad, passes, provisional_budget
 from kda_kernels.protocol import Backend, Unsupported
 from kda_reference.recurrent import ReferenceResult
 from kda_reference.run import run_reference
@@ -134,6 +134,8 @@ def outcome_records(outcome: Outcome, device: torch.device) -> list[dict]:
                 "rel_rms": err.rel_rms,
                 "max_abs_over_ref_rms": err.max_abs_over_ref_rms,
                 "nonfinite": err.nonfinite,
+                "first_bad": first_bad(case, err, budget),
+                "error_curve": ",".join(f"{x:.3g}" for x in err.curve),
                 "reason": err.detail,
             }
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kda_cases.case import Case
-from kda_conformance.compare import passes, provisional_budget
+from kda_conformance.compare import first_bad, passes, provisional_budget
 from kda_conformance.sweep import run_backend
 from kda_kernels import registry
 
@@ -23,10 +23,12 @@ def test_first_sweep(first_sweep_case: Case, kda_backend_name: str, kda_device, 
     repro = f"pytest '{request.node.nodeid}' --kda-device {kda_device.type}"
     if outcome.status == "error":
         pytest.fail(f"{case.id} ({case.label}) {backend.name} raised {outcome.reason}\nrepro: {repro}")
-    failures = [
-        f"{case.id} ({case.label}) {backend.name} {err.tensor}: max_abs {err.max_abs:.3e} > budget "
-        f"{provisional_budget(case, err.tensor):.1e} (nonfinite {err.nonfinite}) {err.detail}"
-        for err in outcome.errors
-        if not passes(err, provisional_budget(case, err.tensor))
-    ]
+    failures = []
+    for err in outcome.errors:
+        budget = provisional_budget(case, err.tensor)
+        if not passes(err, budget):
+            failures.append(
+                f"{case.id} ({case.label}) {backend.name} {err.tensor}: max_abs {err.max_abs:.3e} > budget "
+                f"{budget:.1e}; first bad: {first_bad(case, err, budget)} (nonfinite {err.nonfinite}) {err.detail}"
+            )
     assert not failures, "\n".join(failures) + f"\nrepro: {repro}"

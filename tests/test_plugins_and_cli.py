@@ -124,3 +124,29 @@ def test_broken_entry_point_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(registry, "_loaded", False)
     with pytest.raises(registry.PluginError, match="entry point 'broken'"):
         registry.names()
+
+
+def test_planted_nan_fails_with_its_first_bad_token(example_plugin: str, tmp_path: Path) -> None:
+    rc = main(
+        [
+            "run",
+            "--plugin",
+            example_plugin,
+            "--backend",
+            "example_planted_nan",
+            "--device",
+            "cpu",
+            "--lengths",
+            "20,30",
+            "--dtypes",
+            "bf16",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert rc == 1
+    frame = pd.read_parquet(next((tmp_path / "runs").glob("*.parquet")))
+    outputs = frame[frame["tensor"] == "o"]
+    assert (outputs["verdict"] == "fail").all() and (outputs["nonfinite"] == 1).all()
+    assert set(outputs["first_bad"]) == {"seq 0 token 17 head 0"}
+    assert (frame[frame["tensor"] == "final_state"]["verdict"] == "pass").all()

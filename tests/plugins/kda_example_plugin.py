@@ -31,3 +31,20 @@ class RoundedReference(Backend):
 
 
 register(RoundedReference.name, RoundedReference)
+
+
+class PlantedNaN(RoundedReference):
+    """A planted bug: NaN in the output at token 17 of the first sequence, head 0."""
+
+    name = "example_planted_nan"
+    description = "the rounded reference with one NaN planted in the output"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        row, start, end = inputs.case.row_spans[0]
+        if end - start > 17:
+            out.o[row, start + 17, 0, 0] = float("nan")
+        return out
+
+
+register(PlantedNaN.name, PlantedNaN)
