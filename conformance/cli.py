@@ -22,7 +22,7 @@ from kda_conformance.sweep import (
 )
 from kda_kernels import registry
 from kda_reports.environment import environment
-from kda_reports.runfile import DEFAULT_OUT, new_run_id, write_run
+from kda_reports.runfile import DEFAULT_OUT, record_run
 
 
 def _arg(parse):  # type: ignore[no-untyped-def]
@@ -104,9 +104,6 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         head_dim=args.head_dim,
         seed=args.seed,
     )
-    run_id = new_run_id()
-    env = environment(device)
-    env["run_id"] = run_id
     rows: list[dict] = []
     with Progress(
         TextColumn("{task.description}"),
@@ -123,11 +120,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             progress.update(task, advance=1, description=f"{outcome.backend} {outcome.case.label}")
 
         run_cases(cases, backends, device, on_outcome=record)
-    frame = pd.DataFrame(rows)
-    for key, value in env.items():
-        frame[f"env_{key}"] = value
-    frame["run_id"] = run_id
-    paths = write_run(frame, env, args.out, run_id)
+    frame, paths = record_run(rows, environment(device), args.out)
+    run_id = frame["run_id"].iloc[0]
     console.print(_summary_table(frame))
     for row in frame[frame["verdict"].isin(["error", "skip"])].itertuples():
         console.print(f"[yellow]{row.verdict}[/] {row.backend} {row.case_id} ({row.label}): {row.reason}")

@@ -173,18 +173,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     for row in rows:
         tr.write_line(_row_line(row))
     try:
-        import pandas as pd
-
         from kda_reports.environment import environment
-        from kda_reports.runfile import new_run_id, write_run
+        from kda_reports.runfile import record_run
 
-        run_id = new_run_id()
-        env = {**environment(_device(config)), "run_id": run_id}
-        frame = pd.DataFrame(rows)
-        for key, value in env.items():
-            frame[f"env_{key}"] = value
-        frame["run_id"] = run_id
-        paths = write_run(frame, env, Path(config.getoption("--kda-out")), run_id)
+        _, paths = record_run(rows, environment(_device(config)), Path(config.getoption("--kda-out")))
         tr.write_line(f"report: {paths['records']} and {paths['summary_md']}")
     except ImportError as exc:
         tr.write_line(f"no report file written: {exc} (pandas and pyarrow write it)")

@@ -42,6 +42,17 @@ def write_run(records: pd.DataFrame, env: dict, out_dir: Path, run_id: str) -> d
     return paths
 
 
+def record_run(rows: list[dict], env: dict, out_dir: Path) -> tuple[pd.DataFrame, dict[str, Path]]:
+    """Stamp ``rows`` with a new run id and the environment (``env_*`` columns), and write the run files."""
+    run_id = new_run_id()
+    env = {**env, "run_id": run_id}
+    frame = pd.DataFrame(rows)
+    for key, value in env.items():
+        frame[f"env_{key}"] = value
+    frame["run_id"] = run_id
+    return frame, write_run(frame, env, out_dir, run_id)
+
+
 def read_run(path: Path) -> pd.DataFrame:
     return pd.read_parquet(path)
 
