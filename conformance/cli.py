@@ -3,26 +3,39 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
 import pandas as pd
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kda_cases.case import Case
+from kda_conformance.calibrate import (
+    GATE_REGIMES,
+    INITIAL_STATES,
+    calibration_cases,
+    calibration_markdown,
+    calibration_table,
+)
 from kda_conformance.sweep import (
     Outcome,
     first_sweep_cases,
     outcome_records,
     parse_dtypes,
     parse_lengths,
+    record_line,
     resolve_device,
     run_cases,
 )
+from kda_conformance.tolerance import failure_message
 from kda_kernels import registry
+from kda_kernels.protocol import Backend
 from kda_reports.environment import environment
-from kda_reports.runfile import DEFAULT_OUT, record_run
+from kda_reports.runfile import DEFAULT_OUT, read_run, record_run
 
 
 def _arg(parse):  # type: ignore[no-untyped-def]
@@ -39,28 +52,91 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kda-conformance", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the conformance sweep and write a report")
-    run.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: ./out)")
-    run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    _common_arguments(run, default_dtypes=["bf16", "fp32"])
     run.add_argument(
+        "--case",
+        action="append",
+        dest="cases",
+        type=_arg(parse_case),
+        metavar="JSON_OR_FILE",
+        help="run this case (JSON text or a .json file) instead of the sweep; repeatable; "
+        "every failure prints such a command",
+    )
+    calibrate = sub.add_parser(
+        "calibrate", help="measure error/budget ratios over a grid of cases and write the calibration table"
+    )
+    _common_arguments(calibrate, default_dtypes=["bf16", "fp16", "fp32"])
+    calibrate.add_argument(
+        "--gate-regimes", type=_arg(_choices(GATE_REGIMES)), default=list(GATE_REGIMES), help="e.g. typical,weak"
+    )
+    calibrate.add_argument(
+        "--initial-states", type=_arg(_choices(INITIAL_STATES)), default=list(INITIAL_STATES), help="e.g. none,random"
+    )
+    calibrate.add_argument("--table", type=Path, default=None, help="also write the markdown table to this file")
+    calibrate.add_argument(
+        "--records",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="RUN_FILE",
+        help="build the table from these run files (.parquet or .records.jsonl) instead of running cases",
+    )
+    return parser
+
+
+def _common_arguments(parser: argparse.ArgumentParser, default_dtypes: list[str]) -> None:
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: ./out)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    parser.add_argument(
         "--plugin",
         action="append",
         default=[],
         metavar="MODULE",
         help="import MODULE, which registers more backends (repeatable)",
     )
-    run.add_argument(
+    parser.add_argument(
         "--backend",
         action="append",
         dest="backends",
         metavar="NAME",
         help="backend to test, repeatable (default: fla_chunk and fla_recurrent)",
     )
-    run.add_argument("--lengths", type=_arg(parse_lengths), default=None, help="sequence lengths, e.g. 37,64,65,130")
-    run.add_argument("--dtypes", type=_arg(parse_dtypes), default=["bf16", "fp32"], help="input dtypes, e.g. bf16,fp32")
-    run.add_argument("--heads", type=int, default=2, help="query/key heads (= value heads) per case")
-    run.add_argument("--head-dim", type=int, default=64, help="K = V head dimension")
-    run.add_argument("--seed", type=int, default=0)
-    return parser
+    parser.add_argument("--lengths", type=_arg(parse_lengths), default=None, help="sequence lengths, e.g. 37,64,65,130")
+    parser.add_argument(
+        "--dtypes",
+        type=_arg(parse_dtypes),
+        default=default_dtypes,
+        help=f"input dtypes (default: {','.join(default_dtypes)})",
+    )
+    parser.add_argument("--heads", type=int, default=2, help="query/key heads (= value heads) per case")
+    parser.add_argument("--head-dim", type=int, default=64, help="K = V head dimension")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("-v", "--verbose", action="store_true", help="print each record as it is measured")
+
+
+def _choices(allowed: tuple[str, ...]):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> list[str]:
+        values = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in values if x not in allowed]
+        if bad or not values:
+            raise ValueError(f"{bad or text!r} not allowed; choose from {', '.join(allowed)}")
+        return values
+
+    return parse
+
+
+def parse_case(text: str) -> Case:
+    """A case from JSON text or from a file holding it."""
+    source = text
+    if not text.lstrip().startswith("{"):
+        path = Path(text)
+        if not path.is_file():
+            raise ValueError(f"--case takes case JSON or a .json file; {text!r} is neither")
+        source = path.read_text()
+    try:
+        return Case.from_json(source)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"--case: not a valid case: {exc}") from None
 
 
 def _summary_table(frame: pd.DataFrame) -> Table:
@@ -87,24 +163,24 @@ def _summary_table(frame: pd.DataFrame) -> Table:
     return table
 
 
-def cmd_run(args: argparse.Namespace, console: Console) -> int:
+def _backends(args: argparse.Namespace, console: Console) -> tuple[torch.device, list[Backend]] | None:
     try:
         device = resolve_device(args.device)
         for module in args.plugin:
             registry.load_plugin(module)
         names = args.backends or ["fla_chunk", "fla_recurrent"]
-        backends = [registry.get(name) for name in names]
+        return device, [registry.get(name) for name in names]
     except (ValueError, KeyError, registry.PluginError) as exc:
         console.print(f"[red]error:[/] {exc.args[0]}")
-        return 2
-    cases = first_sweep_cases(
-        lengths=args.lengths or (37, 64, 65, 130),
-        dtypes=args.dtypes,
-        num_heads=args.heads,
-        head_dim=args.head_dim,
-        seed=args.seed,
-    )
+        return None
+
+
+def _sweep(
+    cases: list[Case], backends: list[Backend], device: torch.device, args: argparse.Namespace, console: Console
+) -> tuple[pd.DataFrame, dict[str, Path], list[str]]:
+    """Run, show progress (and each record with -v), write the run files; returns the failure messages too."""
     rows: list[dict] = []
+    failures: list[str] = []
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -116,32 +192,120 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         task = progress.add_task("sweep", total=len(cases) * len(backends))
 
         def record(outcome: Outcome) -> None:
-            rows.extend(outcome_records(outcome, device))
+            new = outcome_records(outcome)
+            rows.extend(new)
+            if args.verbose:
+                for row in new:
+                    progress.console.print(record_line(row), highlight=False, soft_wrap=True)
+            failures.extend(failure_message(outcome.case, outcome.backend, v, outcome.repro) for v in outcome.failed)
+            if outcome.status == "error":
+                failures.append(
+                    f"{outcome.case.id} ({outcome.case.label}) backend {outcome.backend} raised {outcome.reason}\n"
+                    f"  repro: {outcome.repro}"
+                )
             progress.update(task, advance=1, description=f"{outcome.backend} {outcome.case.label}")
 
         run_cases(cases, backends, device, on_outcome=record)
-    frame, paths = record_run(rows, environment(device), args.out)
+    frame, paths = record_run(rows, {**environment(device), "command": args.command_line}, args.out)
+    return frame, paths, failures
+
+
+def cmd_run(args: argparse.Namespace, console: Console) -> int:
+    chosen = _backends(args, console)
+    if chosen is None:
+        return 2
+    device, backends = chosen
+    cases = args.cases or first_sweep_cases(
+        lengths=args.lengths or (37, 64, 65, 130),
+        dtypes=args.dtypes,
+        num_heads=args.heads,
+        head_dim=args.head_dim,
+        seed=args.seed,
+    )
+    frame, paths, failures = _sweep(cases, backends, device, args, console)
     run_id = frame["run_id"].iloc[0]
     console.print(_summary_table(frame))
-    for row in frame[frame["verdict"].isin(["error", "skip"])].itertuples():
-        console.print(f"[yellow]{row.verdict}[/] {row.backend} {row.case_id} ({row.label}): {row.reason}")
-    for row in frame[frame["verdict"] == "fail"].itertuples():
-        console.print(
-            f"[red]fail[/] {row.backend} {row.case_id} ({row.label}) {row.tensor}: max_abs {row.max_abs:.3e} > "
-            f"budget {row.budget:.1e}, first bad: {row.first_bad or '-'}, non-finite: {row.nonfinite}"
-        )
+    for row in frame[frame["verdict"] == "skip"].itertuples():
+        console.print(f"[yellow]skip[/] {row.backend} {row.case_id} ({row.label}): {row.reason}")
+    for message in failures:
+        console.print(f"[red]FAIL[/] {message}", highlight=False, soft_wrap=True)
     counts = frame["verdict"].value_counts().to_dict()
     console.print(f"run {run_id}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     console.print(f"records: {paths['records']}\nsummary: {paths['summary_md']}")
     return 1 if counts.get("fail") or counts.get("error") else 0
 
 
+def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
+    if args.records:
+        return _calibration_from_records(args, console)
+    chosen = _backends(args, console)
+    if chosen is None:
+        return 2
+    device, backends = chosen
+    cases = calibration_cases(
+        lengths=args.lengths or (37, 64, 65, 130),
+        dtypes=args.dtypes,
+        num_heads=args.heads,
+        head_dim=args.head_dim,
+        gate_regimes=args.gate_regimes,
+        initial_states=args.initial_states,
+        seed=args.seed,
+    )
+    frame, paths, failures = _sweep(cases, backends, device, args, console)
+    for message in failures:
+        console.print(f"[red]FAIL[/] {message}", highlight=False, soft_wrap=True)
+    _write_calibration(frame, [args.command_line], args, console)
+    console.print(f"records: {paths['records']}")
+    return 0
+
+
+def _calibration_from_records(args: argparse.Namespace, console: Console) -> int:
+    try:
+        frames = [read_run(path) for path in args.records]
+    except (OSError, ValueError) as exc:
+        console.print(f"[red]error:[/] --records: {exc}")
+        return 2
+    frame = pd.concat(frames, ignore_index=True)
+    # The table names the commands that produced the runs, as the run files recorded them.
+    commands = list(dict.fromkeys(frame["env_command"].dropna())) if "env_command" in frame else []
+    _write_calibration(frame, commands or ["(unknown)"], args, console)
+    return 0
+
+
+def _write_calibration(frame: pd.DataFrame, commands: list[str], args: argparse.Namespace, console: Console) -> None:
+    table = calibration_table(frame)
+    last = frame.iloc[-1]
+    env = {k.removeprefix("env_"): last[k] for k in frame.columns if k.startswith("env_")}
+    text = calibration_markdown(table, commands, env)
+    console.print(text, highlight=False, soft_wrap=True)
+    if args.table is not None:
+        args.table.write_text(text)
+        console.print(f"table: {args.table}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.command_line = "kda-conformance " + " ".join(shlex.quote(a) for a in _without_table(argv))
     console = Console()
     if args.command == "run":
         return cmd_run(args, console)
+    if args.command == "calibrate":
+        return cmd_calibrate(args, console)
     return 2  # pragma: no cover - argparse enforces the subcommand
+
+
+def _without_table(argv: list[str]) -> list[str]:
+    # The table names the command that produced it; where it was written is not part of that.
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--table":
+            skip = True
+        elif not arg.startswith("--table="):
+            out.append(arg)
+    return out
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 
@@ -9,19 +10,20 @@ import pytest
 import torch
 
 from kda_cases.case import Case
-from kda_cases.materialize import KDAInputs, materialize
 from kda_conformance.sweep import (
     FIRST_SWEEP_LENGTHS,
+    RECORD_LINE_HEADER,
+    CaseTruth,
     Outcome,
+    case_truth,
     first_sweep_cases,
     outcome_records,
     parse_dtypes,
     parse_lengths,
+    record_line,
     resolve_device,
 )
 from kda_kernels import registry, triton_interpret
-from kda_reference.recurrent import ReferenceResult
-from kda_reference.run import run_reference
 
 RECORDS = pytest.StashKey[list[dict]]()
 
@@ -110,32 +112,31 @@ def kda_device(request: pytest.FixtureRequest) -> torch.device:
 
 
 @pytest.fixture(scope="session")
-def kda_truth() -> Callable[[Case, torch.device], tuple[KDAInputs, ReferenceResult]]:
-    """Inputs and float64 truth per case, computed once per session."""
-    cache: dict[tuple[str, str], tuple[KDAInputs, ReferenceResult]] = {}
+def kda_truth() -> Callable[[Case, torch.device], CaseTruth]:
+    """Inputs, float64 truth and budgets per case, computed once per session."""
+    cache: dict[tuple[str, str], CaseTruth] = {}
 
-    def get(case: Case, device: torch.device) -> tuple[KDAInputs, ReferenceResult]:
+    def get(case: Case, device: torch.device) -> CaseTruth:
         key = (case.id, str(device))
         if key not in cache:
-            inputs = materialize(case, device)
-            cache[key] = (inputs, run_reference(inputs))
+            cache[key] = case_truth(case, device)
         return cache[key]
 
     return get
 
 
 @pytest.fixture
-def kda_record(request: pytest.FixtureRequest, kda_device: torch.device) -> Callable[[Outcome], None]:
+def kda_record(request: pytest.FixtureRequest) -> Callable[[Outcome], None]:
     """Adds an outcome's rows to this pytest run's report."""
 
     def record(outcome: Outcome) -> None:
-        rows = outcome_records(outcome, kda_device)
+        rows = outcome_records(outcome)
         request.config.stash[RECORDS].extend({**row, "test": request.node.nodeid} for row in rows)
         reporter = request.config.pluginmanager.get_plugin("terminalreporter")
         if request.config.getoption("verbose") > 0 and reporter is not None:
             # With -v, numbers appear as they are measured, so a run cut short still shows them.
             for row in rows:
-                reporter.write_line(_row_line(row))
+                reporter.write_line(record_line(row))
 
     return record
 
@@ -149,34 +150,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(getattr(pytest.mark, marker))
 
 
-def _row_line(r: dict) -> str:
-    def num(key: str) -> str:
-        value = r.get(key)
-        return f"{value:9.2e}" if isinstance(value, float) else f"{'':9}"
-
-    return (
-        f"{r['case_id']:17} {r['label'][:42]:42} {r['backend']:14} {r['tensor'] or '-':12} "
-        f"{r['verdict']:7} {num('max_abs')} {num('budget')} {num('rel_rms')} {r['seconds']:7.2f}"
-    )
-
-
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
     rows = config.stash.get(RECORDS, [])
     if not rows:
         return
     tr = terminalreporter
     tr.section("KDA conformance: max-abs error against the float64 reference")
-    tr.write_line(
-        f"{'case':17} {'label':42} {'backend':14} {'tensor':12} {'verdict':7} {'max_abs':>9} {'budget':>9} "
-        f"{'rel_rms':>9} {'s':>7}"
-    )
+    tr.write_line(RECORD_LINE_HEADER)
     for row in rows:
-        tr.write_line(_row_line(row))
+        tr.write_line(record_line(row))
     try:
         from kda_reports.environment import environment
         from kda_reports.runfile import record_run
 
-        _, paths = record_run(rows, environment(_device(config)), Path(config.getoption("--kda-out")))
+        command = "pytest " + " ".join(shlex.quote(a) for a in config.invocation_params.args)
+        env = {**environment(_device(config)), "command": command}
+        _, paths = record_run(rows, env, Path(config.getoption("--kda-out")))
         tr.write_line(f"report: {paths['records']} and {paths['summary_md']}")
     except ImportError as exc:
         tr.write_line(f"no report file written: {exc} (pandas and pyarrow write it)")

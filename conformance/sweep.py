@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -10,11 +11,21 @@ from dataclasses import dataclass
 import torch
 
 from kda_cases.case import DTYPES, Case
-from kda_cases.materialize import materialize
-from kda_conformance.compare import TensorError, compare, first_bad, passes, provisional_budget
+from kda_cases.materialize import KDAInputs, materialize
+from kda_conformance.compare import compare
+from kda_conformance.tolerance import (
+    DEFAULT_RULE,
+    Budget,
+    BudgetRule,
+    TensorVerdict,
+    case_budgets,
+    judge,
+    returned_dtype,
+)
 from kda_kernels.protocol import Backend, Unsupported
+from kda_kernels.torch_chunk import TorchChunk
 from kda_reference.recurrent import ReferenceResult
-from kda_reference.run import run_reference
+from kda_reference.run import reference_form, run_reference
 
 FIRST_SWEEP_LENGTHS = (37, 64, 65, 130)
 
@@ -71,75 +82,165 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+@dataclass(frozen=True)
+class CaseTruth:
+    """What every backend on one case is measured against: inputs, float64 truth and the budgets."""
+
+    case: Case
+    inputs: KDAInputs
+    reference: ReferenceResult
+    reference_form: str  # "loop" or "chunked"
+    budgets: dict[str, Budget]
+    reference_seconds: float
+    baseline_seconds: float
+
+
+def case_truth(case: Case, device: torch.device, rule: BudgetRule = DEFAULT_RULE) -> CaseTruth:
+    """Materialize ``case`` on ``device``, run the reference and the same-precision baseline, derive budgets."""
+    inputs = materialize(case, device)
+    form = reference_form(inputs)
+    start = time.perf_counter()
+    reference = run_reference(inputs, form)
+    middle = time.perf_counter()
+    baseline = TorchChunk().run(inputs)
+    _synchronize(device)
+    end = time.perf_counter()
+    budgets = case_budgets(case, reference, compare(case, reference, baseline), rule)
+    return CaseTruth(case, inputs, reference, form, budgets, middle - start, end - middle)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def repro_command(case: Case, backend: str, device: torch.device) -> str:
+    """One shell line that reruns exactly this case on this backend and device."""
+    return f"kda-conformance run --device {device.type} --backend {backend} --case {shlex.quote(case.to_json())}"
+
+
 @dataclass
 class Outcome:
-    """One backend on one case: its tensor errors, or why it did not run."""
+    """One backend on one case: a verdict per tensor, or why it did not run."""
 
     case: Case
     backend: str
+    device: torch.device
     status: str  # "ran", "skip" or "error"
     reason: str = ""
     seconds: float = 0.0
-    errors: tuple[TensorError, ...] = ()
+    verdicts: tuple[TensorVerdict, ...] = ()
+    reference_form: str = ""
+
+    @property
+    def repro(self) -> str:
+        return repro_command(self.case, self.backend, self.device)
+
+    @property
+    def failed(self) -> list[TensorVerdict]:
+        return [v for v in self.verdicts if not v.passed]
 
 
-def run_backend(case: Case, backend: Backend, device: torch.device, truth: ReferenceResult, inputs) -> Outcome:  # type: ignore[no-untyped-def]
+def run_backend(truth: CaseTruth, backend: Backend) -> Outcome:
+    """Run ``backend`` on the case and judge every tensor it returned against the case's budgets."""
+    case, inputs = truth.case, truth.inputs
+    device = inputs.device
     available = backend.availability(device)
     if not available:
-        return Outcome(case, backend.name, "skip", available.reason)
+        return Outcome(case, backend.name, device, "skip", available.reason)
     supported = backend.supports(case)
     if not supported:
-        return Outcome(case, backend.name, "skip", supported.reason)
+        return Outcome(case, backend.name, device, "skip", supported.reason)
     start = time.perf_counter()
     try:
         result = backend.run(inputs)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
     except Unsupported as exc:
-        return Outcome(case, backend.name, "skip", str(exc))
+        return Outcome(case, backend.name, device, "skip", str(exc))
     except Exception as exc:  # a kernel failure is a result to record, not a crash of the sweep
         last = traceback.extract_tb(exc.__traceback__)[-1]
         where = f"{last.filename.rsplit('/', 1)[-1]}:{last.lineno}"
         return Outcome(
-            case, backend.name, "error", f"{type(exc).__name__}: {exc} (at {where})", time.perf_counter() - start
+            case,
+            backend.name,
+            device,
+            "error",
+            f"{type(exc).__name__}: {exc} (at {where})",
+            time.perf_counter() - start,
         )
     seconds = time.perf_counter() - start
-    return Outcome(case, backend.name, "ran", "", seconds, tuple(compare(case, truth, result)))
+    verdicts = tuple(
+        judge(case, err, truth.budgets[err.tensor], returned_dtype(result, err.tensor))
+        for err in compare(case, truth.reference, result)
+    )
+    return Outcome(case, backend.name, device, "ran", "", seconds, verdicts, truth.reference_form)
 
 
-def outcome_records(outcome: Outcome, device: torch.device) -> list[dict]:
+def outcome_records(outcome: Outcome) -> list[dict]:
     """Flatten an outcome into report rows (one per tensor; one row for a skip or an error)."""
     case = outcome.case
     base = {
         "case_id": case.id,
         "label": case.label,
         "backend": outcome.backend,
-        "device": str(device),
+        "device": str(outcome.device),
         **{f"case_{k}": v for k, v in _flat_case(case).items()},
+        "case_json": case.to_json(),
         "seconds": outcome.seconds,
         "reason": outcome.reason,
+        "repro": outcome.repro,
+        "reference_form": outcome.reference_form,
     }
     if outcome.status != "ran":
         return [{**base, "tensor": "", "verdict": outcome.status}]
     rows = []
-    for err in outcome.errors:
-        budget = provisional_budget(case, err.tensor)
+    for v in outcome.verdicts:
+        err, budget = v.error, v.budget
         rows.append(
             {
                 **base,
                 "tensor": err.tensor,
-                "verdict": "pass" if passes(err, budget) else "fail",
-                "budget": budget,
+                "verdict": "pass" if v.passed else "fail",
+                "budget": budget.max_abs.value,
+                "ratio": v.ratio,
+                "budget_rel_rms": budget.rel_rms.value,
+                "rel_rms_ratio": v.rel_rms_ratio,
                 "max_abs": err.max_abs,
                 "rel_rms": err.rel_rms,
                 "max_abs_over_ref_rms": err.max_abs_over_ref_rms,
                 "nonfinite": err.nonfinite,
-                "first_bad": first_bad(case, err, budget),
+                "first_bad": v.first_bad,
                 "error_curve": ",".join(f"{x:.3g}" for x in err.curve),
-                "reason": err.detail,
+                "budget_baseline": budget.max_abs.baseline,
+                "budget_floor": budget.max_abs.floor,
+                "budget_cap": budget.max_abs.cap,
+                "budget_binding": budget.max_abs.binding,
+                "baseline_rel_rms": budget.rel_rms.baseline,
+                "budget_rel_rms_binding": budget.rel_rms.binding,
+                "reason": "; ".join(v.problems),
             }
         )
     return rows
+
+
+RECORD_LINE_HEADER = (
+    f"{'case':17} {'label':42} {'backend':14} {'tensor':12} {'verdict':7} {'max_abs':>9} {'budget':>9} "
+    f"{'ratio':>6} {'rel_rms':>9} {'rms_lim':>9} {'s':>7}"
+)
+
+
+def record_line(r: dict) -> str:
+    """One record on one line, under RECORD_LINE_HEADER."""
+
+    def num(key: str, width: int = 9, spec: str = ".2e") -> str:
+        value = r.get(key)
+        return f"{value:{width}{spec}}" if isinstance(value, float) else f"{'':{width}}"
+
+    return (
+        f"{r['case_id']:17} {r['label'][:42]:42} {r['backend']:14} {r['tensor'] or '-':12} "
+        f"{r['verdict']:7} {num('max_abs')} {num('budget')} {num('ratio', 6, '.2f')} {num('rel_rms')} "
+        f"{num('budget_rel_rms')} {r['seconds']:7.2f}"
+    )
 
 
 def _flat_case(case: Case) -> dict:
@@ -160,13 +261,12 @@ def run_cases(
     device: torch.device,
     on_outcome: Callable[[Outcome], None] | None = None,
 ) -> list[Outcome]:
-    """Every case through the reference once and through every backend."""
+    """Every case through the reference and the baseline once, then through every backend."""
     outcomes = []
     for case in cases:
-        inputs = materialize(case, device)
-        truth = run_reference(inputs)
+        truth = case_truth(case, device)
         for backend in backends:
-            outcome = run_backend(case, backend, device, truth, inputs)
+            outcome = run_backend(truth, backend)
             outcomes.append(outcome)
             if on_outcome is not None:
                 on_outcome(outcome)

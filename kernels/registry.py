@@ -60,10 +60,12 @@ def _load() -> None:
         return
     _loaded = True
     from kda_kernels.fla import FlaChunk, FlaRecurrent
+    from kda_kernels.torch_chunk import TorchChunk
 
     register("fla_chunk", FlaChunk)
     register("fla_chunk32", lambda: FlaChunk(chunk_size=32))
     register("fla_recurrent", FlaRecurrent)
+    register("torch_chunk", TorchChunk)
     for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         try:
             entry.load()

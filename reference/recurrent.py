@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 
 import torch
 
-from kda_reference.preprocess import beta_activation, gate_activation, l2norm
+from kda_reference.prepared import Prepared, prepare, sequence_bounds
+
+__all__ = ["ReferenceResult", "kda_recurrent", "sequence_bounds"]
 
 
 @dataclass(frozen=True)
@@ -28,22 +29,6 @@ class ReferenceResult:
     o: torch.Tensor  # [B, T, HV, V]
     final_state: torch.Tensor  # [N, HV, K, V] or [N, HV, V, K]
     checkpoint_states: torch.Tensor  # [C, HV, K, V] or [C, HV, V, K], C = len(checkpoints)
-
-
-def sequence_bounds(
-    batch: int, length: int, cu_seqlens: torch.Tensor | Sequence[int] | None
-) -> list[tuple[int, int, int]]:
-    """``(batch row, start, end)`` of every sequence: one per row, or the ``cu_seqlens`` spans of row 0."""
-    if cu_seqlens is None:
-        return [(b, 0, length) for b in range(batch)]
-    bounds = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
-    if batch != 1:
-        raise ValueError(f"cu_seqlens needs batch size 1 (packed sequences), got batch size {batch}")
-    if len(bounds) < 2 or bounds[0] != 0 or any(nxt < prev for prev, nxt in pairwise(bounds)):
-        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing with at least 2 entries, got {bounds}")
-    if bounds[-1] > length:
-        raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the inputs hold only {length} tokens")
-    return [(0, s, e) for s, e in pairwise(bounds)]
 
 
 def kda_recurrent(
@@ -72,54 +57,43 @@ def kda_recurrent(
     ``checkpoints`` lists ``(sequence, tokens)`` pairs: the state of that sequence
     after its first ``tokens`` tokens (0 gives its initial state).
     """
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    if k.shape != q.shape:
-        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
-    if HV % H != 0:
-        raise ValueError(f"num_v_heads (HV={HV}) must be a multiple of num_heads (H={H})")
-    if v.shape[:2] != (B, T) or g.shape != (B, T, HV, K) or beta.shape != (B, T, HV):
-        raise ValueError(
-            f"expected v [B,T,HV,V], g [B,T,HV,K]={[B, T, HV, K]}, beta [B,T,HV]={[B, T, HV]}; "
-            f"got v {list(v.shape)}, g {list(g.shape)}, beta {list(beta.shape)}"
-        )
-    bounds = sequence_bounds(B, T, cu_seqlens)
-    N = len(bounds)
-    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-    if initial_state is not None and tuple(initial_state.shape) != state_shape:
-        raise ValueError(f"initial_state must have shape {list(state_shape)}, got {list(initial_state.shape)}")
+    p = prepare(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        dtype=torch.float64,
+        scale=scale,
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        state_v_first=state_v_first,
+        checkpoints=checkpoints,
+    )
+    return _token_loop(p)
 
-    f64 = torch.float64
-    scale = K**-0.5 if scale is None else scale
-    q, k, v, g, beta = (x.to(f64) for x in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
-    beta = beta_activation(beta, use_beta_sigmoid_in_kernel)
-    g = gate_activation(g, in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
-    group = HV // H
-    q = (q * scale).repeat_interleave(group, dim=2)
-    k = k.repeat_interleave(group, dim=2)
-    decay = torch.exp(g)
 
+def _token_loop(p: Prepared) -> ReferenceResult:
+    q, k, v, beta = p.q, p.k, p.v, p.beta
+    B, T, HV, K = q.shape
+    V = v.shape[-1]
+    decay = torch.exp(p.g)
     wanted: dict[int, list[tuple[int, int]]] = {}
-    for index, (seq, tokens) in enumerate(checkpoints):
-        if not 0 <= seq < N:
-            raise ValueError(f"checkpoint {index} names sequence {seq}; there are {N} sequences")
-        length = bounds[seq][2] - bounds[seq][1]
-        if not 0 <= tokens <= length:
-            raise ValueError(
-                f"checkpoint {index} asks for the state after {tokens} tokens of a {length}-token sequence"
-            )
+    for index, (seq, tokens) in enumerate(p.checkpoints):
         wanted.setdefault(seq, []).append((tokens, index))
 
+    f64 = torch.float64
     o = torch.zeros(B, T, HV, V, dtype=f64, device=q.device)
-    final = torch.zeros(N, HV, K, V, dtype=f64, device=q.device)
-    saved = torch.zeros(len(checkpoints), HV, K, V, dtype=f64, device=q.device)
-    for n, (row, start, end) in enumerate(bounds):
-        S = torch.zeros(HV, K, V, dtype=f64, device=q.device)
-        if initial_state is not None:
-            h0 = initial_state[n].to(f64)
-            S = h0.transpose(-1, -2).clone() if state_v_first else h0.clone()
+    final = torch.zeros(len(p.bounds), HV, K, V, dtype=f64, device=q.device)
+    saved = torch.zeros(len(p.checkpoints), HV, K, V, dtype=f64, device=q.device)
+    for n, (row, start, end) in enumerate(p.bounds):
+        S = p.h0[n].clone()
         marks = sorted(wanted.get(n, []))
         for tokens, index in marks:
             if tokens == 0:
@@ -134,6 +108,6 @@ def kda_recurrent(
                 if tokens == t - start + 1:
                     saved[index] = S
         final[n] = S
-    if state_v_first:
+    if p.state_v_first:
         final, saved = final.transpose(-1, -2), saved.transpose(-1, -2)
     return ReferenceResult(o=o, final_state=final.contiguous(), checkpoint_states=saved.contiguous())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import subprocess
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -51,6 +52,7 @@ def environment(device: torch.device) -> dict[str, str | int]:
         "aiter": _version("aiter"),
         "suite_commit": suite_commit(),
         "hostname": platform.node(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     if device.type == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(device)

@@ -24,18 +24,34 @@ def _atomic_write(path: Path, write) -> None:  # type: ignore[no-untyped-def]
     os.replace(tmp, path)
 
 
+def _parquet_engine() -> bool:
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def write_run(records: pd.DataFrame, env: dict, out_dir: Path, run_id: str) -> dict[str, Path]:
-    """Write ``runs/<run_id>.parquet``, ``.env.json``, ``.summary.md`` and ``.csv`` under ``out_dir``."""
+    """Write ``runs/<run_id>.parquet``, ``.env.json``, ``.summary.md`` and ``.csv`` under ``out_dir``.
+
+    Without pyarrow (a bare GPU box, say) the records go to ``<run_id>.records.jsonl``
+    instead, which ``read_run`` reads the same way.
+    """
     runs = out_dir / "runs"
     runs.mkdir(parents=True, exist_ok=True)
+    parquet = _parquet_engine()
     paths = {
-        "records": runs / f"{run_id}.parquet",
+        "records": runs / (f"{run_id}.parquet" if parquet else f"{run_id}.records.jsonl"),
         "environment": runs / f"{run_id}.env.json",
         "summary_md": runs / f"{run_id}.summary.md",
         "summary_csv": runs / f"{run_id}.summary.csv",
     }
     _atomic_write(paths["environment"], lambda p: p.write_text(json.dumps(env, indent=2, sort_keys=True)))
-    _atomic_write(paths["records"], lambda p: records.to_parquet(p, index=False))
+    if parquet:
+        _atomic_write(paths["records"], lambda p: records.to_parquet(p, index=False))
+    else:
+        _atomic_write(paths["records"], lambda p: records.to_json(p, orient="records", lines=True))
     table = summary(records)
     _atomic_write(paths["summary_csv"], lambda p: table.to_csv(p, index=False))
     _atomic_write(paths["summary_md"], lambda p: p.write_text(summary_markdown(table, env, run_id)))
@@ -54,6 +70,10 @@ def record_run(rows: list[dict], env: dict, out_dir: Path) -> tuple[pd.DataFrame
 
 
 def read_run(path: Path) -> pd.DataFrame:
+    """The records of one run file (parquet, or the JSON-lines fallback)."""
+    path = Path(path)
+    if path.name.endswith(".jsonl"):
+        return pd.read_json(path, orient="records", lines=True, dtype=False)
     return pd.read_parquet(path)
 
 

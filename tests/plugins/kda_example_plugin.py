@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from kda_cases.case import Case
-from kda_cases.materialize import KDAInputs
+from kda_cases.materialize import TORCH_DTYPES, KDAInputs
 from kda_kernels.protocol import Backend, BackendOutput, Support
 from kda_kernels.registry import register
 from kda_reference.run import run_reference
@@ -27,7 +27,8 @@ class RoundedReference(Backend):
 
     def run(self, inputs: KDAInputs) -> BackendOutput:
         truth = run_reference(inputs)
-        return BackendOutput(o=truth.o.to(inputs.v.dtype), final_state=truth.final_state.float())
+        state_dtype = TORCH_DTYPES[inputs.case.state_dtype]
+        return BackendOutput(o=truth.o.to(inputs.v.dtype), final_state=truth.final_state.to(state_dtype))
 
 
 register(RoundedReference.name, RoundedReference)

@@ -1,0 +1,65 @@
+"""The record schema: one row per case x backend x tensor, every column named and explained here once.
+
+docs/reports.md presents this table; a test holds the records, this schema and
+that page to the same column list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kda_cases.case import Case
+
+CASE_COLUMNS = {f"case_{f.name}": f"the case's `{f.name}`" for f in dataclasses.fields(Case)} | {
+    "case_total_tokens": "tokens over all sequences",
+    "case_num_seqs": "number of sequences",
+}
+
+RECORD_COLUMNS: dict[str, str] = {
+    "run_id": "the run: UTC start time and a random suffix, sortable",
+    "case_id": "stable case id (hash of the case's fields and the generator version)",
+    "label": "short readable summary of the case",
+    "backend": "registered backend name",
+    "device": "torch device the case ran on",
+    **CASE_COLUMNS,
+    "case_json": "the whole case as JSON (what `--case` takes)",
+    "tensor": "`o`, `final_state` or `checkpoint_states`; empty for a skip or an error",
+    "verdict": "`pass`, `fail`, `skip` (backend or case unsupported) or `error` (the backend raised)",
+    "reason": "why it failed, was skipped or raised; empty on a pass",
+    "repro": "one shell line that reruns this case on this backend and device",
+    "seconds": "wall time of the backend call (synchronized on GPUs)",
+    "reference_form": "exact form that produced the truth: `loop` (the definition) or `chunked` (float64)",
+    "max_abs": "max-abs error against the float64 truth (the headline metric); inf for non-finite values",
+    "rel_rms": "RMS of the error over RMS of the truth",
+    "max_abs_over_ref_rms": "max-abs error over RMS of the truth",
+    "nonfinite": "number of NaN or Inf values returned",
+    "first_bad": "first point past the max-abs limit: `seq S token T head H` (outputs) or `seq S head H` (states)",
+    "error_curve": "max-abs error per 64 tokens along the packed rows, comma-separated (outputs only)",
+    "budget": "max-abs limit from the tolerance rule",
+    "ratio": "max_abs / budget",
+    "budget_rel_rms": "rel-RMS limit from the tolerance rule",
+    "rel_rms_ratio": "rel_rms / budget_rel_rms",
+    "budget_baseline": "max-abs error of the same-precision baseline (torch_chunk) on this case",
+    "budget_floor": "max-abs rounding floor: (u(stored dtype) + 5 sqrt(longest sequence) u(fp32)) x max|truth|",
+    "budget_cap": "max-abs cap: sqrt(u(working dtype)) x max|truth|",
+    "budget_binding": "which term set the max-abs limit: `baseline`, `floor` or `cap`",
+    "baseline_rel_rms": "rel-RMS error of the same-precision baseline on this case",
+    "budget_rel_rms_binding": "which term set the rel-RMS limit",
+    "test": "pytest node id (pytest runs only)",
+    "env_device_type": "`cpu`, `cuda`",
+    "env_device_name": "GPU name, or the CPU's",
+    "env_arch": "`sm_90`, `gfx950`, ... or the CPU architecture",
+    "env_multiprocessors": "SM / CU count (0 on a CPU); FlashKDA's segmentation depends on it",
+    "env_python": "Python version",
+    "env_torch": "torch version",
+    "env_triton": "triton version",
+    "env_fla": "fla-core version ('' when absent)",
+    "env_aiter": "aiter version ('' when absent)",
+    "env_cuda": "CUDA version torch was built with (GPU runs)",
+    "env_hip": "HIP version torch was built with (ROCm runs)",
+    "env_suite_commit": "this suite's git commit, `+dirty` with uncommitted changes",
+    "env_hostname": "machine name",
+    "env_date": "UTC time the run's report was written, ISO 8601",
+    "env_run_id": "the run id again, as stored in the environment file",
+    "env_command": "the command line that produced the run (`kda-conformance ...` or `pytest ...`)",
+}

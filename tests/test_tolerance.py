@@ -1,0 +1,120 @@
+"""The tolerance policy on synthetic results: budgets from the rule, hard checks, messages."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kda_cases.case import Case
+from kda_conformance.compare import tensor_error
+from kda_conformance.tolerance import (
+    UNIT_ROUNDOFF,
+    Budget,
+    BudgetRule,
+    Limit,
+    derive_budget,
+    failure_message,
+    judge,
+)
+
+CASE = Case(seq_lens=(4,), num_heads=1, num_v_heads=1, head_k_dim=4, head_v_dim=2)
+F64 = torch.float64
+
+
+def fixed_budget(max_abs: float, rel_rms: float = math.inf) -> Budget:
+    return Budget(
+        "o",
+        Limit("max_abs", max_abs, max_abs, 0.0, max_abs, "baseline"),
+        Limit("rel_rms", rel_rms, rel_rms, 0.0, rel_rms, "baseline"),
+    )
+
+
+def test_budget_edges_on_max_abs() -> None:
+    want = torch.zeros(1, 4, 1, 2, dtype=F64)
+    budget = fixed_budget(1e-3)
+    assert judge(CASE, tensor_error("o", want + 0.99e-3, want), budget, None).passed
+    failed = judge(CASE, tensor_error("o", want + 1.01e-3, want), budget, None)
+    assert not failed.passed and "max_abs 1.010e-03 > limit 1.000e-03" in failed.problems[0]
+
+
+def test_budget_edges_on_rel_rms() -> None:
+    want = torch.ones(1, 4, 1, 2, dtype=F64)
+    budget = fixed_budget(1.0, rel_rms=1e-2)
+    assert judge(CASE, tensor_error("o", want * 1.0099, want), budget, None).passed
+    assert not judge(CASE, tensor_error("o", want * 1.0101, want), budget, None).passed
+
+
+def test_nan_fails_even_with_an_unbounded_budget() -> None:
+    want = torch.ones(1, 4, 1, 2, dtype=F64)
+    got = want.clone()
+    got[0, 2, 0, 1] = float("nan")
+    verdict = judge(CASE, tensor_error("o", got, want), fixed_budget(math.inf), None)
+    assert not verdict.passed
+    assert "1 non-finite values" in verdict.problems
+    assert verdict.first_bad == "seq 0 token 2 head 0"
+
+
+def test_wrong_dtype_and_shape_fail() -> None:
+    want = torch.ones(1, 4, 1, 2, dtype=F64)
+    err = tensor_error("o", want.to(torch.float32), want)
+    verdict = judge(CASE, err, fixed_budget(1.0, 1.0), torch.float32)  # the case's dtype is bf16
+    assert not verdict.passed and verdict.problems == ("dtype float32 != expected bfloat16",)
+    misshapen = tensor_error("o", torch.ones(1, 4, 2, 1), want)
+    assert not judge(CASE, misshapen, fixed_budget(1.0, 1.0), torch.bfloat16).passed
+
+
+def test_zero_baseline_error_still_gives_a_positive_budget() -> None:
+    exact = tensor_error("o", torch.ones(1, 4, 1, 2, dtype=F64), torch.ones(1, 4, 1, 2, dtype=F64))
+    assert exact.max_abs == 0.0
+    budget = derive_budget(CASE, "o", exact, reference_max_abs=3.0)
+    steps = 2.0 * UNIT_ROUNDOFF["fp32"]  # sqrt(4 tokens) float32 steps
+    max_abs_floor = (UNIT_ROUNDOFF["bf16"] + 5 * steps) * 3.0
+    assert budget.max_abs.binding == "floor" and budget.max_abs.value == pytest.approx(max_abs_floor)
+    assert budget.rel_rms.binding == "floor" and budget.rel_rms.value == pytest.approx(UNIT_ROUNDOFF["bf16"] + steps)
+
+
+def test_rule_scales_the_baseline_and_caps_a_broken_one() -> None:
+    want = torch.ones(1, 4, 1, 2, dtype=F64)
+    rule = BudgetRule(max_abs_factor=4.0, rel_rms_factor=2.0)
+    budget = derive_budget(CASE, "o", tensor_error("o", want + 0.01, want), reference_max_abs=1.0, rule=rule)
+    assert budget.max_abs.binding == "baseline" and budget.max_abs.value == pytest.approx(0.04)
+    assert budget.rel_rms.binding == "baseline" and budget.rel_rms.value == pytest.approx(0.02)
+    broken = want.clone()
+    broken[0, 0, 0, 0] = float("inf")
+    capped = derive_budget(CASE, "o", tensor_error("o", broken, want), reference_max_abs=1.0)
+    assert capped.max_abs.binding == "cap" and capped.max_abs.value == pytest.approx(math.sqrt(2.0**-8))
+
+
+def test_state_budgets_use_the_state_dtype() -> None:
+    zero = tensor_error("final_state", torch.zeros(1, 1, 4, 2, dtype=F64), torch.zeros(1, 1, 4, 2, dtype=F64))
+    fp32_state = derive_budget(CASE, "final_state", zero, reference_max_abs=1.0)
+    bf16_state = derive_budget(CASE.replace(state_dtype="bf16"), "final_state", zero, reference_max_abs=1.0)
+    assert fp32_state.max_abs.value == pytest.approx(11 * 2.0**-24)
+    assert bf16_state.max_abs.value == pytest.approx(2.0**-8 + 10 * 2.0**-24)
+
+
+@pytest.mark.parametrize("field", ["max_abs_factor", "rel_rms_factor", "floor_ulps", "max_abs_spread"])
+def test_rule_constants_must_be_positive(field: str) -> None:
+    with pytest.raises(ValueError, match=f"BudgetRule.{field} must be a positive finite number"):
+        BudgetRule(**{field: 0.0})
+
+
+def test_failure_message_names_everything_a_bug_report_needs() -> None:
+    want = torch.zeros(1, 4, 1, 2, dtype=F64)
+    got = want.clone()
+    got[0, 3, 0, 0] = 0.5
+    verdict = judge(CASE, tensor_error("o", got, want), fixed_budget(0.1), torch.bfloat16)
+    message = failure_message(CASE, "my_kernel", verdict, "kda-conformance run --case X")
+    for part in (
+        CASE.id,
+        CASE.label,
+        "my_kernel",
+        "tensor o",
+        "max_abs = 5.000e-01",
+        "limit 1.000e-01",
+        "first bad: seq 0 token 3 head 0",
+        "repro: kda-conformance run --case X",
+    ):
+        assert part in message, part
