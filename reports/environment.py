@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import subprocess
 from datetime import UTC, datetime
@@ -21,7 +22,12 @@ def _version(dist: str) -> str:
 
 
 def suite_commit() -> str:
-    """The suite's git commit (with ``+dirty`` for uncommitted changes), or '' outside a checkout."""
+    """The suite's git commit (with ``+dirty`` for uncommitted changes), or '' outside a checkout.
+
+    A copy without its git folder (a tree shipped to a GPU box) names it in ``KDA_SUITE_COMMIT``.
+    """
+    if os.environ.get("KDA_SUITE_COMMIT"):
+        return os.environ["KDA_SUITE_COMMIT"]
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"], cwd=_REPO, capture_output=True, text=True, timeout=5

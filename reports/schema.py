@@ -57,7 +57,7 @@ RECORD_COLUMNS: dict[str, str] = {
     "env_aiter": "aiter version ('' when absent)",
     "env_cuda": "CUDA version torch was built with (GPU runs)",
     "env_hip": "HIP version torch was built with (ROCm runs)",
-    "env_suite_commit": "this suite's git commit, `+dirty` with uncommitted changes",
+    "env_suite_commit": "this suite's git commit, `+dirty` with uncommitted changes (`KDA_SUITE_COMMIT` when no git)",
     "env_hostname": "machine name",
     "env_date": "UTC time the run's report was written, ISO 8601",
     "env_run_id": "the run id again, as stored in the environment file",
