@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -205,9 +206,27 @@ def _sweep(
                 )
             progress.update(task, advance=1, description=f"{outcome.backend} {outcome.case.label}")
 
-        run_cases(cases, backends, device, on_outcome=record)
-    frame, paths = record_run(rows, {**environment(device), "command": args.command_line}, args.out)
+        try:
+            run_cases(cases, backends, device, on_outcome=record)
+        except KeyboardInterrupt:
+            # Ctrl-C or a time limit's SIGTERM: keep what was measured; the environment says it is partial.
+            console.print(f"[yellow]interrupted after {len(rows)} records; writing them[/]")
+            interrupted = True
+        else:
+            interrupted = False
+    env = {**environment(device), "command": args.command_line, "complete": not interrupted}
+    frame, paths = record_run(rows, env, args.out)
+    if interrupted:
+        raise SweepInterrupted(frame, paths, failures)
     return frame, paths, failures
+
+
+class SweepInterrupted(Exception):
+    """The sweep was stopped; its partial run files were written."""
+
+    def __init__(self, frame: pd.DataFrame, paths: dict[str, Path], failures: list[str]) -> None:
+        super().__init__("interrupted")
+        self.frame, self.paths, self.failures = frame, paths, failures
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
@@ -288,11 +307,23 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.command_line = "kda-conformance " + " ".join(shlex.quote(a) for a in _without_table(argv))
     console = Console()
-    if args.command == "run":
-        return cmd_run(args, console)
-    if args.command == "calibrate":
-        return cmd_calibrate(args, console)
+    # A time limit's SIGTERM stops the sweep like Ctrl-C does, so the records so far are kept.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        if args.command == "run":
+            return cmd_run(args, console)
+        if args.command == "calibrate":
+            return cmd_calibrate(args, console)
+    except SweepInterrupted as stop:
+        console.print(f"partial records: {stop.paths['records']}")
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 2  # pragma: no cover - argparse enforces the subcommand
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _without_table(argv: list[str]) -> list[str]:

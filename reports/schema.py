@@ -61,5 +61,6 @@ RECORD_COLUMNS: dict[str, str] = {
     "env_hostname": "machine name",
     "env_date": "UTC time the run's report was written, ISO 8601",
     "env_run_id": "the run id again, as stored in the environment file",
+    "env_complete": "False when the run was interrupted (Ctrl-C, a time limit) and holds only what was measured",
     "env_command": "the command line that produced the run (`kda-conformance ...` or `pytest ...`)",
 }
