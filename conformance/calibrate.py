@@ -43,6 +43,8 @@ def calibration_cases(
 
 def calibration_table(records: pd.DataFrame) -> pd.DataFrame:
     """Per backend x dtype x tensor: cases, worst ratios, and the verdict at twice the error."""
+    if "verdict" not in records:
+        return pd.DataFrame()
     ran = records[records["verdict"].isin(["pass", "fail"])].copy()
     if ran.empty:
         return pd.DataFrame()
@@ -67,6 +69,8 @@ def calibration_table(records: pd.DataFrame) -> pd.DataFrame:
 
 def calibration_markdown(table: pd.DataFrame, commands: Sequence[str], env: dict) -> str:
     """The summary table as committed to docs, with the command and machine that produced it."""
+    if table.empty:
+        return f"Produced by {', '.join(commands)}: no backend ran a case.\n"
     shown = table.copy()
     for col in ("worst_max_abs",):
         shown[col] = shown[col].map(lambda x: f"{x:.2e}")

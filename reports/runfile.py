@@ -83,6 +83,8 @@ SUMMARY_COLUMNS = ["case_id", "label", "backend", "tensor", "verdict", "max_abs"
 def summary(records: pd.DataFrame) -> pd.DataFrame:
     """One line per case x backend x tensor with the headline numbers."""
     cols = [c for c in SUMMARY_COLUMNS if c in records.columns]
+    if records.empty:
+        return pd.DataFrame(columns=SUMMARY_COLUMNS)
     return records[cols].sort_values(["backend", "case_id", "tensor"], kind="stable").reset_index(drop=True)
 
 
