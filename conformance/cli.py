@@ -36,7 +36,7 @@ from kda_conformance.tolerance import failure_message
 from kda_kernels import registry
 from kda_kernels.protocol import Backend
 from kda_reports.environment import environment
-from kda_reports.runfile import DEFAULT_OUT, read_run, record_run
+from kda_reports.runfile import DEFAULT_OUT, RunRecorder, read_run
 
 
 def _arg(parse):  # type: ignore[no-untyped-def]
@@ -179,8 +179,12 @@ def _backends(args: argparse.Namespace, console: Console) -> tuple[torch.device,
 def _sweep(
     cases: list[Case], backends: list[Backend], device: torch.device, args: argparse.Namespace, console: Console
 ) -> tuple[pd.DataFrame, dict[str, Path], list[str]]:
-    """Run, show progress (and each record with -v), write the run files; returns the failure messages too."""
-    rows: list[dict] = []
+    """Run, show progress (and each record with -v), write the run files; returns the failure messages too.
+
+    Rows reach the run's partial file as they are measured, so even a killed process leaves them.
+    """
+    recorder = RunRecorder({**environment(device), "command": args.command_line}, args.out)
+    rows = recorder.rows
     failures: list[str] = []
     with Progress(
         TextColumn("{task.description}"),
@@ -194,7 +198,7 @@ def _sweep(
 
         def record(outcome: Outcome) -> None:
             new = outcome_records(outcome)
-            rows.extend(new)
+            recorder.add(new)
             if args.verbose:
                 for row in new:
                     progress.console.print(record_line(row), highlight=False, soft_wrap=True)
@@ -214,8 +218,7 @@ def _sweep(
             interrupted = True
         else:
             interrupted = False
-    env = {**environment(device), "command": args.command_line, "complete": not interrupted}
-    frame, paths = record_run(rows, env, args.out)
+    frame, paths = recorder.finish(complete=not interrupted)
     if interrupted:
         raise SweepInterrupted(frame, paths, failures)
     return frame, paths, failures

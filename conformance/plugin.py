@@ -26,6 +26,7 @@ from kda_conformance.sweep import (
 from kda_kernels import registry, triton_interpret
 
 RECORDS = pytest.StashKey[list[dict]]()
+RECORDER = pytest.StashKey[object]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -130,8 +131,11 @@ def kda_record(request: pytest.FixtureRequest) -> Callable[[Outcome], None]:
     """Adds an outcome's rows to this pytest run's report."""
 
     def record(outcome: Outcome) -> None:
-        rows = outcome_records(outcome)
-        request.config.stash[RECORDS].extend({**row, "test": request.node.nodeid} for row in rows)
+        rows = [{**row, "test": request.node.nodeid} for row in outcome_records(outcome)]
+        request.config.stash[RECORDS].extend(rows)
+        recorder = _recorder(request.config)
+        if recorder is not None:
+            recorder.add(rows)
         reporter = request.config.pluginmanager.get_plugin("terminalreporter")
         if request.config.getoption("verbose") > 0 and reporter is not None:
             # With -v, numbers appear as they are measured, so a run cut short still shows them.
@@ -139,6 +143,21 @@ def kda_record(request: pytest.FixtureRequest) -> Callable[[Outcome], None]:
                 reporter.write_line(record_line(row))
 
     return record
+
+
+def _recorder(config: pytest.Config):  # type: ignore[no-untyped-def]
+    """The run's recorder, made at the first record; None where pandas (the report writer) is missing."""
+    if RECORDER not in config.stash:
+        try:
+            from kda_reports.environment import environment
+            from kda_reports.runfile import RunRecorder
+        except ImportError:
+            config.stash[RECORDER] = None
+        else:
+            command = "pytest " + " ".join(shlex.quote(a) for a in config.invocation_params.args)
+            env = {**environment(_device(config)), "command": command}
+            config.stash[RECORDER] = RunRecorder(env, Path(config.getoption("--kda-out")))
+    return config.stash[RECORDER]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -159,13 +178,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     tr.write_line(RECORD_LINE_HEADER)
     for row in rows:
         tr.write_line(record_line(row))
-    try:
-        from kda_reports.environment import environment
-        from kda_reports.runfile import record_run
-
-        command = "pytest " + " ".join(shlex.quote(a) for a in config.invocation_params.args)
-        env = {**environment(_device(config)), "command": command}
-        _, paths = record_run(rows, env, Path(config.getoption("--kda-out")))
-        tr.write_line(f"report: {paths['records']} and {paths['summary_md']}")
-    except ImportError as exc:
-        tr.write_line(f"no report file written: {exc} (pandas and pyarrow write it)")
+    recorder = _recorder(config)
+    if recorder is None:
+        tr.write_line("no report file written: pandas is not installed")
+        return
+    _, paths = recorder.finish()
+    tr.write_line(f"report: {paths['records']} and {paths['summary_md']}")

@@ -58,19 +58,52 @@ def write_run(records: pd.DataFrame, env: dict, out_dir: Path, run_id: str) -> d
     return paths
 
 
+class RunRecorder:
+    """Writes one run as it goes: each batch of rows is appended to ``<run_id>.partial.jsonl`` at once,
+    so a run that is killed (a time limit, a crashed GPU process) keeps every row measured so far;
+    ``finish`` writes the run files and removes the partial one.
+
+    Rows are stamped with the run id and the environment (``env_*`` columns).
+    """
+
+    def __init__(self, env: dict, out_dir: Path) -> None:
+        self.run_id = new_run_id()
+        self.env = {**env, "run_id": self.run_id}
+        self.out_dir = Path(out_dir)
+        self.rows: list[dict] = []
+        runs = self.out_dir / "runs"
+        runs.mkdir(parents=True, exist_ok=True)
+        self.partial = runs / f"{self.run_id}.partial.jsonl"
+
+    def _stamp(self, row: dict, env: dict) -> dict:
+        return {**row, **{f"env_{k}": v for k, v in env.items()}, "run_id": self.run_id}
+
+    def add(self, rows: list[dict]) -> None:
+        self.rows.extend(rows)
+        partial_env = {**self.env, "complete": False}
+        with self.partial.open("a") as handle:
+            for row in rows:
+                handle.write(json.dumps(self._stamp(row, partial_env), default=str) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def finish(self, complete: bool = True) -> tuple[pd.DataFrame, dict[str, Path]]:
+        env = {**self.env, "complete": complete}
+        frame = pd.DataFrame([self._stamp(row, env) for row in self.rows])
+        paths = write_run(frame, env, self.out_dir, self.run_id)
+        self.partial.unlink(missing_ok=True)
+        return frame, paths
+
+
 def record_run(rows: list[dict], env: dict, out_dir: Path) -> tuple[pd.DataFrame, dict[str, Path]]:
-    """Stamp ``rows`` with a new run id and the environment (``env_*`` columns), and write the run files."""
-    run_id = new_run_id()
-    env = {**env, "run_id": run_id}
-    frame = pd.DataFrame(rows)
-    for key, value in env.items():
-        frame[f"env_{key}"] = value
-    frame["run_id"] = run_id
-    return frame, write_run(frame, env, out_dir, run_id)
+    """Stamp ``rows`` with a new run id and the environment, and write the run files."""
+    recorder = RunRecorder(env, out_dir)
+    recorder.add(rows)
+    return recorder.finish()
 
 
 def read_run(path: Path) -> pd.DataFrame:
-    """The records of one run file (parquet, or the JSON-lines fallback)."""
+    """The records of one run file (parquet, the JSON-lines fallback, or a killed run's ``.partial.jsonl``)."""
     path = Path(path)
     if path.name.endswith(".jsonl"):
         return pd.read_json(path, orient="records", lines=True, dtype=False)
