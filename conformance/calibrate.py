@@ -11,6 +11,7 @@ must catch.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import pandas as pd
@@ -78,8 +79,12 @@ def calibration_markdown(table: pd.DataFrame, commands: Sequence[str], env: dict
         shown[col] = shown[col].map(lambda x: f"{x:.2f}")
     shown["doubled_fail_share"] = shown["doubled_fail_share"].map(lambda x: f"{100 * x:.0f} %")
     shown["doubled_caught"] = shown["doubled_caught"].map({True: "yes", False: "no"})
+    # Where a run wrote its files is not part of how it measured (and names a machine's folders).
+    shown_commands = [re.sub(r"\s--out(=|\s+)\S+", "", c) for c in commands]
     head = [
-        "Produced by " + " and ".join(f"`{c}`" for c in commands),
+        "# Calibration of the tolerance rule",
+        "",
+        "Produced by " + " and ".join(f"`{c}`" for c in shown_commands) + ",",
         f"on {env.get('device_name', '')} ({env.get('arch', '')}, {env.get('multiprocessors', '')} SMs/CUs), "
         f"torch {env.get('torch', '')}, triton {env.get('triton', '')}, fla {env.get('fla', '')}, "
         f"suite {env.get('suite_commit', '')}, {env.get('date', '')}.",

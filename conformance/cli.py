@@ -26,6 +26,7 @@ from kda_conformance.sweep import (
     Outcome,
     first_sweep_cases,
     outcome_records,
+    parse_choices,
     parse_dtypes,
     parse_lengths,
     record_line,
@@ -68,10 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common_arguments(calibrate, default_dtypes=["bf16", "fp16", "fp32"])
     calibrate.add_argument(
-        "--gate-regimes", type=_arg(_choices(GATE_REGIMES)), default=list(GATE_REGIMES), help="e.g. typical,weak"
+        "--gate-regimes",
+        type=_arg(_choices("gate regimes", GATE_REGIMES)),
+        default=list(GATE_REGIMES),
+        help="e.g. typical,weak",
     )
     calibrate.add_argument(
-        "--initial-states", type=_arg(_choices(INITIAL_STATES)), default=list(INITIAL_STATES), help="e.g. none,random"
+        "--initial-states",
+        type=_arg(_choices("initial states", INITIAL_STATES)),
+        default=list(INITIAL_STATES),
+        help="e.g. none,random",
     )
     calibrate.add_argument("--table", type=Path, default=None, help="also write the markdown table to this file")
     calibrate.add_argument(
@@ -115,15 +122,8 @@ def _common_arguments(parser: argparse.ArgumentParser, default_dtypes: list[str]
     parser.add_argument("-v", "--verbose", action="store_true", help="print each record as it is measured")
 
 
-def _choices(allowed: tuple[str, ...]):  # type: ignore[no-untyped-def]
-    def parse(text: str) -> list[str]:
-        values = [x.strip() for x in text.split(",") if x.strip()]
-        bad = [x for x in values if x not in allowed]
-        if bad or not values:
-            raise ValueError(f"{bad or text!r} not allowed; choose from {', '.join(allowed)}")
-        return values
-
-    return parse
+def _choices(what: str, allowed: tuple[str, ...]):  # type: ignore[no-untyped-def]
+    return lambda text: parse_choices(what, text, allowed)
 
 
 def parse_case(text: str) -> Case:
@@ -296,8 +296,12 @@ def _calibration_from_records(args: argparse.Namespace, console: Console) -> int
 
 def _write_calibration(frame: pd.DataFrame, commands: list[str], args: argparse.Namespace, console: Console) -> None:
     table = calibration_table(frame)
-    last = frame.iloc[-1]
-    env = {k.removeprefix("env_"): last[k] for k in frame.columns if k.startswith("env_")}
+    # Runs merged from several files may differ in commit and date: name every value.
+    env = {
+        k.removeprefix("env_"): ", ".join(str(v) for v in dict.fromkeys(frame[k].dropna()))
+        for k in frame.columns
+        if k.startswith("env_")
+    }
     text = calibration_markdown(table, commands, env)
     console.print(text, highlight=False, soft_wrap=True)
     if args.table is not None:

@@ -61,13 +61,18 @@ def parse_lengths(text: str) -> list[int]:
     return values
 
 
+def parse_choices(what: str, text: str, allowed: Sequence[str]) -> list[str]:
+    """``"a,b"`` -> ``["a", "b"]``, each one of ``allowed``; the error names ``what`` and the allowed values."""
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in values if x not in allowed]
+    if bad or not values:
+        raise ValueError(f"{what} {bad or text!r} not allowed; choose from {', '.join(allowed)}")
+    return values
+
+
 def parse_dtypes(text: str) -> list[str]:
     """``"bf16,fp32"`` -> ``["bf16", "fp32"]``, each one of the case dtypes."""
-    values = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in values if x not in DTYPES]
-    if bad or not values:
-        raise ValueError(f"dtypes {bad or text!r} not allowed; choose from {', '.join(DTYPES)}")
-    return values
+    return parse_choices("dtypes", text, DTYPES)
 
 
 def resolve_device(name: str) -> torch.device:

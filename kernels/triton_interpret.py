@@ -102,9 +102,9 @@ def enable(skip: Collection[str] = ()) -> None:
         raise TritonInterpretError(reason)
     os.environ["TRITON_INTERPRET"] = "1"
     # Noise of the CPU path, not findings: FLA warns that it "rolls back to CPU", and the
-    # interpreter evaluates exp2 on masked-off lanes, whose overflow the kernel discards.
+    # interpreter evaluates exp and exp2 on masked-off lanes, whose overflow the kernel discards.
     warnings.filterwarnings("ignore", message="Triton is not supported on current platform", category=UserWarning)
-    warnings.filterwarnings("ignore", message="overflow encountered in exp2", category=RuntimeWarning)
+    warnings.filterwarnings("ignore", message="overflow encountered in exp", category=RuntimeWarning)
     patches = {
         "autotune": _patch_autotune,
         "bf16_arith": _patch_bf16_arith,

@@ -59,7 +59,7 @@ RECORD_COLUMNS: dict[str, str] = {
     "env_hip": "HIP version torch was built with (ROCm runs)",
     "env_suite_commit": "this suite's git commit, `+dirty` with uncommitted changes (`KDA_SUITE_COMMIT` when no git)",
     "env_hostname": "machine name",
-    "env_date": "UTC time the run's report was written, ISO 8601",
+    "env_date": "UTC time the run started, ISO 8601",
     "env_run_id": "the run id again, as stored in the environment file",
     "env_complete": "False when the run was interrupted (Ctrl-C, a time limit) and holds only what was measured",
     "env_command": "the command line that produced the run (`kda-conformance ...` or `pytest ...`)",

@@ -1,0 +1,77 @@
+"""The record schema: records, reports/schema.py and docs/reports.md name the same columns; run files round-trip."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from kda_cases.case import Case
+from kda_conformance.sweep import case_truth, outcome_records, run_backend
+from kda_kernels import registry
+from kda_reports.environment import environment
+from kda_reports.runfile import RunRecorder, read_run, record_run
+from kda_reports.schema import RECORD_COLUMNS
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "reports.md"
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def records() -> list[dict]:
+    case = Case(seq_lens=(37,), checkpoints=((0, 5),))
+    truth = case_truth(case, CPU)
+    return outcome_records(run_backend(truth, registry.get("torch_chunk")))
+
+
+def test_every_column_is_in_the_schema_and_documented(records: list[dict], tmp_path: Path) -> None:
+    env = {**environment(CPU), "command": "test", "complete": True}
+    frame, _ = record_run([{**row, "test": "node"} for row in records], env, tmp_path)
+    assert set(frame.columns) <= set(RECORD_COLUMNS), set(frame.columns) - set(RECORD_COLUMNS)
+    documented = DOCS.read_text()
+    missing = [name for name in RECORD_COLUMNS if f"| `{name}` |" not in documented]
+    assert not missing, f"docs/reports.md does not describe {missing}"
+    assert {"o", "final_state", "checkpoint_states"} == set(frame["tensor"])
+
+
+def test_run_file_round_trips(records: list[dict], tmp_path: Path) -> None:
+    frame, paths = record_run(records, {"device_type": "cpu", "complete": True}, tmp_path)
+    back = read_run(paths["records"])
+    pd.testing.assert_frame_equal(back, frame)
+    env = json.loads(paths["environment"].read_text())
+    assert env["run_id"] == frame["run_id"].iloc[0] and env["complete"] is True
+    assert not list((tmp_path / "runs").glob("*.partial.jsonl"))
+
+
+def test_killed_run_keeps_its_rows_in_the_partial_file(records: list[dict], tmp_path: Path) -> None:
+    recorder = RunRecorder({"device_type": "cpu"}, tmp_path)
+    recorder.add(records[:1])
+    recorder.add(records[1:])
+    back = read_run(recorder.partial)  # as if the process had died before finish()
+    assert len(back) == len(records) and set(back["env_complete"]) == {False}
+    assert list(back["max_abs"]) == pytest.approx([r["max_abs"] for r in records])
+
+
+def test_stopped_cli_run_writes_what_it_measured(tmp_path: Path) -> None:
+    # SIGTERM (what `timeout` sends) stops the sweep; the run files say it is incomplete.
+    script = (
+        "import os, signal, sys\n"
+        "from kda_conformance import cli, sweep\n"
+        "real = sweep.run_backend\n"
+        "def stop_after_first(truth, backend, calls=[]):\n"
+        "    calls.append(1)\n"
+        "    if len(calls) == 2: os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return real(truth, backend)\n"
+        "sweep.run_backend = stop_after_first\n"
+        f"sys.exit(cli.main(['run', '--device', 'cpu', '--backend', 'torch_chunk', '--out', {str(tmp_path)!r}]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 130, done.stdout + done.stderr
+    (path,) = (tmp_path / "runs").glob("*.parquet")
+    frame = read_run(path)
+    assert 1 <= frame["case_id"].nunique() < 17 and set(frame["env_complete"]) == {False}

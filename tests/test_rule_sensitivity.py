@@ -1,0 +1,39 @@
+"""The rule against a real kernel: FLA's chunk kernel passes, the same kernel with its error doubled fails.
+
+On a CPU FLA runs in Triton's interpreter (the plugin switches it on), so the cases stay small.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kda_cases.case import Case
+from kda_conformance.compare import tensor_error
+from kda_conformance.sweep import case_truth, run_backend
+from kda_conformance.tolerance import judge
+from kda_kernels import registry
+
+CASES = [
+    Case(seq_lens=(130,), initial_state=h0, gate_regime=regime)
+    for h0 in ("none", "random")
+    for regime in ("typical", "weak")
+]
+
+
+@pytest.mark.kda_device_dependent
+def test_fla_chunk_passes_and_its_doubled_error_is_caught(kda_device: torch.device) -> None:
+    backend = registry.get("fla_chunk")
+    if not backend.availability(kda_device):
+        pytest.skip(f"fla_chunk: {backend.availability(kda_device).reason}")
+    caught = []
+    for case in CASES:
+        truth = case_truth(case, kda_device)
+        outcome = run_backend(truth, backend)
+        assert outcome.status == "ran" and not outcome.failed, [v.problems for v in outcome.failed]
+        result = backend.run(truth.inputs)
+        # Twice the error everywhere, stored in the kernel's own dtype.
+        doubled = (2 * result.o.double() - truth.reference.o).to(result.o.dtype)
+        verdict = judge(case, tensor_error("o", doubled, truth.reference.o), truth.budgets["o"], doubled.dtype)
+        caught.append(not verdict.passed)
+    assert all(caught), f"a kernel whose error doubled passed some cases: {caught}"
