@@ -12,7 +12,7 @@ from typing import Any
 DTYPES = ("bf16", "fp16", "fp32")
 STATE_DTYPES = ("fp32", "bf16")
 GATE_FORMS = ("log", "softplus", "lower_bound")
-GATE_REGIMES = ("typical", "weak", "strong")
+GATE_REGIMES = ("typical", "weak", "strong", "reset")
 KEY_REGIMES = ("random", "correlated", "repeated")
 BETA_REGIMES = ("typical", "near_one")
 INITIAL_STATES = ("none", "random", "large")

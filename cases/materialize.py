@@ -88,6 +88,8 @@ def _gate(
             g = -3.0 - 2.0 * torch.rand(shape, generator=gen)
         else:
             g = F.logsigmoid(noise)
+            if case.gate_regime == "reset":
+                g = torch.where(_reset_tokens(shape, gen), torch.full_like(g, -30.0), g)
         if case.lower_bound is not None:
             # A precomputed gate under safe_gate must respect the bound itself.
             g = g.clamp(min=case.lower_bound)
@@ -96,8 +98,19 @@ def _gate(
     dt_bias = 0.1 * torch.randn(HV * K, generator=gen)
     # Raw pre-activations: a negative shift makes softplus / sigmoid tiny (decay near 1,
     # weak), a positive one saturates them (strong decay, at the lower bound if any).
-    shift = {"typical": 0.0, "weak": -8.0, "strong": 4.0}[case.gate_regime]
-    return noise + shift, A_log, dt_bias
+    shift = {"typical": 0.0, "weak": -8.0, "strong": 4.0, "reset": 0.0}[case.gate_regime]
+    raw = noise + shift
+    if case.gate_regime == "reset":
+        # Saturate the activation: the strongest decay the gate form allows (lower_bound, or exp(-huge)).
+        raw = torch.where(_reset_tokens(shape, gen), torch.full_like(raw, 30.0), raw)
+    return raw, A_log, dt_bias
+
+
+def _reset_tokens(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Hard resets: about one token in 32 (all heads and keys of it) forgets almost everything."""
+    B, T = shape[0], shape[1]
+    hits = torch.rand(B, T, generator=gen) < 1.0 / 32
+    return hits.view(B, T, *([1] * (len(shape) - 2))).expand(shape)
 
 
 def materialize(case: Case, device: str | torch.device = "cpu") -> KDAInputs:

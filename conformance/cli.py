@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import secrets
 import shlex
 import signal
 import sys
@@ -15,6 +16,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kda_cases.case import Case
+from kda_cases.corpus import CORPUS_DIR, load_corpus, save_case
+from kda_cases.profiles import PROFILES, get_profile
+from kda_cases.strategies import draw_cases
 from kda_conformance.calibrate import (
     GATE_REGIMES,
     INITIAL_STATES,
@@ -55,6 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the conformance sweep and write a report")
     _common_arguments(run, default_dtypes=["bf16", "fp32"])
+    run.add_argument(
+        "--profile",
+        choices=list(PROFILES),
+        default=None,
+        help="instead of the first sweep: the committed corpus plus cases drawn for this profile",
+    )
+    run.add_argument("--examples", type=int, default=None, help="cases to draw for --profile (default: the profile's)")
+    corpus = sub.add_parser("corpus", help="list or add pinned cases (cases/corpus)")
+    corpus_sub = corpus.add_subparsers(dest="corpus_command", required=True)
+    corpus_sub.add_parser("list", help="print the pinned cases")
+    add = corpus_sub.add_parser("add", help="pin a case, or every failing case of a run file")
+    add.add_argument("--case", type=_arg(parse_case), default=None, metavar="JSON_OR_FILE")
+    add.add_argument("--from-run", type=Path, default=None, metavar="RUN_FILE", help="pin the run's failing cases")
+    add.add_argument("--why", default="", help="why the case matters (stored with it)")
+    add.add_argument("--dir", type=Path, default=CORPUS_DIR, help="corpus folder (default: cases/corpus)")
     run.add_argument(
         "--case",
         action="append",
@@ -183,7 +202,12 @@ def _sweep(
 
     Rows reach the run's partial file as they are measured, so even a killed process leaves them.
     """
-    recorder = RunRecorder({**environment(device), "command": args.command_line}, args.out)
+    env = {**environment(device), "command": args.command_line}
+    if getattr(args, "profile", None):
+        env["profile"] = args.profile
+        seed = getattr(args, "profile_seed", None)
+        env["seed"] = "" if seed is None else seed
+    recorder = RunRecorder(env, args.out)
     rows = recorder.rows
     failures: list[str] = []
     with Progress(
@@ -237,13 +261,18 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     if chosen is None:
         return 2
     device, backends = chosen
-    cases = args.cases or first_sweep_cases(
-        lengths=args.lengths or (37, 64, 65, 130),
-        dtypes=args.dtypes,
-        num_heads=args.heads,
-        head_dim=args.head_dim,
-        seed=args.seed,
-    )
+    if args.cases:
+        cases = args.cases
+    elif args.profile:
+        cases = _profile_cases(args, console)
+    else:
+        cases = first_sweep_cases(
+            lengths=args.lengths or (37, 64, 65, 130),
+            dtypes=args.dtypes,
+            num_heads=args.heads,
+            head_dim=args.head_dim,
+            seed=args.seed,
+        )
     frame, paths, failures = _sweep(cases, backends, device, args, console)
     run_id = frame["run_id"].iloc[0]
     console.print(_summary_table(frame))
@@ -255,6 +284,48 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     console.print(f"run {run_id}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     console.print(f"records: {paths['records']}\nsummary: {paths['summary_md']}")
     return 1 if counts.get("fail") or counts.get("error") else 0
+
+
+def _profile_cases(args: argparse.Namespace, console: Console) -> list[Case]:
+    """The corpus cases the profile admits, then freshly drawn ones (the seed goes into the report)."""
+    profile = get_profile(args.profile)
+    pinned = [e.case for e in load_corpus() if e.case.total_tokens <= profile.corpus_max_tokens]
+    seed = None if profile.derandomize else (args.seed or secrets.randbelow(2**31))
+    args.profile_seed = seed
+    drawn = draw_cases(profile, args.examples or profile.max_examples, seed)
+    how = "derandomized" if seed is None else f"seed {seed} (rerun with --seed {seed})"
+    console.print(f"profile {profile.name}: {len(pinned)} corpus cases, {len(drawn)} drawn, {how}")
+    return pinned + drawn
+
+
+def cmd_corpus(args: argparse.Namespace, console: Console) -> int:
+    if args.corpus_command == "list":
+        for entry in load_corpus():
+            console.print(f"{entry.case.id}  {entry.case.label}  [dim]{entry.why}[/]", highlight=False)
+        return 0
+    if (args.case is None) == (args.from_run is None):
+        console.print("[red]error:[/] corpus add takes exactly one of --case and --from-run")
+        return 2
+    if args.case is not None:
+        found = [(args.case, args.why or "added by hand")]
+    else:
+        try:
+            frame = read_run(args.from_run)
+        except (OSError, ValueError) as exc:
+            console.print(f"[red]error:[/] --from-run: {exc}")
+            return 2
+        bad = frame[frame["verdict"].isin(["fail", "error"])].drop_duplicates("case_id")
+        why = args.why or f"failed in run {frame['run_id'].iloc[0] if len(frame) else '?'}"
+        found = [
+            (Case.from_json(text), f"{why}: {backend} {tensor or 'raised'}")
+            for text, backend, tensor in zip(bad["case_json"], bad["backend"], bad["tensor"], strict=True)
+        ]
+    for case, why in found:
+        path, new = save_case(case, why, args.dir)
+        console.print(f"{'added' if new else 'already pinned'}: {path.name} ({case.label})", highlight=False)
+    if not found:
+        console.print("no failing cases in that run")
+    return 0
 
 
 def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
@@ -321,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(args, console)
         if args.command == "calibrate":
             return cmd_calibrate(args, console)
+        if args.command == "corpus":
+            return cmd_corpus(args, console)
     except SweepInterrupted as stop:
         console.print(f"partial records: {stop.paths['records']}")
         return 130

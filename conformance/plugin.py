@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 import shlex
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
+import hypothesis
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 from kda_cases.case import Case
+from kda_cases.profiles import Profile, get_profile
 from kda_conformance.sweep import (
     FIRST_SWEEP_LENGTHS,
     RECORD_LINE_HEADER,
@@ -26,6 +33,8 @@ from kda_conformance.sweep import (
 from kda_kernels import registry, triton_interpret
 
 RECORDS = pytest.StashKey[list[dict]]()
+PROFILE = pytest.StashKey[Profile]()
+SEED = pytest.StashKey[int | None]()
 RECORDER = pytest.StashKey[object]()
 
 
@@ -51,6 +60,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--kda-heads", type=int, default=2, help="first-sweep heads, H = HV (default: 2)")
     group.addoption("--kda-head-dim", type=int, default=64, help="first-sweep K = V (default: 64)")
     group.addoption("--kda-out", default="out", help="where a run's report goes (default: out)")
+    group.addoption(
+        "--kda-profile",
+        default=None,
+        help="sweep profile for the property tests: smoke, ci, nightly, long "
+        "(default: ci on a CPU, nightly on a GPU; also KDA_PROFILE)",
+    )
+    group.addoption(
+        "--kda-seed",
+        type=int,
+        default=None,
+        help="seed of a randomized profile's search (default: a fresh one, printed and recorded in the report)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -61,10 +82,42 @@ def pytest_configure(config: pytest.Config) -> None:
             registry.load_plugin(module)
         except registry.PluginError as exc:
             raise pytest.UsageError(f"--kda-plugin: {exc}") from None
+    _configure_profile(config)
     # On a CPU the FLA kernels run in Triton's interpreter, which must be switched on
     # before anything imports triton or fla (test modules included).
     if _device(config).type == "cpu" and not triton_interpret.problem():
         triton_interpret.enable()
+
+
+def _configure_profile(config: pytest.Config) -> None:
+    """Pick the profile and give Hypothesis its settings: no deadline, a failure database, the repro printed."""
+    name = config.getoption("--kda-profile") or os.environ.get("KDA_PROFILE")
+    if name is None:
+        name = "ci" if _device(config).type == "cpu" else "nightly"
+    try:
+        profile = get_profile(name)
+    except ValueError as exc:
+        raise pytest.UsageError(f"--kda-profile: {exc}") from None
+    seed = config.getoption("--kda-seed")
+    if seed is None and not profile.derandomize:
+        seed = secrets.randbelow(2**31)
+    config.stash[PROFILE] = profile
+    config.stash[SEED] = seed
+    settings.register_profile(
+        f"kda-{profile.name}",
+        max_examples=profile.max_examples,
+        deadline=None,
+        derandomize=profile.derandomize,
+        # A derandomized profile replays the same cases every run: no failure database to consult.
+        database=None if profile.derandomize else DirectoryBasedExampleDatabase(".hypothesis/kda-conformance"),
+        print_blob=True,
+        phases=[phase for phase in Phase if profile.shrinks or phase not in (Phase.shrink, Phase.explain)],
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+    )
+    settings.load_profile(f"kda-{profile.name}")
+    if seed is not None:
+        # What Hypothesis's own --hypothesis-seed does: every @given test starts from this seed.
+        hypothesis.core.global_force_seed = seed
 
 
 def _device(config: pytest.Config) -> torch.device:
@@ -107,6 +160,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("first_sweep_case", cases, ids=[c.id for c in cases])
 
 
+# Long GPU cases hold gigabytes of truth; a handful is enough for every backend to reuse a case.
+TRUTH_CACHE_SIZE = 4
+
+
+@pytest.fixture(scope="session")
+def kda_profile(request: pytest.FixtureRequest) -> Profile:
+    """The sweep profile chosen by --kda-profile (or KDA_PROFILE, or the device's default)."""
+    return request.config.stash[PROFILE]
+
+
 @pytest.fixture(scope="session")
 def kda_device(request: pytest.FixtureRequest) -> torch.device:
     return _device(request.config)
@@ -114,13 +177,16 @@ def kda_device(request: pytest.FixtureRequest) -> torch.device:
 
 @pytest.fixture(scope="session")
 def kda_truth() -> Callable[[Case, torch.device], CaseTruth]:
-    """Inputs, float64 truth and budgets per case, computed once per session."""
-    cache: dict[tuple[str, str], CaseTruth] = {}
+    """Inputs, float64 truth and budgets per case, kept for the last few cases (each backend reuses them)."""
+    cache: OrderedDict[tuple[str, str], CaseTruth] = OrderedDict()
 
     def get(case: Case, device: torch.device) -> CaseTruth:
         key = (case.id, str(device))
         if key not in cache:
             cache[key] = case_truth(case, device)
+            while len(cache) > TRUTH_CACHE_SIZE:
+                cache.popitem(last=False)
+        cache.move_to_end(key)
         return cache[key]
 
     return get
@@ -155,7 +221,9 @@ def _recorder(config: pytest.Config):  # type: ignore[no-untyped-def]
             config.stash[RECORDER] = None
         else:
             command = "pytest " + " ".join(shlex.quote(a) for a in config.invocation_params.args)
-            env = {**environment(_device(config)), "command": command}
+            profile, seed = config.stash[PROFILE], config.stash[SEED]
+            env = {**environment(_device(config)), "command": command, "profile": profile.name}
+            env["seed"] = "" if seed is None else seed
             config.stash[RECORDER] = RunRecorder(env, Path(config.getoption("--kda-out")))
     return config.stash[RECORDER]
 
@@ -167,6 +235,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("kda_device_dependent"):
             item.add_marker(getattr(pytest.mark, marker))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    seed = config.stash[SEED]
+    how = "derandomized" if seed is None else f"seed {seed} (rerun with --kda-seed {seed})"
+    return f"kda-conformance: device {_device(config)}, profile {config.stash[PROFILE].name}, {how}"
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]

@@ -110,7 +110,20 @@ def read_run(path: Path) -> pd.DataFrame:
     return pd.read_parquet(path)
 
 
-SUMMARY_COLUMNS = ["case_id", "label", "backend", "tensor", "verdict", "max_abs", "budget", "rel_rms", "seconds"]
+SUMMARY_COLUMNS = [
+    "case_id",
+    "label",
+    "backend",
+    "tensor",
+    "verdict",
+    "max_abs",
+    "budget",
+    "ratio",
+    "rel_rms",
+    "rel_rms_ratio",
+    "seconds",
+]
+WORST_SHOWN = 10
 
 
 def summary(records: pd.DataFrame) -> pd.DataFrame:
@@ -133,10 +146,26 @@ def summary_markdown(table: pd.DataFrame, env: dict, run_id: str) -> str:
         "Verdicts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
         "",
     ]
+    if env.get("profile"):
+        seed = env.get("seed")
+        head[-1:-1] = [
+            f"Profile {env['profile']}" + (f", seed {seed}." if seed not in (None, "") else ", derandomized.")
+        ]
+    worst = []
+    if {"ratio", "rel_rms_ratio"} <= set(table.columns) and len(table):
+        ranked = table.assign(worst=table[["ratio", "rel_rms_ratio"]].max(axis=1)).dropna(subset=["worst"])
+        top = ranked.sort_values("worst", ascending=False).head(WORST_SHOWN).drop(columns="worst")
+        worst = ["## Worst cases (largest error / limit)", "", _formatted(top).to_markdown(index=False), ""]
+    every = ["## Every record", "", _formatted(table).to_markdown(index=False), ""]
+    return "\n".join(head + worst + every)
+
+
+def _formatted(table: pd.DataFrame) -> pd.DataFrame:
     shown = table.copy()
     for col in ("max_abs", "budget", "rel_rms"):
         if col in shown:
             shown[col] = shown[col].map(lambda x: f"{x:.3g}" if pd.notna(x) else "")
-    if "seconds" in shown:
-        shown["seconds"] = shown["seconds"].map(lambda x: f"{x:.2f}" if pd.notna(x) else "")
-    return "\n".join(head) + shown.to_markdown(index=False) + "\n"
+    for col in ("ratio", "rel_rms_ratio", "seconds"):
+        if col in shown:
+            shown[col] = shown[col].map(lambda x: f"{x:.2f}" if pd.notna(x) else "")
+    return shown

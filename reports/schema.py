@@ -62,5 +62,7 @@ RECORD_COLUMNS: dict[str, str] = {
     "env_date": "UTC time the run started, ISO 8601",
     "env_run_id": "the run id again, as stored in the environment file",
     "env_complete": "False when the run was interrupted (Ctrl-C, a time limit) and holds only what was measured",
+    "env_profile": "sweep profile (`smoke`, `ci`, `nightly`, `long`) of a profile run",
+    "env_seed": "seed of a randomized profile's draw ('' when derandomized); rerun with it to get the same cases",
     "env_command": "the command line that produced the run (`kda-conformance ...` or `pytest ...`)",
 }

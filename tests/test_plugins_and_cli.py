@@ -74,7 +74,7 @@ def test_pytest_run_with_plugin_leaves_a_report(tmp_path: Path) -> None:
             sys.executable,
             "-m",
             "pytest",
-            "conformance",
+            "conformance/test_first_sweep.py",
             "-q",
             "--kda-device",
             "cpu",

@@ -69,10 +69,9 @@ def test_zero_baseline_error_still_gives_a_positive_budget() -> None:
     exact = tensor_error("o", torch.ones(1, 4, 1, 2, dtype=F64), torch.ones(1, 4, 1, 2, dtype=F64))
     assert exact.max_abs == 0.0
     budget = derive_budget(CASE, "o", exact, reference_max_abs=3.0)
-    steps = 2.0 * UNIT_ROUNDOFF["fp32"]  # sqrt(4 tokens) float32 steps
-    max_abs_floor = (UNIT_ROUNDOFF["bf16"] + 5 * steps) * 3.0
-    assert budget.max_abs.binding == "floor" and budget.max_abs.value == pytest.approx(max_abs_floor)
-    assert budget.rel_rms.binding == "floor" and budget.rel_rms.value == pytest.approx(UNIT_ROUNDOFF["bf16"] + steps)
+    floor = UNIT_ROUNDOFF["bf16"] + 5 * 2.0 * UNIT_ROUNDOFF["fp32"]  # lambda sqrt(4 tokens) float32 steps
+    assert budget.max_abs.binding == "floor" and budget.max_abs.value == pytest.approx(floor * 3.0)
+    assert budget.rel_rms.binding == "floor" and budget.rel_rms.value == pytest.approx(floor)
 
 
 def test_rule_scales_the_baseline_and_caps_a_broken_one() -> None:
@@ -95,7 +94,7 @@ def test_state_budgets_use_the_state_dtype() -> None:
     assert bf16_state.max_abs.value == pytest.approx(2.0**-8 + 10 * 2.0**-24)
 
 
-@pytest.mark.parametrize("field", ["max_abs_factor", "rel_rms_factor", "floor_ulps", "max_abs_spread"])
+@pytest.mark.parametrize("field", ["max_abs_factor", "rel_rms_factor", "floor_ulps", "floor_lambda"])
 def test_rule_constants_must_be_positive(field: str) -> None:
     with pytest.raises(ValueError, match=f"BudgetRule.{field} must be a positive finite number"):
         BudgetRule(**{field: 0.0})

@@ -1,0 +1,65 @@
+"""Named sweep profiles: how many cases, how large, how they are searched.
+
+``smoke`` takes seconds, ``ci`` is the CPU tier (minutes, derandomized, so CI
+runs the same cases every time), ``nightly`` is the GPU sweep (hundreds of
+cases up to 128K tokens, a fresh seed each night, searching toward the worst
+error/budget), ``long`` only 32K tokens and more. Pytest selects one with
+``--kda-profile``, the CLI with ``kda-conformance run --profile``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kda_cases.case import DTYPES
+
+# Lengths on and around the kernels' boundaries: sub-chunks (16), chunks (32, 64), FlashKDA's
+# segments (2048 = 64 chunks of 32), and long contexts up to 128K.
+BOUNDARY_LENGTHS = (1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 2016, 2047, 2048, 2049, 8191, 8192, 8193, 32768, 131072)
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    max_examples: int  # per property and backend
+    max_total_tokens: int  # per case; corpus cases above it are skipped with that reason
+    min_length: int  # the longest sequence of a drawn case is at least this
+    max_seqs: int
+    max_heads: int
+    head_dims: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    derandomize: bool  # the same cases on every run (CI); otherwise a seed per run, recorded
+    targeted: bool  # steer the search toward large error/budget ratios (hypothesis.target)
+    # Only gates with a lower bound (safe_gate). The CPU tiers need it: FLA's other gate path takes
+    # 40 to 60 s per call for 100 tokens in Triton's interpreter against about 1 s for the safe gate.
+    safe_gates_only: bool = False
+    # Corpus cases longer than this are skipped, with that reason (the CPU tiers cannot afford 2K tokens
+    # through FLA's interpreted kernels: 2 minutes for the recurrent kernel alone).
+    corpus_max_tokens: int = 2**40
+
+    @property
+    def shrinks(self) -> bool:
+        """Whether a failure is shrunk to a minimal case. The CPU tiers skip it: with kernels in
+        Triton's interpreter shrinking takes many minutes, and the failing case is printed anyway."""
+        return not self.derandomize
+
+    def allows(self, total_tokens: int) -> bool:
+        return total_tokens <= self.max_total_tokens
+
+
+PROFILES: dict[str, Profile] = {
+    profile.name: profile
+    for profile in (
+        # The CPU tiers run FLA in Triton's interpreter (seconds per call): small cases, few of them.
+        Profile("smoke", 2, 64, 1, 2, 2, (32,), ("bf16",), True, False, safe_gates_only=True, corpus_max_tokens=64),
+        Profile("ci", 4, 96, 1, 3, 2, (32,), DTYPES, True, False, safe_gates_only=True, corpus_max_tokens=256),
+        Profile("nightly", 200, 2 * 131072, 1, 6, 16, (64, 128), DTYPES, False, True),
+        Profile("long", 20, 2 * 131072, 32768, 2, 16, (128,), ("bf16", "fp16"), False, True),
+    )
+}
+
+
+def get_profile(name: str) -> Profile:
+    if name not in PROFILES:
+        raise ValueError(f"profile {name!r} is not defined; choose from {', '.join(PROFILES)}")
+    return PROFILES[name]

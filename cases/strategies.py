@@ -1,0 +1,131 @@
+"""Hypothesis strategies for cases: small choices drawn by Hypothesis, tensors built from the drawn seed.
+
+Drawing tensors through Hypothesis would be slow and shrink badly; a Case is a
+handful of discrete choices, which shrink well (fewer tokens, fewer heads,
+simpler regimes) and whose tensors ``materialize`` builds from ``seed``.
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from kda_cases.case import BETA_REGIMES, GATE_REGIMES, INITIAL_STATES, STATE_LAYOUTS, Case
+from kda_cases.profiles import BOUNDARY_LENGTHS, Profile
+
+CHECKPOINT_GRIDS = (16, 32, 64)
+LOWER_BOUNDS = (-5.0, -1.0, -0.01)  # -0.01: the weak-gate bound of AITER's correlated-keys test
+KEY_RHOS = (0.9, 0.99, 1.0)
+
+
+def lengths(profile: Profile, most: int, least: int = 1) -> st.SearchStrategy[int]:
+    """One sequence length in [least, most]: a boundary length half of the time, any length otherwise."""
+    near = [n for n in BOUNDARY_LENGTHS if least <= n <= most]
+    anywhere = st.integers(min_value=least, max_value=most)
+    return st.one_of(st.sampled_from(near), anywhere) if near else anywhere
+
+
+@st.composite
+def seq_lens(draw: st.DrawFn, profile: Profile) -> tuple[tuple[int, ...], bool]:
+    """Sequence lengths and whether they are packed; packed batches may hold zero-length members."""
+    budget = profile.max_total_tokens
+    first = draw(lengths(profile, min(budget, BOUNDARY_LENGTHS[-1]), max(1, profile.min_length)))
+    count = draw(st.integers(min_value=1, max_value=profile.max_seqs))
+    if count == 1:
+        return (first,), draw(st.booleans())
+    if draw(st.booleans()) and first * count <= budget:  # a [B, T] batch: equal lengths
+        return (first,) * count, False
+    lens = [first]
+    for _ in range(count - 1):
+        left = budget - sum(lens)
+        lens.append(draw(st.one_of(st.just(0), lengths(profile, left, 1))) if left > 0 else 0)
+    order = draw(st.permutations(lens))
+    return tuple(order), True
+
+
+@st.composite
+def checkpoints(draw: st.DrawFn, lens: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """State checkpoints on the 16/32/64 grids and off them, including 0 and the sequence end."""
+    if not draw(st.booleans()):
+        return ()
+    marks = set()
+    for _ in range(draw(st.integers(min_value=1, max_value=3))):
+        seq = draw(st.integers(min_value=0, max_value=len(lens) - 1))
+        n = lens[seq]
+        grid = draw(st.sampled_from(CHECKPOINT_GRIDS))
+        on_grid = st.integers(min_value=0, max_value=n // grid).map(lambda k, g=grid: k * g)
+        marks.add((seq, draw(st.one_of(on_grid, st.integers(min_value=0, max_value=n)))))
+    return tuple(sorted(marks))
+
+
+@st.composite
+def cases(draw: st.DrawFn, profile: Profile) -> Case:
+    """A case within ``profile``'s limits, every axis of the suite drawn."""
+    lens, packed = draw(seq_lens(profile))
+    heads = draw(st.integers(min_value=1, max_value=profile.max_heads))
+    group = draw(st.sampled_from([g for g in (1, 2, 4) if heads * g <= profile.max_heads] or [1]))
+    head_k_dim = draw(st.sampled_from(profile.head_dims))
+    head_v_dim = draw(st.one_of(st.just(head_k_dim), st.sampled_from(profile.head_dims)))
+    forms = ("lower_bound", "lower_bound", "log") if profile.safe_gates_only else ("lower_bound", "softplus", "log")
+    gate = draw(st.sampled_from(forms))
+    if gate == "lower_bound":
+        lower_bound, safe_gate = draw(st.sampled_from(LOWER_BOUNDS)), True
+    elif gate == "log":
+        bounds = st.sampled_from(LOWER_BOUNDS)
+        lower_bound = draw(bounds if profile.safe_gates_only else st.one_of(st.none(), bounds))
+        safe_gate = lower_bound is not None
+    else:
+        lower_bound, safe_gate = None, False
+    key_regime = draw(st.sampled_from(("random", "random", "correlated", "repeated")))
+    return Case(
+        seq_lens=lens,
+        packed=packed,
+        num_heads=heads,
+        num_v_heads=heads * group,
+        head_k_dim=head_k_dim,
+        head_v_dim=head_v_dim,
+        dtype=draw(st.sampled_from(profile.dtypes)),
+        state_dtype=draw(st.sampled_from(("fp32", "fp32", "bf16"))),
+        gate=gate,
+        lower_bound=lower_bound,
+        safe_gate=safe_gate,
+        gate_regime=draw(st.sampled_from(GATE_REGIMES)),
+        key_regime=key_regime,
+        key_rho=draw(st.sampled_from(KEY_RHOS)) if key_regime == "correlated" else 0.0,
+        beta_regime=draw(st.sampled_from(BETA_REGIMES)),
+        l2norm_in_kernel=draw(st.booleans()),
+        beta_sigmoid_in_kernel=draw(st.booleans()),
+        initial_state=draw(st.sampled_from(INITIAL_STATES)),
+        state_layout=draw(st.sampled_from(STATE_LAYOUTS)),
+        checkpoints=draw(checkpoints(lens)),
+        seed=draw(st.integers(min_value=0, max_value=2**31 - 1)),
+        tags=(f"profile:{profile.name}",),
+    )
+
+
+def draw_cases(profile: Profile, count: int, seed: int | None = None) -> list[Case]:
+    """``count`` distinct cases of ``profile`` outside pytest (for ``kda-conformance run --profile``).
+
+    With ``seed`` the draw is reproducible; a derandomized profile ignores it and always gives the same cases.
+    """
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as fixed_seed
+
+    drawn: dict[str, Case] = {}
+
+    @settings(
+        max_examples=max(1, count) * 4,
+        database=None,
+        derandomize=profile.derandomize,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(cases(profile))
+    def collect(case: Case) -> None:
+        if len(drawn) < count:
+            drawn.setdefault(case.id, case)
+
+    if seed is not None and not profile.derandomize:
+        collect = fixed_seed(seed)(collect)
+    collect()
+    return list(drawn.values())

@@ -1,0 +1,107 @@
+"""Hypothesis strategies and profiles, the committed corpus, and `kda-conformance run --profile` / `corpus add`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from kda_cases.case import Case
+from kda_cases.corpus import load_corpus, save_case
+from kda_cases.profiles import BOUNDARY_LENGTHS, PROFILES, get_profile
+from kda_cases.strategies import cases, draw_cases
+from kda_conformance.cli import main
+from kda_reports.runfile import read_run, record_run
+
+
+@pytest.mark.parametrize("name", list(PROFILES))
+def test_drawn_cases_respect_their_profile(name: str) -> None:
+    profile = get_profile(name)
+    seen: list[Case] = []
+
+    @settings(max_examples=60, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(cases(profile))
+    def check(case: Case) -> None:
+        seen.append(case)
+        assert case.total_tokens <= profile.max_total_tokens
+        assert case.max_len >= profile.min_length
+        assert case.num_v_heads <= profile.max_heads and case.head_k_dim in profile.head_dims
+        assert case.dtype in profile.dtypes
+        if profile.safe_gates_only:
+            assert case.safe_gate and case.lower_bound is not None
+        for seq, tokens in case.checkpoints:
+            assert 0 <= tokens <= case.seq_lens[seq]
+
+    check()
+    lens = {n for case in seen for n in case.seq_lens}
+    assert lens & set(BOUNDARY_LENGTHS), "no boundary length drawn"
+
+
+def test_axes_are_all_reached_in_the_nightly_profile() -> None:
+    drawn = draw_cases(get_profile("nightly"), 150, seed=1)
+    assert {c.gate for c in drawn} == {"lower_bound", "softplus", "log"}
+    assert {c.gate_regime for c in drawn} == {"typical", "weak", "strong", "reset"}
+    assert {c.key_regime for c in drawn} == {"random", "correlated", "repeated"}
+    assert {c.initial_state for c in drawn} == {"none", "random", "large"}
+    assert {c.state_layout for c in drawn} == {"k_first", "v_first"}
+    assert {c.state_dtype for c in drawn} == {"fp32", "bf16"}
+    assert any(c.packed and 0 in c.seq_lens for c in drawn), "no zero-length member"
+    assert any(c.num_v_heads > c.num_heads for c in drawn), "no GVA"
+    assert any(c.checkpoints for c in drawn)
+
+
+def test_a_seed_draws_the_same_cases_and_another_seed_others() -> None:
+    nightly = get_profile("nightly")
+    first, again, other = draw_cases(nightly, 5, 7), draw_cases(nightly, 5, 7), draw_cases(nightly, 5, 8)
+    assert [c.id for c in first] == [c.id for c in again] != [c.id for c in other]
+    assert [c.id for c in draw_cases(get_profile("ci"), 4, 1)] == [c.id for c in draw_cases(get_profile("ci"), 4, 2)]
+
+
+def test_unknown_profile_is_named() -> None:
+    with pytest.raises(ValueError, match="profile 'weekly' is not defined; choose from smoke, ci, nightly, long"):
+        get_profile("weekly")
+
+
+def test_committed_corpus_is_valid_and_named_by_id() -> None:
+    entries = load_corpus()
+    assert len(entries) >= 10
+    for entry in entries:
+        assert entry.path.name == f"{entry.case.id}.json" and entry.why
+    lengths = {entry.case.max_len for entry in entries}
+    assert {37, 2048, 131072} <= lengths
+
+
+def test_save_case_is_idempotent_and_bad_files_are_named(tmp_path: Path) -> None:
+    case = Case(seq_lens=(5,))
+    path, new = save_case(case, "why", tmp_path)
+    assert new and save_case(case, "again", tmp_path) == (path, False)
+    assert [e.case for e in load_corpus(tmp_path)] == [case]
+    (tmp_path / "broken.json").write_text(json.dumps({"case": {"seq_lens": [3], "dtype": "int8"}}))
+    with pytest.raises(ValueError, match=r"corpus file broken\.json is not a valid entry: dtype"):
+        load_corpus(tmp_path)
+
+
+def test_corpus_add_pins_the_failing_cases_of_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad, good = Case(seq_lens=(7,)), Case(seq_lens=(9,))
+    rows = [
+        {"case_id": bad.id, "case_json": bad.to_json(), "backend": "k", "tensor": "o", "verdict": "fail"},
+        {"case_id": good.id, "case_json": good.to_json(), "backend": "k", "tensor": "o", "verdict": "pass"},
+    ]
+    _, paths = record_run(rows, {"device_type": "cpu"}, tmp_path / "out")
+    assert main(["corpus", "add", "--from-run", str(paths["records"]), "--dir", str(tmp_path / "corpus")]) == 0
+    assert [e.case for e in load_corpus(tmp_path / "corpus")] == [bad]
+    assert "added" in capsys.readouterr().out
+    assert main(["corpus", "add", "--dir", str(tmp_path / "corpus")]) == 2
+
+
+def test_cli_profile_run_records_profile_and_cases(tmp_path: Path) -> None:
+    assert (
+        main(["run", "--profile", "smoke", "--backend", "torch_chunk", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    )
+    [path] = (tmp_path / "runs").glob("*.parquet")
+    frame = read_run(path)
+    assert set(frame["env_profile"]) == {"smoke"} and set(frame["env_seed"]) == {""}
+    pinned = {e.case.id for e in load_corpus() if e.case.total_tokens <= get_profile("smoke").corpus_max_tokens}
+    assert pinned < set(frame["case_id"])
