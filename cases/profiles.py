@@ -52,7 +52,7 @@ PROFILES: dict[str, Profile] = {
     for profile in (
         # The CPU tiers run FLA in Triton's interpreter (seconds per call): small cases, few of them.
         Profile("smoke", 2, 64, 1, 2, 2, (32,), ("bf16",), True, False, safe_gates_only=True, corpus_max_tokens=64),
-        Profile("ci", 4, 96, 1, 3, 2, (32,), DTYPES, True, False, safe_gates_only=True, corpus_max_tokens=256),
+        Profile("ci", 3, 96, 1, 3, 2, (32,), DTYPES, True, False, safe_gates_only=True, corpus_max_tokens=256),
         Profile("nightly", 200, 2 * 131072, 1, 6, 16, (64, 128), DTYPES, False, True),
         Profile("long", 20, 2 * 131072, 32768, 2, 16, (128,), ("bf16", "fp16"), False, True),
     )
