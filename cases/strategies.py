@@ -7,6 +7,8 @@ simpler regimes) and whose tensors ``materialize`` builds from ``seed``.
 
 from __future__ import annotations
 
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as fixed_seed
 from hypothesis import strategies as st
 
 from kda_cases.case import BETA_REGIMES, GATE_REGIMES, INITIAL_STATES, STATE_LAYOUTS, Case
@@ -107,9 +109,6 @@ def draw_cases(profile: Profile, count: int, seed: int | None = None) -> list[Ca
 
     With ``seed`` the draw is reproducible; a derandomized profile ignores it and always gives the same cases.
     """
-    from hypothesis import HealthCheck, Phase, given, settings
-    from hypothesis import seed as fixed_seed
-
     drawn: dict[str, Case] = {}
 
     @settings(

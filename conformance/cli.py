@@ -27,6 +27,7 @@ from kda_conformance.calibrate import (
     calibration_table,
 )
 from kda_conformance.sweep import (
+    FIRST_SWEEP_LENGTHS,
     Outcome,
     first_sweep_cases,
     outcome_records,
@@ -267,7 +268,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         cases = _profile_cases(args, console)
     else:
         cases = first_sweep_cases(
-            lengths=args.lengths or (37, 64, 65, 130),
+            lengths=args.lengths or FIRST_SWEEP_LENGTHS,
             dtypes=args.dtypes,
             num_heads=args.heads,
             head_dim=args.head_dim,
@@ -336,7 +337,7 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
         return 2
     device, backends = chosen
     cases = calibration_cases(
-        lengths=args.lengths or (37, 64, 65, 130),
+        lengths=args.lengths or FIRST_SWEEP_LENGTHS,
         dtypes=args.dtypes,
         num_heads=args.heads,
         head_dim=args.head_dim,

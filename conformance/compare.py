@@ -51,15 +51,16 @@ def tensor_error(name: str, got: torch.Tensor | None, want: torch.Tensor) -> Ten
         )
     got64 = got.detach().to(device=want.device, dtype=torch.float64)
     nonfinite = int((~torch.isfinite(got64)).sum())
-    diff = (got64 - want).abs()
+    raw = (got64 - want).abs()
+    finite = torch.isfinite(raw)
     # NaN must never slip through a comparison: non-finite entries count as infinite error.
-    diff = torch.where(torch.isfinite(diff), diff, torch.full_like(diff, math.inf))
+    diff = torch.where(finite, raw, torch.full_like(raw, math.inf))
     ref_rms = float(want.pow(2).mean().sqrt()) if want.numel() else 0.0
     max_abs = float(diff.max()) if diff.numel() else 0.0
     err_rms = float(diff.pow(2).mean().sqrt()) if diff.numel() else 0.0
     tiny = torch.finfo(torch.float64).tiny
     # Per index, a non-finite value stays NaN so that it is "bad" against any budget, infinite ones included.
-    located = torch.where(torch.isfinite(diff), diff, torch.full_like(diff, math.nan))
+    located = torch.where(finite, raw, torch.full_like(raw, math.nan))
     per_index = located.amax(dim=-1) if name == "o" else located.flatten(2).amax(dim=-1)
     curve: tuple[float, ...] = ()
     if name == "o" and diff.numel():

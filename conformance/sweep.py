@@ -22,7 +22,7 @@ from kda_conformance.tolerance import (
     judge,
     returned_dtype,
 )
-from kda_kernels.protocol import Backend, Unsupported
+from kda_kernels.protocol import Backend, BackendOutput, Unsupported
 from kda_kernels.torch_chunk import TorchChunk
 from kda_reference.recurrent import ReferenceResult
 from kda_reference.run import reference_form, run_reference
@@ -174,11 +174,15 @@ def run_backend(truth: CaseTruth, backend: Backend) -> Outcome:
             time.perf_counter() - start,
         )
     seconds = time.perf_counter() - start
-    verdicts = tuple(
-        judge(case, err, truth.budgets[err.tensor], returned_dtype(result, err.tensor))
-        for err in compare(case, truth.reference, result)
+    return Outcome(case, backend.name, device, "ran", "", seconds, judge_result(truth, result), truth.reference_form)
+
+
+def judge_result(truth: CaseTruth, result: BackendOutput) -> tuple[TensorVerdict, ...]:
+    """A verdict on every tensor ``result`` holds, against the case's truth and budgets."""
+    return tuple(
+        judge(truth.case, err, truth.budgets[err.tensor], returned_dtype(result, err.tensor))
+        for err in compare(truth.case, truth.reference, result)
     )
-    return Outcome(case, backend.name, device, "ran", "", seconds, verdicts, truth.reference_form)
 
 
 def outcome_records(outcome: Outcome) -> list[dict]:

@@ -188,7 +188,6 @@ def _chunked(p: Prepared, C: int, r: Callable[[torch.Tensor], torch.Tensor]) -> 
     o = torch.zeros(B * T, HV, V, dtype=dtype, device=device)
     o[index[valid]] = out.transpose(1, 2)[valid]
     o = o.reshape(B, T, HV, V)
-    final, saved = S, saved
     if p.state_v_first:
-        final, saved = final.transpose(-1, -2), saved.transpose(-1, -2)
-    return ReferenceResult(o=o, final_state=final.contiguous(), checkpoint_states=saved.contiguous())
+        S, saved = S.transpose(-1, -2), saved.transpose(-1, -2)
+    return ReferenceResult(o=o, final_state=S.contiguous(), checkpoint_states=saved.contiguous())
