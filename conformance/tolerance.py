@@ -6,7 +6,8 @@ calibration behind it)::
 
     limit    = min(cap, max(factor * baseline, floor))
     baseline = the metric of the same-precision PyTorch baseline (backend ``torch_chunk``) on the case
-    floor    = u(stored dtype) + 5 sqrt(n) u(fp32)   (times max|reference| for max-abs)
+    floor    = u(stored dtype) + 5 sqrt(n) u(fp32)   for rel-RMS
+               (u(stored dtype) + sqrt(25 + 2 ln N) sqrt(n) u(fp32)) max|reference|   for max-abs
     cap      = sqrt(u(working dtype))               (times max|reference| for max-abs)
 
 ``u`` is the unit roundoff (2^-8 for bf16, 2^-11 for fp16, 2^-24 for fp32) and
@@ -19,7 +20,10 @@ accumulation every kernel does in float32 whatever the order of its
 arithmetic. A token-serial kernel rounds its state once per token and a
 chunked one once per chunk, so a float32 baseline of one order does not bound
 the other (FLA's recurrent kernel with weak gates and repeated keys carries an
-fp32 error 7 times the chunked baseline's). The cap (half the
+fp32 error 7 times the chunked baseline's). Max-abs is the largest of ``N``
+elements' errors, so its floor widens lambda to sqrt(lambda^2 + 2 ln N), at which
+the maximum stays below it with the same probability (a union bound over the
+elements). The cap (half the
 working precision's digits) keeps a baseline that itself breaks down from
 excusing a kernel that breaks down with it. Max-abs is the headline metric; its factor is
 larger because a maximum over millions of elements is a noisy statistic, while
@@ -106,12 +110,16 @@ def derive_budget(
     baseline: TensorError,
     reference_max_abs: float,
     rule: BudgetRule = DEFAULT_RULE,
+    elements: int = 1,
 ) -> Budget:
-    """Apply the rule to one tensor, given the baseline's errors on it and the reference's largest magnitude."""
+    """Apply the rule to one tensor, given the baseline's errors on it, the reference's largest magnitude
+    and the tensor's number of elements (the max-abs floor covers the largest of that many errors)."""
     stored = UNIT_ROUNDOFF[stored_dtype(case, tensor)]
     working = max(UNIT_ROUNDOFF[case.dtype], stored)
-    floor_rel_rms = rule.floor_ulps * stored + rule.floor_lambda * math.sqrt(max(case.seq_lens)) * UNIT_ROUNDOFF["fp32"]
-    floor_max_abs = floor_rel_rms * reference_max_abs
+    growth = math.sqrt(max(case.seq_lens)) * UNIT_ROUNDOFF["fp32"]
+    floor_rel_rms = rule.floor_ulps * stored + rule.floor_lambda * growth
+    lambda_max = math.sqrt(rule.floor_lambda**2 + 2 * math.log(max(elements, 1)))
+    floor_max_abs = (rule.floor_ulps * stored + lambda_max * growth) * reference_max_abs
     cap = math.sqrt(working)
     return Budget(
         tensor,
@@ -129,7 +137,7 @@ def case_budgets(
     for err in baseline_errors:
         ref = wanted[err.tensor]
         ref_max = float(ref.abs().max()) if ref.numel() else 0.0
-        budgets[err.tensor] = derive_budget(case, err.tensor, err, ref_max, rule)
+        budgets[err.tensor] = derive_budget(case, err.tensor, err, ref_max, rule, elements=ref.numel())
     return budgets
 
 

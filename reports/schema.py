@@ -40,7 +40,8 @@ RECORD_COLUMNS: dict[str, str] = {
     "budget_rel_rms": "rel-RMS limit from the tolerance rule",
     "rel_rms_ratio": "rel_rms / budget_rel_rms",
     "budget_baseline": "max-abs error of the same-precision baseline (torch_chunk) on this case",
-    "budget_floor": "max-abs rounding floor: (u(stored dtype) + 5 sqrt(longest sequence) u(fp32)) x max|truth|",
+    "budget_floor": "max-abs rounding floor: (u(stored dtype) + sqrt(25 + 2 ln N) sqrt(longest sequence) u(fp32)) "
+    "x max|truth|, N the tensor's elements",
     "budget_cap": "max-abs cap: sqrt(u(working dtype)) x max|truth|",
     "budget_binding": "which term set the max-abs limit: `baseline`, `floor` or `cap`",
     "baseline_rel_rms": "rel-RMS error of the same-precision baseline on this case",
