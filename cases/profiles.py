@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kda_cases.case import DTYPES
+from kda_cases.case import DTYPES, Case
 
 # Lengths on and around the kernels' boundaries: sub-chunks (16), chunks (32, 64), FlashKDA's
 # segments (2048 = 64 chunks of 32), and long contexts up to 128K.
@@ -33,26 +33,74 @@ class Profile:
     # Only gates with a lower bound (safe_gate). The CPU tiers need it: FLA's other gate path takes
     # 40 to 60 s per call for 100 tokens in Triton's interpreter against about 1 s for the safe gate.
     safe_gates_only: bool = False
-    # Corpus cases longer than this are skipped, with that reason (the CPU tiers cannot afford 2K tokens
-    # through FLA's interpreted kernels: 2 minutes for the recurrent kernel alone).
+    # Corpus cases longer than this are skipped for interpreted backends, with that reason (the CPU tiers
+    # cannot afford 2K tokens through FLA's interpreted kernels: 2 minutes for the recurrent kernel alone).
     corpus_max_tokens: int = 2**40
+    # Corpus cases with more work than this (tokens x value heads x K x V) are skipped for every backend:
+    # on the CPU the float64 reference and the baseline take 5 s and 4 s for 2048 tokens x 8 heads x 128^2.
+    corpus_max_work: int = 2**60
 
     @property
     def shrinks(self) -> bool:
-        """Whether a failure is shrunk to a minimal case. The CPU tiers skip it: with kernels in
-        Triton's interpreter shrinking takes many minutes, and the failing case is printed anyway."""
-        return not self.derandomize
+        """Whether a failure is shrunk to a minimal case: never. With compiled kernels every shrunk case is a
+        new shape and a new Triton compile (on the H200 one fp32 failure's shrinking took the rest of a
+        540 s nightly slot, about 450 s, and no other property ran); under the CPU interpreter it takes
+        minutes. The failing case is printed whole, with its repro line, and kept in the failure database."""
+        return False
 
     def allows(self, total_tokens: int) -> bool:
         return total_tokens <= self.max_total_tokens
+
+    def corpus_skip(self, case: Case, interpreted: bool) -> str | None:
+        """Why a corpus case does not run in this profile (None when it runs)."""
+        work = case.total_tokens * case.num_v_heads * case.head_k_dim * case.head_v_dim
+        if work > self.corpus_max_work:
+            return (
+                f"{case.total_tokens} tokens x {case.num_v_heads} heads x {case.head_k_dim}x{case.head_v_dim} exceed "
+                f"the {self.name} profile's corpus work limit (it runs in the nightly and long profiles)"
+            )
+        if interpreted and case.total_tokens > self.corpus_max_tokens:
+            return (
+                f"{case.total_tokens} tokens exceed the {self.name} profile's corpus limit of "
+                f"{self.corpus_max_tokens} for interpreted backends (it runs in the nightly and long profiles)"
+            )
+        return None
 
 
 PROFILES: dict[str, Profile] = {
     profile.name: profile
     for profile in (
         # The CPU tiers run FLA in Triton's interpreter (seconds per call): small cases, few of them.
-        Profile("smoke", 2, 64, 1, 2, 2, (32,), ("bf16",), True, False, safe_gates_only=True, corpus_max_tokens=64),
-        Profile("ci", 3, 96, 1, 3, 2, (32,), DTYPES, True, False, safe_gates_only=True, corpus_max_tokens=256),
+        Profile(
+            "smoke",
+            2,
+            64,
+            1,
+            2,
+            2,
+            (32,),
+            ("bf16",),
+            True,
+            False,
+            safe_gates_only=True,
+            corpus_max_tokens=64,
+            corpus_max_work=2**22,
+        ),
+        Profile(
+            "ci",
+            3,
+            96,
+            1,
+            3,
+            2,
+            (32,),
+            DTYPES,
+            True,
+            False,
+            safe_gates_only=True,
+            corpus_max_tokens=256,
+            corpus_max_work=2**23,
+        ),
         Profile("nightly", 200, 2 * 131072, 1, 6, 16, (64, 128), DTYPES, False, True),
         Profile("long", 20, 2 * 131072, 32768, 2, 16, (128,), ("bf16", "fp16"), False, True),
     )

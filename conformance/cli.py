@@ -26,6 +26,7 @@ from kda_conformance.calibrate import (
     calibration_markdown,
     calibration_table,
 )
+from kda_conformance.repro import CHECKS as REPRO_CHECKS
 from kda_conformance.sweep import (
     FIRST_SWEEP_LENGTHS,
     Outcome,
@@ -41,6 +42,7 @@ from kda_conformance.sweep import (
 from kda_conformance.tolerance import failure_message
 from kda_kernels import registry
 from kda_kernels.protocol import Backend
+from kda_kernels.serving import POISON_MODES
 from kda_reports.environment import environment
 from kda_reports.runfile import DEFAULT_OUT, RunRecorder, read_run
 
@@ -108,6 +110,44 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="RUN_FILE",
         help="build the table from these run files (.parquet or .records.jsonl) instead of running cases",
+    )
+    detection = sub.add_parser(
+        "detection",
+        help="run the properties and the corpus for some backends (say, planted bugs) and tabulate what caught each",
+    )
+    detection.add_argument(
+        "--plugin", action="append", default=[], metavar="MODULE", help="module that registers backends (repeatable)"
+    )
+    detection.add_argument(
+        "--backend",
+        action="append",
+        dest="backends",
+        metavar="NAME",
+        help="backend to run, repeatable (default: every backend the plugins register)",
+    )
+    detection.add_argument(
+        "--plugin-backends", action="store_true", help="with --backend: also every backend the plugins register"
+    )
+    detection.add_argument("--profile", choices=list(PROFILES), default="ci", help="sweep profile (default: ci)")
+    detection.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    detection.add_argument("--seed", type=int, default=None, help="seed of a randomized profile")
+    detection.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: ./out)")
+    detection.add_argument("--table", type=Path, default=None, help="also write the markdown table to this file")
+    repro = sub.add_parser(
+        "repro", help="rebuild one case through the serving harness, say where it goes wrong, write a standalone test"
+    )
+    repro.add_argument(
+        "--case", required=True, metavar="JSON_FILE_OR_ID", help="case JSON, a .json file, or a corpus id"
+    )
+    repro.add_argument("--backend", required=True, metavar="NAME")
+    repro.add_argument("--plugin", action="append", default=[], metavar="MODULE", help="module that registers backends")
+    repro.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    repro.add_argument(
+        "--poison", default="nan", choices=POISON_MODES, help="what fills forbidden memory (default: nan)"
+    )
+    repro.add_argument("--check", default="poison", choices=REPRO_CHECKS, help="which serving check (default: poison)")
+    repro.add_argument(
+        "--write-test", type=Path, default=None, metavar="FILE", help="also write a standalone pytest file"
     )
     return parser
 
@@ -290,7 +330,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 def _profile_cases(args: argparse.Namespace, console: Console) -> list[Case]:
     """The corpus cases the profile admits, then freshly drawn ones (the seed goes into the report)."""
     profile = get_profile(args.profile)
-    pinned = [e.case for e in load_corpus() if e.case.total_tokens <= profile.corpus_max_tokens]
+    # One case list serves every backend here, so the interpreted backends' (tighter) corpus limit applies.
+    pinned = [e.case for e in load_corpus() if profile.corpus_skip(e.case, interpreted=True) is None]
     seed = None if profile.derandomize else (args.seed or secrets.randbelow(2**31))
     args.profile_seed = seed
     drawn = draw_cases(profile, args.examples or profile.max_examples, seed)
@@ -381,6 +422,66 @@ def _write_calibration(frame: pd.DataFrame, commands: list[str], args: argparse.
         console.print(f"table: {args.table}")
 
 
+def cmd_repro(args: argparse.Namespace, console: Console) -> int:
+    from kda_conformance.repro import plan_lines, resolve_case, run_check, write_standalone
+    from kda_conformance.serving import serving_case
+
+    try:
+        case = resolve_case(args.case)
+        args.backends = [args.backend]
+        chosen = _backends(args, console)
+        if chosen is None:
+            return 2
+        device, [backend] = chosen
+        available = backend.availability(device)
+        if not available:
+            console.print(f"[red]error:[/] {backend.name} cannot run on {device}: {available.reason}")
+            return 2
+        served = serving_case(case, backend)
+        console.print(
+            f"{served.id} ({served.label}) on {backend.name}, {device}, check {args.check}, poison {args.poison}"
+        )
+        for line in plan_lines(served):
+            console.print(line, highlight=False)
+        findings = run_check(case, backend, device, args.poison, args.check)
+    except ValueError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 2
+    for finding in findings:
+        console.print(f"[red]FAIL[/] {finding}", highlight=False, soft_wrap=True)
+    if not findings:
+        console.print("[green]no finding[/]: the served run matches the truth and touches nothing it must not")
+    if args.write_test is not None:
+        test, data = write_standalone(case, backend, device, args.poison, args.write_test)
+        console.print(f"standalone test: {test} (data {data}); run it with: pytest {test}")
+    return 1 if findings else 0
+
+
+def cmd_detection(args: argparse.Namespace, console: Console) -> int:
+    from kda_conformance.detection import run_detection, table_markdown
+
+    try:
+        before = set(registry.names())
+        for module in args.plugin:
+            registry.load_plugin(module)
+        from_plugins = sorted(set(registry.names()) - before)
+        names = [*args.backends, *(from_plugins if args.plugin_backends else [])] if args.backends else from_plugins
+        backends = {name: registry.get(name) for name in names}
+    except (KeyError, registry.PluginError) as exc:
+        console.print(f"[red]error:[/] {exc.args[0]}")
+        return 2
+    if not names:
+        console.print("[red]error:[/] no backends: name them with --backend, or load a plugin that registers some")
+        return 2
+    console.print(f"detection: {len(names)} backends, profile {args.profile}, device {args.device}")
+    run = run_detection(names, args.plugin, args.out, args.profile, args.device, args.seed)
+    markdown = table_markdown(run, {n: b.description for n, b in backends.items()}, args.command_line)
+    console.print(markdown, markup=False, highlight=False, soft_wrap=True)
+    if args.table is not None:
+        args.table.write_text(markdown)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -395,6 +496,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_calibrate(args, console)
         if args.command == "corpus":
             return cmd_corpus(args, console)
+        if args.command == "detection":
+            return cmd_detection(args, console)
+        if args.command == "repro":
+            return cmd_repro(args, console)
     except SweepInterrupted as stop:
         console.print(f"partial records: {stop.paths['records']}")
         return 130
@@ -413,9 +518,9 @@ def _without_table(argv: list[str]) -> list[str]:
     for arg in argv:
         if skip:
             skip = False
-        elif arg == "--table":
+        elif arg in ("--table", "--out"):
             skip = True
-        elif not arg.startswith("--table="):
+        elif not arg.startswith(("--table=", "--out=")):
             out.append(arg)
     return out
 

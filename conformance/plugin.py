@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import secrets
 import shlex
@@ -36,6 +38,7 @@ RECORDS = pytest.StashKey[list[dict]]()
 PROFILE = pytest.StashKey[Profile]()
 SEED = pytest.StashKey[int | None]()
 RECORDER = pytest.StashKey[object]()
+CHECKS = pytest.StashKey[dict[str, dict]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -72,11 +75,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="seed of a randomized profile's search (default: a fresh one, printed and recorded in the report)",
     )
+    group.addoption(
+        "--kda-examples",
+        type=int,
+        default=None,
+        help="cases per property and backend (default: the profile's; recorded with the profile's name)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kda_device_dependent: runs on the device chosen by --kda-device")
     config.stash[RECORDS] = []
+    config.stash[CHECKS] = {}
     for module in config.getoption("--kda-plugin"):
         try:
             registry.load_plugin(module)
@@ -98,6 +108,11 @@ def _configure_profile(config: pytest.Config) -> None:
         profile = get_profile(name)
     except ValueError as exc:
         raise pytest.UsageError(f"--kda-profile: {exc}") from None
+    examples = config.getoption("--kda-examples")
+    if examples is not None:
+        if examples < 1:
+            raise pytest.UsageError(f"--kda-examples: {examples} must be a positive number of cases")
+        profile = dataclasses.replace(profile, max_examples=examples)
     seed = config.getoption("--kda-seed")
     if seed is None and not profile.derandomize:
         seed = secrets.randbelow(2**31)
@@ -211,6 +226,36 @@ def kda_record(request: pytest.FixtureRequest) -> Callable[[Outcome], None]:
     return record
 
 
+@pytest.fixture
+def kda_check(request: pytest.FixtureRequest) -> Callable[[str | None], None]:
+    """Ends each example a property checks: ``check(None)`` passes it, ``check(message)`` fails it.
+
+    Counts the examples of each test until its first failure and keeps that failure's message, for the
+    run's ``<run_id>.checks.json`` (how many cases it took to catch a bug; how many ran).
+    """
+    callspec = getattr(request.node, "callspec", None)
+    entry = request.config.stash[CHECKS].setdefault(
+        request.node.nodeid,
+        {
+            "test": request.node.originalname,
+            "backend": callspec.params.get("kda_backend_name", "") if callspec else "",
+            "examples": 0,
+            "failed_at": None,
+            "message": "",
+        },
+    )
+
+    def check(message: str | None) -> None:
+        if entry["failed_at"] is None:  # later examples are Hypothesis replaying or shrinking the failure
+            entry["examples"] += 1
+            if message:
+                entry["failed_at"], entry["message"] = entry["examples"], message
+        if message:
+            raise AssertionError(message)
+
+    return check
+
+
 def _recorder(config: pytest.Config):  # type: ignore[no-untyped-def]
     """The run's recorder, made at the first record; None where pandas (the report writer) is missing."""
     if RECORDER not in config.stash:
@@ -235,19 +280,43 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("kda_device_dependent"):
             item.add_marker(getattr(pytest.mark, marker))
+    # Corpus cases outermost, backends inside: each case's truth (the float64 reference and the baseline,
+    # minutes at 128K) is computed once and served to every backend from the truth cache.
+    slots = [i for i, item in enumerate(items) if "entry" in getattr(getattr(item, "callspec", None), "params", {})]
+    first_seen: dict[str, int] = {}
+    for i in slots:
+        first_seen.setdefault(items[i].callspec.params["entry"].case.id, len(first_seen))
+    in_case_order = sorted(
+        (items[i] for i in slots), key=lambda item: first_seen[item.callspec.params["entry"].case.id]
+    )
+    for i, item in zip(slots, in_case_order, strict=True):
+        items[i] = item
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    seed = config.stash[SEED]
+    seed, profile = config.stash[SEED], config.stash[PROFILE]
     how = "derandomized" if seed is None else f"seed {seed} (rerun with --kda-seed {seed})"
-    return f"kda-conformance: device {_device(config)}, profile {config.stash[PROFILE].name}, {how}"
+    examples = f"{profile.max_examples} examples per property"
+    return f"kda-conformance: device {_device(config)}, profile {profile.name} ({examples}), {how}"
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
-    rows = config.stash.get(RECORDS, [])
+    rows, checks = config.stash.get(RECORDS, []), config.stash.get(CHECKS, {})
+    tr = terminalreporter
+    if checks:
+        tr.section("KDA conformance: examples checked per test (and the first that failed)")
+        for nodeid, entry in checks.items():
+            failed = "" if entry["failed_at"] is None else f", failed at example {entry['failed_at']}"
+            tr.write_line(f"{nodeid}: {entry['examples']} examples{failed}")
+        recorder = _recorder(config)
+        if recorder is not None:
+            from kda_reports.runfile import atomic_write
+
+            path = recorder.out_dir / "runs" / f"{recorder.run_id}.checks.json"
+            atomic_write(path, lambda p: p.write_text(json.dumps(checks, indent=1)))
+            tr.write_line(f"checks: {path}")
     if not rows:
         return
-    tr = terminalreporter
     tr.section("KDA conformance: max-abs error against the float64 reference")
     tr.write_line(RECORD_LINE_HEADER)
     for row in rows:

@@ -14,19 +14,19 @@ ENTRIES = load_corpus()
 
 @pytest.mark.kda_device_dependent
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e.case.id for e in ENTRIES])
-def test_corpus_case(entry: CorpusEntry, kda_backend_name: str, kda_profile, kda_device, kda_truth, kda_record) -> None:  # type: ignore[no-untyped-def]
+def test_corpus_case(
+    entry: CorpusEntry, kda_backend_name: str, kda_profile, kda_device, kda_truth, kda_record, kda_check
+) -> None:  # type: ignore[no-untyped-def]
     case = entry.case
-    if case.total_tokens > kda_profile.corpus_max_tokens:
-        pytest.skip(
-            f"{case.total_tokens} tokens exceed the {kda_profile.name} profile's corpus limit of "
-            f"{kda_profile.corpus_max_tokens} (it runs in the nightly and long profiles)"
-        )
     backend = registry.get(kda_backend_name)
+    too_large = kda_profile.corpus_skip(case, backend.interpreted(kda_device))
+    if too_large:
+        pytest.skip(too_large)
     outcome = run_backend(kda_truth(case, kda_device), backend)
     kda_record(outcome)
     if outcome.status == "skip":
         pytest.skip(f"{backend.name}: {outcome.reason}")
-    assert outcome.status == "ran", f"{case.id} {backend.name} raised {outcome.reason}\n  repro: {outcome.repro}"
-    assert not outcome.failed, f"pinned because: {entry.why}\n" + "\n".join(
-        failure_message(case, backend.name, v, outcome.repro) for v in outcome.failed
-    )
+    if outcome.status != "ran":
+        kda_check(f"{case.id} {backend.name} raised {outcome.reason}\n  repro: {outcome.repro}")
+    failures = [failure_message(case, backend.name, v, outcome.repro) for v in outcome.failed]
+    kda_check(f"pinned because: {entry.why}\n" + "\n".join(failures) if failures else None)

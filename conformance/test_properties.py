@@ -52,7 +52,7 @@ def packable(case: Case) -> Case:
 
 
 @given(data=st.data())
-def test_within_budget(kda_backend_name, kda_profile, kda_device, kda_truth, kda_record, data) -> None:  # type: ignore[no-untyped-def]
+def test_within_budget(kda_backend_name, kda_profile, kda_device, kda_truth, kda_record, kda_check, data) -> None:  # type: ignore[no-untyped-def]
     """Output, final state and checkpoint states of every drawn case within the case's budgets."""
     case = data.draw(cases(kda_profile), label="case")
     backend = runnable(kda_backend_name, case, kda_device)
@@ -61,12 +61,13 @@ def test_within_budget(kda_backend_name, kda_profile, kda_device, kda_truth, kda
     if kda_profile.targeted and outcome.verdicts:
         # Climb toward the worst inputs: the largest error/limit ratio this backend shows.
         target(max(max(v.ratio, v.rel_rms_ratio) for v in outcome.verdicts), label=kda_backend_name)
-    assert outcome.status == "ran", f"{case.id} {backend.name} raised {outcome.reason}\n  repro: {outcome.repro}"
-    assert not outcome.failed, "\n".join(failure_message(case, backend.name, v, outcome.repro) for v in outcome.failed)
+    if outcome.status != "ran":
+        kda_check(f"{case.id} {backend.name} raised {outcome.reason}\n  repro: {outcome.repro}")
+    kda_check("\n".join(failure_message(case, backend.name, v, outcome.repro) for v in outcome.failed) or None)
 
 
 @given(data=st.data())
-def test_split_resume_equals_whole_run(kda_backend_name, kda_profile, kda_device, kda_truth, data) -> None:  # type: ignore[no-untyped-def]
+def test_split_resume_equals_whole_run(kda_backend_name, kda_profile, kda_device, kda_truth, kda_check, data) -> None:  # type: ignore[no-untyped-def]
     """Prefix [0, p) then suffix [p, T) resumed from the prefix's final state: the whole run, within budget."""
     case = data.draw(cases(kda_profile).map(splittable), label="case")
     T = case.seq_lens[0]
@@ -89,15 +90,19 @@ def test_split_resume_equals_whole_run(kda_backend_name, kda_profile, kda_device
         "o against the whole run": judged(case, "o", resumed, whole.o, truth.budgets["o"]),
     }
     bad = {what: v for what, v in checks.items() if not v.passed}
-    assert not bad, f"split at p={p}: " + "\n".join(
-        f"{what}: "
-        + failure_message(case, backend.name, v, f"(split at {p}) " + repro_command(case, backend.name, kda_device))
-        for what, v in bad.items()
+    repro = f"(split at {p}) " + repro_command(case, backend.name, kda_device)
+    kda_check(
+        f"split at p={p}: "
+        + "\n".join(f"{what}: " + failure_message(case, backend.name, v, repro) for what, v in bad.items())
+        if bad
+        else None
     )
 
 
 @given(data=st.data())
-def test_prefix_outputs_ignore_later_tokens(kda_backend_name, kda_profile, kda_device, kda_truth, data) -> None:  # type: ignore[no-untyped-def]
+def test_prefix_outputs_ignore_later_tokens(
+    kda_backend_name, kda_profile, kda_device, kda_truth, kda_check, data
+) -> None:  # type: ignore[no-untyped-def]
     """Changing every token at and after p leaves the outputs before p bitwise unchanged (no future leakage)."""
     case = data.draw(cases(kda_profile), label="case")
     length = case.total_tokens if case.packed else case.seq_lens[0]
@@ -108,15 +113,19 @@ def test_prefix_outputs_ignore_later_tokens(kda_backend_name, kda_profile, kda_d
     before = backend.run(inputs).o[:, :p]
     after = backend.run(changed_after(inputs, p)).o[:, :p]
     differs = (before != after) & ~(before.isnan() & after.isnan())
-    assert not differs.any(), (
+    kda_check(
         f"{case.id} ({case.label}) backend {backend.name}: outputs before token {p} changed when only tokens "
-        f"from {p} on did, first at (row, token, head) {tuple(differs.nonzero()[0, :3].tolist())}\n"
-        f"  repro: {repro_command(case, backend.name, kda_device)}"
+        f"from {p} on did\n  first bad: row {differs.nonzero()[0, 0]} token {differs.nonzero()[0, 1]} "
+        f"head {differs.nonzero()[0, 2]}\n  repro: {repro_command(case, backend.name, kda_device)}"
+        if differs.any()
+        else None
     )
 
 
 @given(data=st.data())
-def test_packed_sequences_match_each_sequence_alone(kda_backend_name, kda_profile, kda_device, kda_truth, data) -> None:  # type: ignore[no-untyped-def]
+def test_packed_sequences_match_each_sequence_alone(
+    kda_backend_name, kda_profile, kda_device, kda_truth, kda_check, data
+) -> None:  # type: ignore[no-untyped-def]
     """Each sequence of a packed batch equals that sequence run alone, within the case's budgets."""
     case = data.draw(cases(kda_profile).map(packable), label="case")
     backend = runnable(kda_backend_name, case, kda_device)
@@ -136,9 +145,12 @@ def test_packed_sequences_match_each_sequence_alone(kda_backend_name, kda_profil
         for name, got, want in pairs:
             verdict = judged(case, name, got, want, truth.budgets[name])
             if not verdict.passed:
-                problems.append(f"sequence {n} {name}: " + "; ".join(verdict.problems))
-    assert not problems, (
+                where = f" (first bad: {verdict.first_bad})" if verdict.first_bad else ""
+                problems.append(f"sequence {n} {name}: " + "; ".join(verdict.problems) + where)
+    kda_check(
         f"{case.id} ({case.label}) backend {backend.name}: packed differs from alone\n  "
         + "\n  ".join(problems)
         + f"\n  repro: {repro_command(case, backend.name, kda_device)}"
+        if problems
+        else None
     )

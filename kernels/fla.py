@@ -64,6 +64,20 @@ def _state_for_kernel(inputs: KDAInputs) -> torch.Tensor | None:
     return None if h0 is None else h0.float()
 
 
+_STANDALONE = """
+import os
+
+os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"  # the Triton path itself, not a dispatch to FlashKDA
+from fla.ops.kda import {function}
+
+
+def call(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs):
+    return {function}(
+        q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, output_final_state=True, {extra}**kwargs
+    )
+"""
+
+
 def _stored_state(final: torch.Tensor | None, case: Case) -> torch.Tensor | None:
     # The state a server keeps is the kernel's fp32 state rounded to the pool's dtype.
     return None if final is None else final.to(TORCH_DTYPES[case.state_dtype])
@@ -83,6 +97,9 @@ class FlaChunk(Backend):
     def availability(self, device: torch.device) -> Support:
         return _fla_availability(device)
 
+    def interpreted(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
     def supports(self, case: Case) -> Support:
         common = _common_envelope(case)
         if not common:
@@ -94,6 +111,12 @@ class FlaChunk(Backend):
                 f"the case has {case.lower_bound}"
             )
         return Support.yes()
+
+    def standalone_source(self, case: Case) -> str:
+        """A ``call`` that needs only torch and fla-core, for standalone repro files (on a GPU)."""
+        return _STANDALONE.format(
+            function="chunk_kda", extra=f"safe_gate={case.safe_gate}, chunk_size={self.chunk_size}, "
+        )
 
     def run(self, inputs: KDAInputs) -> BackendOutput:
         support = self.supports(inputs.case)
@@ -124,8 +147,15 @@ class FlaRecurrent(Backend):
     def availability(self, device: torch.device) -> Support:
         return _fla_availability(device)
 
+    def interpreted(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
     def supports(self, case: Case) -> Support:
         return _common_envelope(case)
+
+    def standalone_source(self, case: Case) -> str:
+        """A ``call`` that needs only torch and fla-core, for standalone repro files (on a GPU)."""
+        return _STANDALONE.format(function="fused_recurrent_kda", extra="")
 
     def run(self, inputs: KDAInputs) -> BackendOutput:
         support = self.supports(inputs.case)

@@ -57,6 +57,9 @@ class Backend(ABC):
 
     name: str = ""
     description: str = ""
+    # Whether ``run`` returns the states at the case's checkpoints (prefix caching); the serving harness
+    # plans checkpoint slots only for backends that do.
+    produces_checkpoints: bool = False
 
     @abstractmethod
     def availability(self, device: torch.device) -> Support:
@@ -65,6 +68,11 @@ class Backend(ABC):
     @abstractmethod
     def supports(self, case: Case) -> Support:
         """Whether this backend takes ``case``, and if not, why."""
+
+    def interpreted(self, device: torch.device) -> bool:
+        """Whether this backend runs interpreted on ``device`` (Triton kernels on a CPU): seconds per call,
+        so the CPU tiers give it only their shortest corpus cases."""
+        return False
 
     @abstractmethod
     def run(self, inputs: KDAInputs) -> BackendOutput:

@@ -20,6 +20,7 @@ from kda_reference.chunked import DEFAULT_CHUNK, kda_chunked
 class TorchChunk(Backend):
     name = "torch_chunk"
     description = "pure-PyTorch chunked KDA in working precision (input-dtype operands, fp32 state): the baseline"
+    produces_checkpoints = True
 
     def __init__(self, chunk_size: int = DEFAULT_CHUNK) -> None:
         self.chunk_size = chunk_size

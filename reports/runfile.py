@@ -18,7 +18,8 @@ def new_run_id() -> str:
     return f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
 
 
-def _atomic_write(path: Path, write) -> None:  # type: ignore[no-untyped-def]
+def atomic_write(path: Path, write) -> None:  # type: ignore[no-untyped-def]
+    """``write(tmp)`` then rename onto ``path``: readers see the old file or the whole new one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     write(tmp)
     os.replace(tmp, path)
@@ -47,14 +48,14 @@ def write_run(records: pd.DataFrame, env: dict, out_dir: Path, run_id: str) -> d
         "summary_md": runs / f"{run_id}.summary.md",
         "summary_csv": runs / f"{run_id}.summary.csv",
     }
-    _atomic_write(paths["environment"], lambda p: p.write_text(json.dumps(env, indent=2, sort_keys=True)))
+    atomic_write(paths["environment"], lambda p: p.write_text(json.dumps(env, indent=2, sort_keys=True)))
     if parquet:
-        _atomic_write(paths["records"], lambda p: records.to_parquet(p, index=False))
+        atomic_write(paths["records"], lambda p: records.to_parquet(p, index=False))
     else:
-        _atomic_write(paths["records"], lambda p: records.to_json(p, orient="records", lines=True))
+        atomic_write(paths["records"], lambda p: records.to_json(p, orient="records", lines=True))
     table = summary(records)
-    _atomic_write(paths["summary_csv"], lambda p: table.to_csv(p, index=False))
-    _atomic_write(paths["summary_md"], lambda p: p.write_text(summary_markdown(table, env, run_id)))
+    atomic_write(paths["summary_csv"], lambda p: table.to_csv(p, index=False))
+    atomic_write(paths["summary_md"], lambda p: p.write_text(summary_markdown(table, env, run_id)))
     return paths
 
 

@@ -150,3 +150,10 @@ def test_planted_nan_fails_with_its_first_bad_token(example_plugin: str, tmp_pat
     assert (outputs["verdict"] == "fail").all() and (outputs["nonfinite"] == 1).all()
     assert set(outputs["first_bad"]) == {"seq 0 token 17 head 0"}
     assert (frame[frame["tensor"] == "final_state"]["verdict"] == "pass").all()
+
+
+def test_detection_names_its_problems(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["detection"]) == 2  # no plugin, no backend: nothing to run
+    assert "no backends" in capsys.readouterr().out
+    assert main(["detection", "--plugin", "no_such_module_here"]) == 2
+    assert "no_such_module_here" in capsys.readouterr().out

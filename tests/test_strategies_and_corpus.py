@@ -103,5 +103,5 @@ def test_cli_profile_run_records_profile_and_cases(tmp_path: Path) -> None:
     [path] = (tmp_path / "runs").glob("*.parquet")
     frame = read_run(path)
     assert set(frame["env_profile"]) == {"smoke"} and set(frame["env_seed"]) == {""}
-    pinned = {e.case.id for e in load_corpus() if e.case.total_tokens <= get_profile("smoke").corpus_max_tokens}
+    pinned = {e.case.id for e in load_corpus() if get_profile("smoke").corpus_skip(e.case, interpreted=True) is None}
     assert pinned < set(frame["case_id"])

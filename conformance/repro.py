@@ -1,0 +1,191 @@
+"""``kda-conformance repro``: rebuild one served case exactly, say where it goes wrong, write a standalone test.
+
+The standalone test (``--write-test FILE``) holds the inputs, the poisoned pool and output buffer, the
+float64 truth and the limits in ``FILE`` with a ``.pt`` suffix beside it, and checks what the serving
+checks check. For a backend that gives ``standalone_source()`` (FLA's kernels) it needs only torch and the
+backend's package, to attach to an upstream report; for any other it imports this suite to run it.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import torch
+
+from kda_cases.case import Case
+from kda_cases.corpus import load_corpus
+from kda_conformance.serving import (
+    checkpoint_resume_findings,
+    poison_findings,
+    reused_cu_seqlens_findings,
+    serving_case,
+    steps_findings,
+)
+from kda_conformance.sweep import case_truth
+from kda_kernels.protocol import Backend
+from kda_kernels.serving import NULL_SLOT, plan_pool, run_serving
+
+CHECKS = ("poison", "steps", "checkpoint", "cu_seqlens")
+
+
+def resolve_case(text: str) -> Case:
+    """A case from JSON text, a .json file, or the id of a pinned corpus case."""
+    stripped = text.strip()
+    if stripped.startswith("kda-") and "{" not in stripped and not Path(stripped).is_file():
+        for entry in load_corpus():
+            if entry.case.id == stripped:
+                return entry.case
+        raise ValueError(
+            f"case id {stripped} is not in the corpus; pass the case JSON instead (every failure prints it)"
+        )
+    source = Path(stripped).read_text() if not stripped.startswith("{") and Path(stripped).is_file() else stripped
+    try:
+        return Case.from_json(source)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"--case: not a case id, case JSON or a .json file holding one: {exc}") from None
+
+
+def plan_lines(case: Case) -> list[str]:
+    plan = plan_pool(case)
+    lines = [f"pool: {plan.num_slots} slots, slot {NULL_SLOT} the null block; {plan.padding} padding entries (-1)"]
+    lines += [
+        f"  sequence {n} ({length} tokens) -> slot {s}"
+        for n, (s, length) in enumerate(zip(plan.seq_slots, case.seq_lens, strict=True))
+    ]
+    lines += [f"  checkpoint {j} {case.checkpoints[j]} -> slot {s}" for j, s in enumerate(plan.checkpoint_slots)]
+    spare = [s for s in plan.unnamed_slots if s != NULL_SLOT]
+    lines.append(
+        f"  spare (nobody's): {spare or 'none'}; output buffer {plan.out_rows} rows for {case.total_tokens} tokens"
+    )
+    return lines
+
+
+def run_check(case: Case, backend: Backend, device: torch.device, poison: str, check: str) -> list[str]:
+    """The findings of one serving check on ``case`` (made a served case for ``backend``)."""
+    if check not in CHECKS:
+        raise ValueError(f"--check {check!r} unknown; choose from {', '.join(CHECKS)}")
+    truth = case_truth(serving_case(case, backend), device)
+    if check == "poison":
+        return poison_findings(truth, backend, poison)
+    if check == "steps":
+        return steps_findings(truth, backend)
+    if check == "checkpoint":
+        return checkpoint_resume_findings(truth, backend)
+    return reused_cu_seqlens_findings(truth, backend, device)
+
+
+def write_standalone(case: Case, backend: Backend, device: torch.device, poison: str, path: Path) -> tuple[Path, Path]:
+    """Write ``path`` (a pytest file) and its data beside it: the poisoned served run of ``case``."""
+    served = serving_case(case, backend)
+    truth = case_truth(served, device)
+    plan = plan_pool(served)
+    run = run_serving(backend, truth.inputs, plan, poison)  # only for the pool and buffer it starts from
+    x = truth.inputs
+    kwargs = {k: v for k, v in x.kernel_kwargs().items() if k not in ("initial_state", "cu_seqlens")}
+    n, T = served.num_seqs, served.total_tokens
+    data = {
+        "case_json": served.to_json(),
+        "backend": backend.name,
+        "poison": poison,
+        **{name: getattr(x, name).cpu() for name in ("q", "k", "v", "g", "beta")},
+        "kwargs": {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
+        "cu_seqlens": torch.tensor((*served.offsets, *(T,) * plan.padding), dtype=torch.int32),
+        "state_indices": torch.tensor(plan.state_indices, dtype=torch.int32),
+        "has_initial_state": torch.tensor([served.has_initial_state] * n + [False] * plan.padding),
+        "num_seqs": n,
+        "tokens": T,
+        "seq_slots": list(plan.seq_slots),
+        "unnamed_slots": plan.unnamed_slots,
+        "pool_before": run.pool_before.cpu(),
+        "out_before": run.out_before.cpu(),
+        "truth_o": truth.reference.o.cpu(),
+        "truth_final": truth.reference.final_state.cpu(),
+        "limit_o": truth.budgets["o"].max_abs.value,
+        "limit_final": truth.budgets["final_state"].max_abs.value,
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data_path = path.with_suffix(".pt")
+    torch.save(data, data_path)
+    source = backend.standalone_source(served) if hasattr(backend, "standalone_source") else None
+    if source is None:
+        source = textwrap.dedent(
+            f"""
+            # {backend.name} gives no standalone call: this runs it through the kda-conformance suite.
+            from kda_cases.case import Case
+            from kda_cases.materialize import materialize
+            from kda_kernels import registry
+            from kda_kernels.serving import serve
+
+
+            def serve_batch(d, pool, out):
+                case = Case.from_json(d["case_json"])
+                inputs = materialize(case, pool.device)
+                slots, padding = tuple(d["seq_slots"]), len(d["state_indices"]) - d["num_seqs"]
+                has_h0 = tuple(bool(x) for x in d["has_initial_state"][: d["num_seqs"]])
+                serve(registry.get({backend.name!r}), inputs, pool, slots, has_h0, out, padding=padding)
+            """
+        )
+    else:
+        source += textwrap.dedent(
+            """
+
+            def serve_batch(d, pool, out):
+                # As vLLM's Triton path serves a kernel: fresh sequences start from zeros (their slot is never
+                # read), padding entries (-1) are dropped, final states are scattered by slot.
+                n = d["num_seqs"]
+                slots = d["state_indices"][:n].long()
+                resumed = d["has_initial_state"][:n]
+                h0 = None
+                if bool(resumed.any()):
+                    h0 = torch.where(resumed.view(-1, 1, 1, 1), pool[slots], torch.zeros_like(pool[slots])).float()
+                o, final = call(d["q"], d["k"], d["v"], d["g"], d["beta"], h0, d["cu_seqlens"][: n + 1], **d["kwargs"])
+                out[:, : d["tokens"]] = o
+                pool[slots] = final.to(pool.dtype)
+            """
+        )
+    body = textwrap.dedent(
+        f"""
+        DATA = Path(__file__).with_name({data_path.name!r})
+
+
+        INTS = {{1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}}
+
+
+        def bits(x):
+            return x.contiguous().view(INTS[x.element_size()])
+
+
+        def test_{case.id.replace("-", "_")}_{backend.name}_{poison}():
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            d = torch.load(DATA, weights_only=False)
+            d = {{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in d.items()}}
+            d["kwargs"] = {{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in d["kwargs"].items()}}
+            pool, out, T = d["pool_before"].clone(), d["out_before"].clone(), d["tokens"]
+            serve_batch(d, pool, out)
+            problems = []
+            for slot in d["unnamed_slots"]:
+                if not torch.equal(bits(pool[slot]), bits(d["pool_before"][slot])):
+                    problems.append(f"slot {{slot}} written: no sequence names it (slot 0 is the null block)")
+            if not torch.equal(bits(out[:, T:]), bits(d["out_before"][:, T:])):
+                problems.append("output rows past the last token written")
+            for name, got, want, limit in (
+                ("output", out[:, :T], d["truth_o"], d["limit_o"]),
+                ("final states", pool[d["seq_slots"]], d["truth_final"], d["limit_final"]),
+            ):
+                err = (got.double() - want).abs()
+                worst = float(err.max()) if bool(err.isfinite().all()) else float("inf")
+                if not worst <= limit:
+                    where = tuple((err > limit).logical_or(~err.isfinite()).nonzero()[0].tolist())
+                    problems.append(f"{{name}}: max-abs {{worst:.3e}} > limit {{limit:.3e}}, first at {{where}}")
+            assert not problems, "\\n".join(problems)
+        """
+    )
+    header = (
+        f'"""Standalone repro written by `kda-conformance repro`: case {served.id} on {backend.name}, poison '
+        f"{poison}.\n\nCase: {served.to_json()}\nData: {data_path.name} (inputs, the poisoned pool and output "
+        'buffer, the float64 truth, the limits).\n"""\n\nfrom pathlib import Path\n\nimport torch\n'
+    )
+    path.write_text(header + source + "\n" + body)
+    return path, data_path

@@ -1,0 +1,266 @@
+"""Checks of a backend run through the serving harness (kda_kernels.serving): poisoned memory, slots, steps.
+
+Each check returns a list of findings (empty: passed), each a message that says where the run went wrong
+(sequence, token, head; which slot was written, or read, that should not have been) and ends with the
+``kda-conformance repro`` line that rebuilds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+
+import torch
+
+from kda_cases.case import Case
+from kda_cases.materialize import KDAInputs
+from kda_conformance.properties import judged
+from kda_conformance.sweep import CaseTruth, case_truth, judge_result
+from kda_conformance.tolerance import failure_message
+from kda_kernels.protocol import Backend, BackendOutput
+from kda_kernels.serving import (
+    NULL_SLOT,
+    PoolPlan,
+    ServingRun,
+    build_pool,
+    new_out,
+    plan_pool,
+    poisoned_scratch,
+    run_serving,
+    serve,
+)
+from kda_reference.run import run_reference
+
+REGIONS = ("null", "fresh", "checkpoint", "spare", "tail")
+
+
+def serving_case(case: Case, backend: Backend) -> Case:
+    """The case a server would see: packed (``cu_seqlens``), with checkpoints only for a backend that
+    returns checkpoint states."""
+    served = case if case.packed else case.replace(packed=True)
+    return served if backend.produces_checkpoints else served.replace(checkpoints=())
+
+
+def repro_line(case: Case, backend: str, device: torch.device, poison: str, check: str = "poison") -> str:
+    return (
+        f"kda-conformance repro --device {device.type} --backend {backend} --poison {poison} --check {check} "
+        f"--case {shlex.quote(case.to_json())}"
+    )
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The raw bits, so NaN compares equal to the same NaN and -0 differs from 0."""
+    return x.contiguous().view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
+def _first_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...] | None:
+    differs = _bits(a) != _bits(b)
+    return tuple(differs.nonzero()[0].tolist()) if differs.any() else None
+
+
+def _token(case: Case, position: int) -> str:
+    """Where packed row position ``position`` lies: sequence and token, or past the last token."""
+    for n, (_, start, end) in enumerate(case.row_spans):
+        if start <= position < end:
+            return f"seq {n} token {position - start}"
+    return f"row position {position} (past the last token, {case.total_tokens})"
+
+
+def _slot_owner(plan: PoolPlan, slot: int) -> str:
+    if slot == NULL_SLOT:
+        return "the null slot 0"
+    if slot in plan.seq_slots:
+        return f"slot {slot} (sequence {plan.seq_slots.index(slot)}'s state)"
+    if slot in plan.checkpoint_slots:
+        return f"slot {slot} (checkpoint {plan.checkpoint_slots.index(slot)})"
+    return f"slot {slot} (spare: no sequence names it)"
+
+
+def integrity_findings(run: ServingRun) -> list[str]:
+    """Slots nobody names (slot 0 included) and output rows past the tokens must come back bitwise unchanged."""
+    findings = []
+    for slot in run.plan.unnamed_slots:
+        where = _first_difference(run.pool[slot], run.pool_before[slot])
+        if where is not None:
+            findings.append(f"{_slot_owner(run.plan, slot)} was written (first at head {where[0]})")
+    T = run.inputs.case.total_tokens
+    where = _first_difference(run.out[:, T:], run.out_before[:, T:])
+    if where is not None:
+        findings.append(f"output {_token(run.inputs.case, T + where[1])} was written (head {where[2]}): not a token")
+    return findings
+
+
+def difference_findings(got: ServingRun, want: ServingRun, what: str) -> list[str]:
+    """Where ``got`` (a poisoned run) differs from ``want`` (the clean run): output rows and named slots."""
+    case, findings = got.inputs.case, []
+    T = case.total_tokens
+    where = _first_difference(got.out[:, :T], want.out[:, :T])
+    if where is not None:
+        findings.append(f"output differs {what}, first at {_token(case, where[1])} head {where[2]}")
+    for slot in sorted(got.plan.named_slots):
+        where = _first_difference(got.pool[slot], want.pool[slot])
+        if where is not None:
+            findings.append(f"{_slot_owner(got.plan, slot)} differs {what} (first at head {where[0]})")
+    return findings
+
+
+def served_result(run: ServingRun) -> BackendOutput:
+    return BackendOutput(o=run.o, final_state=run.final_states, checkpoint_states=run.checkpoint_states)
+
+
+def poison_findings(truth: CaseTruth, backend: Backend, poison: str, localize: bool = True) -> list[str]:
+    """The clean run within budget; the poisoned run (pool, output buffer, scratch) bitwise equal to it;
+    nothing written where nothing may be. With ``localize``, a difference is traced to the region read."""
+    case, inputs = truth.case, truth.inputs
+    plan = plan_pool(case)
+    clean = run_serving(backend, inputs, plan, "none")
+    findings = [
+        failure_message(case, backend.name, v, "(served clean)").splitlines()[0] + f" (first bad: {v.first_bad or '-'})"
+        for v in judge_result(truth, served_result(clean))
+        if not v.passed
+    ]
+    findings += integrity_findings(clean)
+    with poisoned_scratch(inputs.device, poison):
+        poisoned = run_serving(backend, inputs, plan, poison)
+    findings += integrity_findings(poisoned)
+    differences = difference_findings(poisoned, clean, f"with {poison} poison")
+    if differences and localize:
+        read = [r for r in REGIONS if difference_findings(run_serving(backend, inputs, plan, poison, (r,)), clean, "")]
+        with poisoned_scratch(inputs.device, poison):
+            scratch = run_serving(backend, inputs, plan, "none")
+        read += ["scratch (torch.empty)"] if difference_findings(scratch, clean, "") else []
+        differences.append("poison reached the result from: " + (", ".join(read) or "no single region"))
+    return findings + differences
+
+
+def step_inputs(inputs: KDAInputs, spans: list[tuple[int, int]]) -> KDAInputs:
+    """The tokens ``spans`` (packed row positions) of a packed batch, as a packed batch of their own."""
+    case = inputs.case
+    pieces = {name: torch.cat([getattr(inputs, name)[:, a:b] for a, b in spans], dim=1) for name in TOKENS}
+    step = case.replace(seq_lens=tuple(b - a for a, b in spans), checkpoints=())
+    cu = torch.tensor(step.offsets, dtype=torch.int32, device=inputs.device)
+    return dataclasses.replace(inputs, case=step, cu_seqlens=cu, **pieces)
+
+
+TOKENS = ("q", "k", "v", "g", "beta")
+
+
+def _judged_findings(
+    what: str, case: Case, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], truth: CaseTruth
+) -> list[str]:
+    findings = []
+    for name, (got, want) in pairs.items():
+        v = judged(case, name, got, want, truth.budgets[name])
+        if not v.passed:
+            findings.append(f"{what}: {name}: " + "; ".join(v.problems) + f" (first bad: {v.first_bad or '-'})")
+    return findings
+
+
+def steps_findings(truth: CaseTruth, backend: Backend) -> list[str]:
+    """Chunked prefill across two steps: every sequence's first half written to its slot in step 1, the
+    rest resumed from that slot in step 2. Each step must match the float64 truth of what it was given
+    (step 2: the states step 1 stored, as stored: a bf16 pool's rounding is the server's choice), within
+    the case's budgets."""
+    case, inputs = truth.case, truth.inputs
+    if case.max_len < 2:
+        raise ValueError(f"a two-step prefill needs a sequence of 2 tokens or more; {case.id} has {case.seq_lens}")
+    plan = plan_pool(case.replace(checkpoints=()))
+    spans = [(start, end) for _, start, end in case.row_spans]
+    cuts = [start + (end - start) // 2 for start, end in spans]
+    first = step_inputs(inputs, [(s, c) for (s, _), c in zip(spans, cuts, strict=True)])
+    second = step_inputs(inputs, [(c, e) for (_, e), c in zip(spans, cuts, strict=True)])
+    pool = build_pool(dataclasses.replace(inputs, case=case.replace(checkpoints=())), plan, "nan")
+    out1, out2 = new_out(first.case, plan, "nan", inputs.device), new_out(second.case, plan, "nan", inputs.device)
+    slots = list(plan.seq_slots)
+    serve(backend, first, pool, plan.seq_slots, (case.has_initial_state,) * case.num_seqs, out1, padding=plan.padding)
+    after_first = pool[slots].clone()
+    resumed = tuple(case.has_initial_state or c > s for (s, _), c in zip(spans, cuts, strict=True))
+    serve(backend, second, pool, plan.seq_slots, resumed, out2, padding=plan.padding)
+    want1 = run_reference(first)
+    keep = torch.tensor(resumed, device=inputs.device).view(-1, 1, 1, 1)
+    stored = torch.where(keep, after_first, torch.zeros_like(after_first))
+    want2 = run_reference(dataclasses.replace(second, initial_state=stored))
+    T1, T2 = first.case.total_tokens, second.case.total_tokens
+    return _judged_findings(
+        "two-step prefill, step 1 (first half of each sequence)",
+        first.case,
+        {"o": (out1[:, :T1], want1.o), "final_state": (after_first, want1.final_state)},
+        truth,
+    ) + _judged_findings(
+        "two-step prefill, step 2 (the rest, resumed from the slots)",
+        second.case,
+        {"o": (out2[:, :T2], want2.o), "final_state": (pool[slots], want2.final_state)},
+        truth,
+    )
+
+
+def checkpoint_resume_findings(truth: CaseTruth, backend: Backend) -> list[str]:
+    """Each checkpoint written to its slot by the batch (against the truth, within budget), then resumed by
+    a later request (the rest of its sequence, reading that slot): the request must match the float64
+    truth from the checkpoint state as stored, within budget."""
+    case, inputs = truth.case, truth.inputs
+    plan = plan_pool(case)
+    run = run_serving(backend, inputs, plan, "nan")
+    findings = []
+    if run.checkpoint_states is not None:
+        findings += _judged_findings(
+            "checkpoint slots after the batch",
+            case,
+            {"checkpoint_states": (run.checkpoint_states, truth.reference.checkpoint_states)},
+            truth,
+        )
+    for j, ((seq, position), slot) in enumerate(zip(case.checkpoints, plan.checkpoint_slots, strict=True)):
+        _, start, end = case.row_spans[seq]
+        if start + position == end:
+            continue  # nothing left to resume
+        later = step_inputs(inputs, [(start + position, end)])
+        pool = run.pool.clone()
+        out = new_out(later.case, plan, "nan", inputs.device)
+        serve(backend, later, pool, (slot,), (True,), out)
+        want = run_reference(dataclasses.replace(later, initial_state=run.pool[[slot]]))
+        findings += _judged_findings(
+            f"request resumed from checkpoint {j} (slot {slot}, sequence {seq} at token {position})",
+            later.case,
+            {"o": (out[:, : end - start - position], want.o), "final_state": (pool[[slot]], want.final_state)},
+            truth,
+        )
+    return findings
+
+
+def resplit(case: Case) -> Case:
+    """The same tokens cut into sequences differently: what a reused ``cu_seqlens`` tensor is given next."""
+    T = case.total_tokens
+    lens = (T,) if case.num_seqs > 1 else (T - T // 2, T // 2) if T > 1 else (T, 0)
+    return case.replace(seq_lens=lens, packed=True, checkpoints=())
+
+
+def reused_cu_seqlens_findings(truth: CaseTruth, backend: Backend, device: torch.device) -> list[str]:
+    """One ``cu_seqlens`` tensor object, given a second batch's offsets in place: the second answer must be
+    the second batch's (a kernel caching chunk indices on the tensor's identity returns stale bounds)."""
+    case, inputs = truth.case, truth.inputs
+    first_plan = plan_pool(case.replace(checkpoints=()))
+    cu = torch.zeros(case.num_seqs + first_plan.padding + 1, dtype=torch.int32, device=device)
+    first = dataclasses.replace(inputs, case=case.replace(checkpoints=()))
+    pool = build_pool(first, first_plan, "none")
+    has_h0 = (case.has_initial_state,) * case.num_seqs
+    out = new_out(case, first_plan, "none", device)
+    serve(backend, first, pool, first_plan.seq_slots, has_h0, out, padding=first_plan.padding, cu_seqlens=cu)
+    other = case_truth(resplit(case), device)
+    plan = plan_pool(other.case)
+    pool = build_pool(other.inputs, plan, "none")
+    out = new_out(other.case, plan, "none", device)
+    # The same object, its length kept (padding absorbs the difference in sequence count).
+    padding = cu.numel() - 1 - other.case.num_seqs
+    has_h0 = (other.case.has_initial_state,) * other.case.num_seqs
+    serve(backend, other.inputs, pool, plan.seq_slots, has_h0, out, padding=padding, cu_seqlens=cu)
+    result = BackendOutput(o=out[:, : other.case.total_tokens], final_state=pool[list(plan.seq_slots)])
+    return [
+        f"second batch through the same cu_seqlens tensor ({other.case.seq_lens} after {case.seq_lens}): "
+        + "; ".join(v.problems)
+        + f" (first bad: {v.first_bad or '-'})"
+        for v in judge_result(other, result)
+        if not v.passed
+    ]
+
+
+SERVING_CHECKS = ("poison", "steps", "checkpoint", "cu_seqlens")

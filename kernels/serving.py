@@ -1,0 +1,286 @@
+"""Run a backend the way a server does: a paged recurrent-state pool, slot indices, padding, a caller's buffer.
+
+A server keeps each request's recurrent state in a slot of a pool ``[slots, HV, K, V]`` (``[slots, HV, V, K]``
+for V-first cases; fp32 or bf16), addressed per sequence by ``state_indices``. Slot 0 is the null block no
+request owns; ``PAD_SLOT_ID`` (-1) marks padding entries, which own nothing and must write nothing. A fresh
+sequence (``has_initial_state`` False) starts from zeros and must never read its slot; its final state is
+written there. Checkpoint states (prefix caching) go to slots of their own. The output goes into a buffer
+the caller owns, which may be longer than the tokens.
+
+A backend with an in-place paged API implements ``run_paged`` with the signature below and is called
+directly. Any other backend is run the way vLLM's Triton path runs one: gather the initial states (zeros for
+fresh sequences, never their slot), run, scatter the final and checkpoint states, copy the output rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from kda_cases.case import Case
+from kda_cases.materialize import TORCH_DTYPES, KDAInputs, materialize
+from kda_kernels.protocol import Backend
+
+PAD_SLOT_ID = -1
+NULL_SLOT = 0
+POISON_MODES = ("none", "nan", "inf", "sentinel", "garbage", "tenant")
+SENTINEL = 1e30
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """Which slot holds what, for one batch: every sequence's slot, every checkpoint's, the padding."""
+
+    num_slots: int
+    seq_slots: tuple[int, ...]
+    checkpoint_slots: tuple[int, ...]  # one per case checkpoint, in the case's order
+    padding: int  # PAD_SLOT_ID entries after the sequences (zero-length in cu_seqlens)
+    out_rows: int  # rows of the caller's output buffer: the tokens, then a tail no sequence owns
+
+    @property
+    def state_indices(self) -> tuple[int, ...]:
+        return (*self.seq_slots, *(PAD_SLOT_ID,) * self.padding)
+
+    @property
+    def named_slots(self) -> set[int]:
+        return set(self.seq_slots) | set(self.checkpoint_slots)
+
+    @property
+    def unnamed_slots(self) -> list[int]:
+        """Slots no sequence or checkpoint names (slot 0 included): nothing may write them."""
+        return [s for s in range(self.num_slots) if s not in self.named_slots]
+
+
+def plan_pool(case: Case, spare_slots: int = 3, padding: int = 2, tail_rows: int = 5) -> PoolPlan:
+    """A pool for ``case``'s sequences and checkpoints, in shuffled slots (seeded by the case), with spare
+    slots nobody names, slot 0 reserved, ``padding`` PAD entries and ``tail_rows`` output rows past the end."""
+    owners = case.num_seqs + len(case.checkpoints)
+    num_slots = 1 + owners + spare_slots
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    order = (torch.randperm(num_slots - 1, generator=gen) + 1).tolist()
+    return PoolPlan(
+        num_slots=num_slots,
+        seq_slots=tuple(order[: case.num_seqs]),
+        checkpoint_slots=tuple(order[case.num_seqs : owners]),
+        padding=padding,
+        out_rows=case.total_tokens + tail_rows,
+    )
+
+
+def check_slots(state_indices: torch.Tensor, num_slots: int, num_seqs: int) -> None:
+    """Refuse indices a pool cannot honour: out of range, the null slot, or one slot named twice."""
+    real = state_indices[:num_seqs].tolist()
+    bad = [s for s in real if not 0 < s < num_slots]
+    if bad:
+        raise ValueError(
+            f"state_indices {bad} out of range: a sequence's slot must be in 1..{num_slots - 1} "
+            f"(slot {NULL_SLOT} is the null block, {PAD_SLOT_ID} marks padding entries only)"
+        )
+    if len(set(real)) != len(real):
+        twice = sorted({s for s in real if real.count(s) > 1})
+        raise ValueError(
+            f"state_indices name slot(s) {twice} for more than one sequence: two requests would share one "
+            "recurrent state, and the order of their writes decides which survives; give each its own slot"
+        )
+    rest = state_indices[num_seqs:].tolist()
+    if any(s != PAD_SLOT_ID for s in rest):
+        raise ValueError(f"state_indices past the {num_seqs} sequences must be {PAD_SLOT_ID} (padding), got {rest}")
+
+
+def poison_like(x: torch.Tensor, mode: str, seed: int = 0) -> torch.Tensor:
+    """A tensor shaped like ``x`` filled per ``mode`` (``tenant``: a plausible state of another request)."""
+    if mode not in POISON_MODES:
+        raise ValueError(f"poison mode {mode!r} unknown; choose from {', '.join(POISON_MODES)}")
+    if mode == "none":
+        return torch.zeros_like(x)
+    if mode == "nan":
+        return torch.full_like(x, float("nan"))
+    if mode == "inf":
+        signs = torch.ones(x.numel(), dtype=torch.float32)
+        signs[1::2] = -1
+        return (signs * float("inf")).reshape(x.shape).to(x.dtype).to(x.device)
+    if mode == "sentinel":
+        return torch.full_like(x, SENTINEL if x.dtype != torch.float16 else 6e4)
+    gen = torch.Generator().manual_seed(seed + 104729)
+    if mode == "garbage":  # random bit patterns: any value, NaN and Inf included
+        bits = torch.randint(-(2**15), 2**15, (x.numel() * x.element_size() // 2,), generator=gen, dtype=torch.int16)
+        return bits.view(x.dtype).reshape(x.shape).to(x.device)
+    return torch.randn(x.shape, generator=gen).mul_(0.5).to(x.dtype).to(x.device)  # tenant
+
+
+@dataclass
+class ServingRun:
+    """One batch through the harness: the pool and buffer before and after, and what the case defines."""
+
+    plan: PoolPlan
+    inputs: KDAInputs  # packed, one row; ``initial_state`` is what the pool held for resumed sequences
+    pool_before: torch.Tensor
+    pool: torch.Tensor
+    out_before: torch.Tensor
+    out: torch.Tensor
+
+    @property
+    def o(self) -> torch.Tensor:
+        return self.out[:, : self.inputs.case.total_tokens]
+
+    @property
+    def final_states(self) -> torch.Tensor:
+        return self.pool[list(self.plan.seq_slots)]
+
+    @property
+    def checkpoint_states(self) -> torch.Tensor | None:
+        return self.pool[list(self.plan.checkpoint_slots)] if self.plan.checkpoint_slots else None
+
+
+def serving_inputs(case: Case, device: torch.device) -> KDAInputs:
+    """The inputs of ``case`` in the packed layout a server hands over (a [B, T] case becomes its packed twin)."""
+    return materialize(case if case.packed else case.replace(packed=True), device)
+
+
+def build_pool(inputs: KDAInputs, plan: PoolPlan, poison: str, regions: tuple[str, ...] | None = None) -> torch.Tensor:
+    """The pool before the batch: resumed sequences' slots hold their initial states; every other slot
+    (slot 0, fresh sequences', checkpoints', spare) holds ``poison``. ``regions`` limits the poison to some
+    of ``null``, ``fresh``, ``checkpoint``, ``spare`` (for localizing which one a backend reads)."""
+    case = inputs.case
+    HV, K, V = case.num_v_heads, case.head_k_dim, case.head_v_dim
+    shape = (plan.num_slots, HV, V, K) if case.state_v_first else (plan.num_slots, HV, K, V)
+    dtype = TORCH_DTYPES[case.state_dtype]
+    pool = torch.zeros(shape, dtype=dtype, device=inputs.device)
+    filled = poison_like(pool, poison, case.seed)
+    fresh = [] if case.has_initial_state else list(plan.seq_slots)
+    spare = [s for s in plan.unnamed_slots if s != NULL_SLOT]
+    areas = {"null": [NULL_SLOT], "fresh": fresh, "checkpoint": list(plan.checkpoint_slots), "spare": spare}
+    for region, slots in areas.items():
+        if slots and (regions is None or region in regions):
+            pool[slots] = filled[slots]
+    if case.has_initial_state:
+        pool[list(plan.seq_slots)] = inputs.initial_state.to(dtype)
+    return pool
+
+
+def new_out(case: Case, plan: PoolPlan, poison: str, device: torch.device) -> torch.Tensor:
+    """The caller's output buffer ``[1, out_rows, HV, V]``, ``poison`` in every row."""
+    out = torch.zeros((1, plan.out_rows, case.num_v_heads, case.head_v_dim), dtype=TORCH_DTYPES[case.dtype])
+    return poison_like(out, poison, case.seed + 1).to(device)
+
+
+def serve(
+    backend: Backend,
+    inputs: KDAInputs,
+    pool: torch.Tensor,
+    seq_slots: tuple[int, ...],
+    has_initial_state: tuple[bool, ...],
+    out: torch.Tensor,
+    checkpoint_slots: tuple[int, ...] = (),
+    padding: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> None:
+    """One batch, in place on ``pool`` and ``out``: the sequences of the packed ``inputs`` (their
+    ``initial_state`` is ignored: resumed sequences read their slot), ``padding`` PAD entries after them.
+    ``cu_seqlens``: a tensor object to reuse, given the batch's offsets as new contents."""
+    case, device = inputs.case, inputs.device
+    offsets = torch.tensor((*case.offsets, *(case.total_tokens,) * padding), dtype=torch.int32, device=device)
+    if cu_seqlens is not None:
+        cu_seqlens.copy_(offsets)  # same object, new contents: a kernel caching on its identity gets stale bounds
+        offsets = cu_seqlens
+    indices = torch.tensor((*seq_slots, *(PAD_SLOT_ID,) * padding), dtype=torch.int32, device=device)
+    has_initial = torch.tensor((*has_initial_state, *(False,) * padding), dtype=torch.bool, device=device)
+    checkpoints = torch.tensor(checkpoint_slots, dtype=torch.int32, device=device)
+    batch = dataclasses.replace(inputs, initial_state=None, cu_seqlens=offsets)
+    run_paged = getattr(backend, "run_paged", None)
+    with torch.inference_mode():
+        if callable(run_paged):
+            run_paged(batch, pool, indices, has_initial, out, checkpoints)
+        else:
+            gather_run_scatter(backend, batch, pool, indices, has_initial, out, checkpoints)
+
+
+def run_serving(
+    backend: Backend,
+    inputs: KDAInputs,
+    plan: PoolPlan,
+    poison: str = "none",
+    regions: tuple[str, ...] | None = None,
+) -> ServingRun:
+    """One batch as planned: build the pool and the caller's output buffer (``poison`` in every byte the
+    backend must not use; ``regions`` limits it, ``tail`` naming the output rows past the tokens), serve."""
+    case = inputs.case
+    pool = build_pool(inputs, plan, poison, regions)
+    out = new_out(case, plan, poison if regions is None or "tail" in regions else "none", inputs.device)
+    pool_before, out_before = pool.clone(), out.clone()
+    serve(
+        backend,
+        inputs,
+        pool,
+        plan.seq_slots,
+        (case.has_initial_state,) * case.num_seqs,
+        out,
+        plan.checkpoint_slots,
+        plan.padding,
+    )
+    return ServingRun(plan, inputs, pool_before, pool, out_before, out)
+
+
+def gather_run_scatter(
+    backend: Backend,
+    batch: KDAInputs,
+    pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    out: torch.Tensor,
+    checkpoint_slots: torch.Tensor,
+) -> None:
+    """The paged call for a backend without one, as vLLM's Triton path does it: fresh sequences start
+    from zeros (their slot is never read), padding entries are dropped, states are scattered by slot."""
+    case = batch.case
+    n = case.num_seqs
+    check_slots(state_indices, pool.shape[0], n)
+    slots = state_indices[:n].long()
+    resumed = has_initial_state[:n]
+    h0 = None
+    if bool(resumed.any()):
+        h0 = torch.where(resumed.view(-1, 1, 1, 1), pool[slots], torch.zeros_like(pool[slots]))
+    result = backend.run(dataclasses.replace(batch, initial_state=h0, cu_seqlens=batch.cu_seqlens[: n + 1]))
+    T = case.total_tokens
+    out[:, :T] = result.o
+    pool[slots] = result.final_state.to(pool.dtype)
+    if len(checkpoint_slots):
+        if result.checkpoint_states is None:
+            raise ValueError(f"{backend.name} returns no checkpoint states; the case asks for {len(checkpoint_slots)}")
+        pool[checkpoint_slots.long()] = result.checkpoint_states.to(pool.dtype)
+
+
+@contextmanager
+def poisoned_scratch(device: torch.device, poison: str) -> Iterator[None]:
+    """Make memory a backend allocates and does not write visible: ``torch.empty`` returns NaN (PyTorch's
+    fill-uninitialized-memory mode) and, on CUDA, the caching allocator hands out blocks pre-filled with
+    ``poison``."""
+    if poison == "none":
+        yield
+        return
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    was_filling = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        if device.type == "cuda":
+            _prefill_allocator(device, poison)
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = was_filling
+
+
+def _prefill_allocator(device: torch.device, poison: str) -> None:
+    """Fill blocks of the caching allocator's small and large pools with ``poison`` and free them, so the
+    next allocations reuse poisoned memory instead of fresh (often zeroed) device memory."""
+    value = {"nan": float("nan"), "inf": float("inf"), "sentinel": SENTINEL}.get(poison, 1e30)
+    blocks = [torch.empty(n, dtype=torch.float32, device=device) for n in [2**17] * 8 + [2**24] * 4 + [2**27]]
+    for block in blocks:
+        block.fill_(value)
+    del blocks

@@ -1,0 +1,71 @@
+"""The suite catches every planted bug of the zoo in the ci profile, and passes the correct baseline.
+
+One detection run (conformance/detection.py: the properties and the corpus, one pytest process) over
+every backend of tests/plugins/kda_planted_bugs.py plus torch_chunk; docs/detection.md is the same
+table with FLA's kernels added.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kda_conformance.detection import DetectionRun, run_detection
+
+PLUGINS = Path(__file__).with_name("plugins")
+
+
+@pytest.fixture(scope="module")
+def zoo() -> dict[str, tuple[str, str]]:
+    import sys
+
+    sys.path.insert(0, str(PLUGINS))
+    try:
+        import kda_planted_bugs
+    finally:
+        sys.path.remove(str(PLUGINS))
+    return kda_planted_bugs.ZOO
+
+
+@pytest.fixture(scope="module")
+def detection(zoo: dict[str, tuple[str, str]], tmp_path_factory: pytest.TempPathFactory) -> DetectionRun:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
+    out = tmp_path_factory.mktemp("detection")
+    return run_detection([*zoo, "torch_chunk"], ["kda_planted_bugs"], out, profile="ci", device="cpu", env=env)
+
+
+def test_every_planted_bug_is_caught_with_a_first_bad_point(detection: DetectionRun, zoo: dict) -> None:
+    table = detection.table.set_index("backend")
+    missed = [name for name in zoo if table.loc[name, "caught by"] == "nothing"]
+    assert not missed, detection.output[-3000:]
+    no_position = [name for name in zoo if not table.loc[name, "first bad"].startswith(("seq ", "row ", "slot "))]
+    assert not no_position, table.loc[no_position].to_string()
+    assert detection.returncode == 1
+
+
+def test_the_correct_baseline_passes_every_case(detection: DetectionRun) -> None:
+    row = detection.table.set_index("backend").loc["torch_chunk"]
+    assert row["caught by"] == "nothing" and row["cases run"] > 0, detection.output[-3000:]
+
+
+# The bug each metamorphic property exists for: it must be the one that flags it.
+PROPERTY_FOR = {
+    "planted_future_leak": "prefix invariance",
+    "planted_packed_state_leak": "packing isolation",
+    "planted_ignores_initial_state": "split resume",
+    "planted_wrong_past_2048": "corpus",
+}
+
+
+@pytest.mark.parametrize("backend", sorted(PROPERTY_FOR))
+def test_each_property_catches_its_bug(detection: DetectionRun, backend: str) -> None:
+    caught_by = detection.table.set_index("backend").loc[backend, "caught by"]
+    assert PROPERTY_FOR[backend] in caught_by, caught_by
+
+
+def test_failures_print_their_repro_command(detection: DetectionRun) -> None:
+    for entry in detection.checks.values():
+        if entry["failed_at"] is not None:
+            assert "repro: " in entry["message"] and f"--backend {entry['backend']}" in entry["message"], entry
