@@ -26,6 +26,7 @@ from kda_conformance.calibrate import (
     calibration_markdown,
     calibration_table,
 )
+from kda_conformance.isolation import DEFAULT_CASE_TIMEOUT, run_cases_isolated
 from kda_conformance.repro import CHECKS as REPRO_CHECKS
 from kda_conformance.sweep import (
     FIRST_SWEEP_LENGTHS,
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of the first sweep: the committed corpus plus cases drawn for this profile",
     )
     run.add_argument("--examples", type=int, default=None, help="cases to draw for --profile (default: the profile's)")
+    _isolation_arguments(run)
     corpus = sub.add_parser("corpus", help="list or add pinned cases (cases/corpus)")
     corpus_sub = corpus.add_subparsers(dest="corpus_command", required=True)
     corpus_sub.add_parser("list", help="print the pinned cases")
@@ -133,6 +135,23 @@ def build_parser() -> argparse.ArgumentParser:
     detection.add_argument("--seed", type=int, default=None, help="seed of a randomized profile")
     detection.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: ./out)")
     detection.add_argument("--table", type=Path, default=None, help="also write the markdown table to this file")
+    dashboard = sub.add_parser("dashboard", help="build the HTML tolerance dashboard from a run store")
+    dashboard.add_argument("--store", type=Path, default=DEFAULT_OUT, help="the store: a run folder (default: ./out)")
+    dashboard.add_argument("--html", type=Path, default=None, help="where to write it (default: STORE/dashboard.html)")
+    _regression_arguments(dashboard)
+    nightly = sub.add_parser(
+        "nightly", help="the nightly job: the nightly profile into a store, then the dashboard (one command)"
+    )
+    nightly.add_argument("--store", type=Path, required=True, help="the run store (a folder kept between nights)")
+    nightly.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    nightly.add_argument("--plugin", action="append", default=[], metavar="MODULE")
+    nightly.add_argument("--backend", action="append", dest="backends", metavar="NAME")
+    nightly.add_argument("--profile", choices=list(PROFILES), default="nightly")
+    nightly.add_argument("--examples", type=int, default=None, help="cases to draw (default: the profile's)")
+    nightly.add_argument("--seed", type=int, default=None)
+    nightly.add_argument("-v", "--verbose", action="store_true")
+    _isolation_arguments(nightly)
+    _regression_arguments(nightly)
     repro = sub.add_parser(
         "repro", help="rebuild one case through the serving harness, say where it goes wrong, write a standalone test"
     )
@@ -150,6 +169,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--write-test", type=Path, default=None, metavar="FILE", help="also write a standalone pytest file"
     )
     return parser
+
+
+def _regression_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--window", type=int, default=5, help="earlier runs a run is compared with (default: 5)")
+    parser.add_argument(
+        "--growth", type=float, default=1.5, help="flag a worst error/limit grown past this times the median"
+    )
+
+
+def _isolation_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run each case in a worker process, so a crash or a hang costs that case only "
+        "(default: on for GPUs, off on the CPU)",
+    )
+    parser.add_argument(
+        "--case-timeout",
+        type=float,
+        default=DEFAULT_CASE_TIMEOUT,
+        metavar="S",
+        help=f"with --isolate: seconds one case may take on one backend (default: {DEFAULT_CASE_TIMEOUT:g})",
+    )
 
 
 def _common_arguments(parser: argparse.ArgumentParser, default_dtypes: list[str]) -> None:
@@ -270,13 +313,18 @@ def _sweep(
             failures.extend(failure_message(outcome.case, outcome.backend, v, outcome.repro) for v in outcome.failed)
             if outcome.status == "error":
                 failures.append(
-                    f"{outcome.case.id} ({outcome.case.label}) backend {outcome.backend} raised {outcome.reason}\n"
+                    f"{outcome.case.id} ({outcome.case.label}) backend {outcome.backend}: error: {outcome.reason}\n"
                     f"  repro: {outcome.repro}"
                 )
             progress.update(task, advance=1, description=f"{outcome.backend} {outcome.case.label}")
 
+        isolate = args.isolate if getattr(args, "isolate", None) is not None else device.type != "cpu"
         try:
-            run_cases(cases, backends, device, on_outcome=record)
+            if isolate:
+                names = [b.name for b in backends]
+                run_cases_isolated(cases, names, device, args.plugin, args.case_timeout, on_outcome=record)
+            else:
+                run_cases(cases, backends, device, on_outcome=record)
         except KeyboardInterrupt:
             # Ctrl-C or a time limit's SIGTERM: keep what was measured; the environment says it is partial.
             console.print(f"[yellow]interrupted after {len(rows)} records; writing them[/]")
@@ -422,6 +470,35 @@ def _write_calibration(frame: pd.DataFrame, commands: list[str], args: argparse.
         console.print(f"table: {args.table}")
 
 
+def cmd_dashboard(args: argparse.Namespace, console: Console) -> int:
+    from kda_reports.dashboard import build_dashboard
+    from kda_reports.store import load_store
+
+    store = load_store(args.store)
+    for problem in store.problems:
+        console.print(f"[yellow]store:[/] {problem}", highlight=False)
+    path, regressions = build_dashboard(
+        store, args.html or Path(args.store) / "dashboard.html", args.window, args.growth
+    )
+    for row in regressions.itertuples():
+        console.print(
+            f"[red]{row.kind}[/] {row.backend} {row.family} {row.tensor}: worst {row.tonight:.3g} "
+            f"(before {row.before:.3g}); {row.cause}" + (f"\n  repro: {row.repro}" if row.repro else ""),
+            highlight=False,
+            soft_wrap=True,
+        )
+    console.print(f"{len(store.runs)} runs, {len(regressions)} flags; dashboard: {path}")
+    return 0
+
+
+def cmd_nightly(args: argparse.Namespace, console: Console) -> int:
+    args.out, args.cases = args.store, None
+    code = cmd_run(args, console)
+    args.html = None
+    cmd_dashboard(args, console)
+    return code
+
+
 def cmd_repro(args: argparse.Namespace, console: Console) -> int:
     from kda_conformance.repro import plan_lines, resolve_case, run_check, write_standalone
     from kda_conformance.serving import serving_case
@@ -490,22 +567,21 @@ def main(argv: list[str] | None = None) -> int:
     # A time limit's SIGTERM stops the sweep like Ctrl-C does, so the records so far are kept.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        if args.command == "run":
-            return cmd_run(args, console)
-        if args.command == "calibrate":
-            return cmd_calibrate(args, console)
-        if args.command == "corpus":
-            return cmd_corpus(args, console)
-        if args.command == "detection":
-            return cmd_detection(args, console)
-        if args.command == "repro":
-            return cmd_repro(args, console)
+        commands = {
+            "run": cmd_run,
+            "calibrate": cmd_calibrate,
+            "corpus": cmd_corpus,
+            "detection": cmd_detection,
+            "repro": cmd_repro,
+            "dashboard": cmd_dashboard,
+            "nightly": cmd_nightly,
+        }
+        return commands[args.command](args, console)
     except SweepInterrupted as stop:
         console.print(f"partial records: {stop.paths['records']}")
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return 2  # pragma: no cover - argparse enforces the subcommand
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -39,6 +39,7 @@ PROFILE = pytest.StashKey[Profile]()
 SEED = pytest.StashKey[int | None]()
 RECORDER = pytest.StashKey[object]()
 CHECKS = pytest.StashKey[dict[str, dict]]()
+WRITTEN = pytest.StashKey[dict[str, Path]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -300,30 +301,43 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"kda-conformance: device {_device(config)}, profile {profile.name} ({examples}), {how}"
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Write the run's files where the tests ran: in the process itself, or in each pytest-xdist worker
+    (each worker's rows become a run of their own; the controller ran none)."""
+    config = session.config
+    rows, checks = config.stash.get(RECORDS, []), config.stash.get(CHECKS, {})
+    written: dict[str, Path] = {}
+    if (rows or checks) and _recorder(config) is not None:
+        recorder = _recorder(config)
+        if checks:
+            from kda_reports.runfile import atomic_write
+
+            path = recorder.out_dir / "runs" / f"{recorder.run_id}.checks.json"
+            atomic_write(path, lambda p: p.write_text(json.dumps(checks, indent=1)))
+            written["checks"] = path
+        if rows:
+            written |= recorder.finish()[1]
+    config.stash[WRITTEN] = written
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
     rows, checks = config.stash.get(RECORDS, []), config.stash.get(CHECKS, {})
+    written = config.stash.get(WRITTEN, {})
     tr = terminalreporter
     if checks:
         tr.section("KDA conformance: examples checked per test (and the first that failed)")
         for nodeid, entry in checks.items():
             failed = "" if entry["failed_at"] is None else f", failed at example {entry['failed_at']}"
             tr.write_line(f"{nodeid}: {entry['examples']} examples{failed}")
-        recorder = _recorder(config)
-        if recorder is not None:
-            from kda_reports.runfile import atomic_write
-
-            path = recorder.out_dir / "runs" / f"{recorder.run_id}.checks.json"
-            atomic_write(path, lambda p: p.write_text(json.dumps(checks, indent=1)))
-            tr.write_line(f"checks: {path}")
+        if "checks" in written:
+            tr.write_line(f"checks: {written['checks']}")
     if not rows:
         return
     tr.section("KDA conformance: max-abs error against the float64 reference")
     tr.write_line(RECORD_LINE_HEADER)
     for row in rows:
         tr.write_line(record_line(row))
-    recorder = _recorder(config)
-    if recorder is None:
+    if "records" not in written:
         tr.write_line("no report file written: pandas is not installed")
         return
-    _, paths = recorder.finish()
-    tr.write_line(f"report: {paths['records']} and {paths['summary_md']}")
+    tr.write_line(f"report: {written['records']} and {written['summary_md']}")

@@ -14,8 +14,7 @@ import torch
 
 from kda_cases.case import Case
 from kda_cases.materialize import KDAInputs
-from kda_conformance.properties import judged
-from kda_conformance.sweep import CaseTruth, case_truth, judge_result
+from kda_conformance.sweep import CaseTruth, case_truth, inputs_truth, judge_result
 from kda_conformance.tolerance import failure_message
 from kda_kernels.protocol import Backend, BackendOutput
 from kda_kernels.serving import (
@@ -29,7 +28,6 @@ from kda_kernels.serving import (
     run_serving,
     serve,
 )
-from kda_reference.run import run_reference
 
 REGIONS = ("null", "fresh", "checkpoint", "spare", "tail")
 
@@ -145,22 +143,21 @@ def step_inputs(inputs: KDAInputs, spans: list[tuple[int, int]]) -> KDAInputs:
 TOKENS = ("q", "k", "v", "g", "beta")
 
 
-def _judged_findings(
-    what: str, case: Case, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], truth: CaseTruth
-) -> list[str]:
-    findings = []
-    for name, (got, want) in pairs.items():
-        v = judged(case, name, got, want, truth.budgets[name])
-        if not v.passed:
-            findings.append(f"{what}: {name}: " + "; ".join(v.problems) + f" (first bad: {v.first_bad or '-'})")
-    return findings
+def _request_findings(what: str, request: KDAInputs, got: BackendOutput) -> list[str]:
+    """A request judged as a case of its own: the float64 truth of exactly what it was given (its initial
+    state as the pool stored it: a bf16 pool's rounding is the server's choice), budgets from the baseline
+    on the same request."""
+    truth = inputs_truth(request)
+    return [
+        f"{what}: {v.error.tensor}: " + "; ".join(v.problems) + f" (first bad: {v.first_bad or '-'})"
+        for v in judge_result(truth, got)
+        if not v.passed
+    ]
 
 
 def steps_findings(truth: CaseTruth, backend: Backend) -> list[str]:
     """Chunked prefill across two steps: every sequence's first half written to its slot in step 1, the
-    rest resumed from that slot in step 2. Each step must match the float64 truth of what it was given
-    (step 2: the states step 1 stored, as stored: a bf16 pool's rounding is the server's choice), within
-    the case's budgets."""
+    rest resumed from that slot in step 2; each step judged as a request of its own."""
     case, inputs = truth.case, truth.inputs
     if case.max_len < 2:
         raise ValueError(f"a two-step prefill needs a sequence of 2 tokens or more; {case.id} has {case.seq_lens}")
@@ -176,39 +173,31 @@ def steps_findings(truth: CaseTruth, backend: Backend) -> list[str]:
     after_first = pool[slots].clone()
     resumed = tuple(case.has_initial_state or c > s for (s, _), c in zip(spans, cuts, strict=True))
     serve(backend, second, pool, plan.seq_slots, resumed, out2, padding=plan.padding)
-    want1 = run_reference(first)
     keep = torch.tensor(resumed, device=inputs.device).view(-1, 1, 1, 1)
     stored = torch.where(keep, after_first, torch.zeros_like(after_first))
-    want2 = run_reference(dataclasses.replace(second, initial_state=stored))
     T1, T2 = first.case.total_tokens, second.case.total_tokens
-    return _judged_findings(
+    return _request_findings(
         "two-step prefill, step 1 (first half of each sequence)",
-        first.case,
-        {"o": (out1[:, :T1], want1.o), "final_state": (after_first, want1.final_state)},
-        truth,
-    ) + _judged_findings(
+        first,
+        BackendOutput(o=out1[:, :T1], final_state=after_first),
+    ) + _request_findings(
         "two-step prefill, step 2 (the rest, resumed from the slots)",
-        second.case,
-        {"o": (out2[:, :T2], want2.o), "final_state": (pool[slots], want2.final_state)},
-        truth,
+        dataclasses.replace(second, initial_state=stored),
+        BackendOutput(o=out2[:, :T2], final_state=pool[slots]),
     )
 
 
 def checkpoint_resume_findings(truth: CaseTruth, backend: Backend) -> list[str]:
     """Each checkpoint written to its slot by the batch (against the truth, within budget), then resumed by
-    a later request (the rest of its sequence, reading that slot): the request must match the float64
-    truth from the checkpoint state as stored, within budget."""
+    a later request (the rest of its sequence, reading that slot), judged as a request of its own."""
     case, inputs = truth.case, truth.inputs
     plan = plan_pool(case)
     run = run_serving(backend, inputs, plan, "nan")
-    findings = []
-    if run.checkpoint_states is not None:
-        findings += _judged_findings(
-            "checkpoint slots after the batch",
-            case,
-            {"checkpoint_states": (run.checkpoint_states, truth.reference.checkpoint_states)},
-            truth,
-        )
+    findings = [
+        "checkpoint slots after the batch: " + "; ".join(v.problems) + f" (first bad: {v.first_bad or '-'})"
+        for v in judge_result(truth, served_result(run))
+        if v.error.tensor == "checkpoint_states" and not v.passed
+    ]
     for j, ((seq, position), slot) in enumerate(zip(case.checkpoints, plan.checkpoint_slots, strict=True)):
         _, start, end = case.row_spans[seq]
         if start + position == end:
@@ -217,12 +206,10 @@ def checkpoint_resume_findings(truth: CaseTruth, backend: Backend) -> list[str]:
         pool = run.pool.clone()
         out = new_out(later.case, plan, "nan", inputs.device)
         serve(backend, later, pool, (slot,), (True,), out)
-        want = run_reference(dataclasses.replace(later, initial_state=run.pool[[slot]]))
-        findings += _judged_findings(
+        findings += _request_findings(
             f"request resumed from checkpoint {j} (slot {slot}, sequence {seq} at token {position})",
-            later.case,
-            {"o": (out[:, : end - start - position], want.o), "final_state": (pool[[slot]], want.final_state)},
-            truth,
+            dataclasses.replace(later, initial_state=run.pool[[slot]]),
+            BackendOutput(o=out[:, : end - start - position], final_state=pool[[slot]]),
         )
     return findings
 

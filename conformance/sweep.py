@@ -102,7 +102,13 @@ class CaseTruth:
 
 def case_truth(case: Case, device: torch.device, rule: BudgetRule = DEFAULT_RULE) -> CaseTruth:
     """Materialize ``case`` on ``device``, run the reference and the same-precision baseline, derive budgets."""
-    inputs = materialize(case, device)
+    return inputs_truth(materialize(case, device), rule)
+
+
+def inputs_truth(inputs: KDAInputs, rule: BudgetRule = DEFAULT_RULE) -> CaseTruth:
+    """The truth and budgets of given inputs (``inputs.case`` describes them; its initial state is the
+    tensor's, which may be a stored state a request resumes from)."""
+    case, device = inputs.case, inputs.device
     form = reference_form(inputs)
     start = time.perf_counter()
     reference = run_reference(inputs, form)

@@ -56,6 +56,12 @@ PROPERTY_FOR = {
     "planted_packed_state_leak": "packing isolation",
     "planted_ignores_initial_state": "split resume",
     "planted_wrong_past_2048": "corpus",
+    "planted_pool_fresh_reads_slot": "serving: poison",
+    "planted_padding_writes_slot0": "serving: poison",
+    "planted_pad_wraps_to_last_slot": "serving: poison",
+    "planted_uninitialised_output_tail": "serving: poison",
+    "planted_checkpoint_slot_unwritten": "serving: checkpoint resume",
+    "planted_cu_seqlens_identity_cache": "serving: reused cu_seqlens",
 }
 
 

@@ -1,0 +1,130 @@
+"""Cases in a worker process, so a backend that crashes or hangs costs one case, not the night.
+
+A CUDA fault (illegal memory access) poisons the process that hit it, a segfault or an abort ends it, a
+hang never returns: in the sweep's own process any of them ends the night. Here one worker process runs
+the cases one at a time; when it dies, the case it was running is recorded as an error (with the signal or
+exit code and the repro line) and a fresh worker takes the next case; when a case passes its time limit
+the worker is killed and the same happens.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import time
+from collections.abc import Callable, Iterable, Sequence
+from multiprocessing.connection import Connection
+
+import torch
+
+from kda_cases.case import Case
+from kda_conformance.sweep import CaseTruth, Outcome, case_truth, run_backend
+
+DEFAULT_CASE_TIMEOUT = 900.0  # seconds for one case on one backend, its reference and compile included
+STARTUP_TIMEOUT = 600.0  # seconds for a fresh worker to import torch, the suite and the plugins
+
+
+def _worker(conn: Connection, device: str, plugins: list[str]) -> None:
+    from kda_kernels import registry
+
+    for module in plugins:
+        registry.load_plugin(module)
+    conn.send("ready")  # the case clock starts after the imports (and a GPU's context) are done
+    truth: CaseTruth | None = None
+    while True:
+        task = conn.recv()
+        if task is None:
+            return
+        case_json, backend_name = task
+        case = Case.from_json(case_json)
+        if truth is None or truth.case != case:  # one case's truth serves all its backends
+            truth = case_truth(case, torch.device(device))
+        conn.send(run_backend(truth, registry.get(backend_name)))
+
+
+class IsolatedRunner:
+    """One worker process at a time, restarted after a crash or a hang."""
+
+    def __init__(self, device: torch.device, plugins: Sequence[str] = (), case_timeout: float = DEFAULT_CASE_TIMEOUT):
+        self.device, self.plugins, self.case_timeout = device, list(plugins), case_timeout
+        self.context = multiprocessing.get_context("spawn")  # no CUDA context may be forked
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.conn: Connection | None = None
+
+    def _start(self) -> None:
+        parent, child = self.context.Pipe()
+        self.process = self.context.Process(target=_worker, args=(child, str(self.device), self.plugins), daemon=True)
+        self.process.start()
+        child.close()
+        self.conn = parent
+        if not parent.poll(STARTUP_TIMEOUT) or parent.recv() != "ready":
+            self._discard()
+            raise RuntimeError(f"the worker process did not start within {STARTUP_TIMEOUT:g} s")
+
+    def _discard(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+        if self.process is not None:
+            self.process.join(timeout=30)
+        self.process, self.conn = None, None
+
+    def run(self, case: Case, backend: str) -> Outcome:
+        if self.process is None:
+            self._start()
+        assert self.conn is not None and self.process is not None
+        start = time.perf_counter()
+        self.conn.send((case.to_json(), backend))
+        reason = ""
+        if self.conn.poll(self.case_timeout):
+            try:
+                return self.conn.recv()
+            except (EOFError, ConnectionError):
+                self.process.join(timeout=30)
+                reason = f"the backend's process died ({_exit_status(self.process.exitcode)}); the night went on"
+        else:
+            reason = f"no result within {self.case_timeout:g} s (hung or too slow): its process was killed"
+        self._discard()
+        return Outcome(case, backend, self.device, "error", reason, time.perf_counter() - start)
+
+    def close(self) -> None:
+        if self.conn is not None and self.process is not None and self.process.is_alive():
+            try:
+                self.conn.send(None)
+                self.process.join(timeout=10)
+            except (BrokenPipeError, OSError):
+                pass
+        self._discard()
+
+
+def _exit_status(code: int | None) -> str:
+    if code is None:
+        return "no exit code"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def run_cases_isolated(
+    cases: Iterable[Case],
+    backends: Sequence[str],
+    device: torch.device,
+    plugins: Sequence[str] = (),
+    case_timeout: float = DEFAULT_CASE_TIMEOUT,
+    on_outcome: Callable[[Outcome], None] | None = None,
+) -> list[Outcome]:
+    """``run_cases`` with every case run in a worker process (see the module's docstring)."""
+    runner = IsolatedRunner(device, plugins, case_timeout)
+    outcomes = []
+    try:
+        for case in cases:
+            for backend in backends:
+                outcome = runner.run(case, backend)
+                outcomes.append(outcome)
+                if on_outcome is not None:
+                    on_outcome(outcome)
+    finally:
+        runner.close()
+    return outcomes

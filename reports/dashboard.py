@@ -1,0 +1,166 @@
+"""The tolerance dashboard: one self-contained HTML page built from a run store.
+
+Sections: overview (runs, pass/fail per backend, the last run's environment), error against length per
+backend and tensor (log-log, each case's limit drawn beside its error), trends of the worst error/limit
+ratio per case family over nights, the regression table with each row's repro command, and the worst
+cases of the last run. Plotly's JavaScript is inlined once, so the page needs no network when viewed;
+plots resize with the window and tables scroll sideways on a narrow screen.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from pathlib import Path
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from kda_reports.regressions import GROUP, find_regressions, nightly_groups
+from kda_reports.store import Store
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 0 auto; padding: 0 12px; max-width: 1200px; color: #222; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
+.scroll { overflow-x: auto; }
+table { border-collapse: collapse; font-size: 0.85em; }
+th, td { border: 1px solid #ddd; padding: 3px 6px; text-align: left; vertical-align: top; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+code { font-size: 0.85em; word-break: break-all; }
+.fail { color: #b00020; font-weight: 600; } .pass { color: #1b7f3b; } .note { color: #666; font-size: 0.9em; }
+.plot { width: 100%; min-height: 360px; }
+details code { display: block; max-width: 60ch; }
+"""
+
+
+def _table(frame: pd.DataFrame, table_id: str, code_columns: tuple[str, ...] = ()) -> str:
+    if frame.empty:
+        return f'<p class="note" id="{table_id}">none</p>'
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in frame.columns)
+    rows = []
+    for _, row in frame.iterrows():
+        cells = []
+        for column, value in row.items():
+            if isinstance(value, float):
+                text = "" if math.isnan(value) else ("inf" if math.isinf(value) else f"{value:.3g}")
+                cells.append(f'<td class="num">{text}</td>')
+            elif column in code_columns:  # long commands fold away, so a narrow screen keeps short rows
+                code = f"<code>{html.escape(str(value))}</code>" if value else ""
+                cells.append(f"<td><details><summary>{column}</summary>{code}</details></td>" if code else "<td></td>")
+            else:
+                cls = f' class="{value}"' if value in ("fail", "pass") else ""
+                cells.append(f"<td{cls}>{html.escape(str(value))}</td>")
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    table = f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+    return f'<div class="scroll">{table}</div>'
+
+
+def _figure_html(figure: go.Figure, div_id: str, first: bool) -> str:
+    figure.update_layout(margin=dict(l=50, r=10, t=40, b=40), height=420, legend=dict(font=dict(size=10)))
+    return figure.to_html(
+        full_html=False,
+        include_plotlyjs=True if first else False,
+        div_id=div_id,
+        config={"responsive": True, "displaylogo": False},
+        default_width="100%",
+    )
+
+
+def error_vs_length(records: pd.DataFrame) -> go.Figure:
+    """Max-abs error against the longest sequence, per backend and tensor, with each case's limit."""
+    figure = go.Figure()
+    measured = records[records["verdict"].isin(["pass", "fail"]) & records["max_abs"].notna()].copy()
+    measured["length"] = measured["case_seq_lens"].map(lambda s: max(int(x) for x in str(s).split(",")))
+    for (backend, tensor), part in measured.groupby(["backend", "tensor"]):
+        part = part.sort_values("length")
+        label = f"{backend} {tensor}"
+        text = part["case_id"] + " " + part["label"]
+        figure.add_trace(go.Scatter(x=part["length"], y=part["max_abs"], mode="markers", name=label, text=text))
+        figure.add_trace(
+            go.Scatter(
+                x=part["length"],
+                y=part["budget"],
+                mode="markers",
+                name=f"{label} limit",
+                text=text,
+                marker=dict(symbol="line-ew-open", size=12),
+            )
+        )
+    figure.update_xaxes(type="log", title="longest sequence (tokens)")
+    figure.update_yaxes(type="log", title="max-abs error (limit: dashes)")
+    figure.update_layout(title="Error against length, last run")
+    return figure
+
+
+def trends(groups: pd.DataFrame, runs: pd.DataFrame) -> go.Figure:
+    """Worst error/limit ratio per backend x family x tensor over the runs (1 is the limit)."""
+    figure = go.Figure()
+    order = {run_id: i for i, run_id in enumerate(runs["run_id"])}
+    dates = dict(zip(runs["run_id"], runs.get("env_date", runs["run_id"]), strict=True))
+    finite = groups[groups["worst"].map(math.isfinite)].copy()
+    finite["night"] = finite["run_id"].map(order)
+    for key, part in finite.groupby(GROUP):
+        part = part.sort_values("night")
+        figure.add_trace(
+            go.Scatter(x=[dates[r] for r in part["run_id"]], y=part["worst"], mode="lines+markers", name=" ".join(key))
+        )
+    figure.add_hline(y=1.0, line_dash="dash", line_color="#b00020", annotation_text="limit")
+    figure.update_yaxes(type="log", title="worst error / limit")
+    figure.update_xaxes(title="run")
+    figure.update_layout(title="Trends per case family (backend, family, tensor)")
+    return figure
+
+
+def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.5) -> tuple[Path, pd.DataFrame]:
+    """Write the dashboard for ``store`` to ``out``; returns the path and the regression table."""
+    records, runs = store.records, store.runs
+    parts = [
+        "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
+        "<meta name='viewport' content='width=device-width, initial-scale=1'>",
+        f"<title>KDA conformance dashboard</title><style>{STYLE}</style></head><body>",
+        "<h1>KDA conformance: tolerance dashboard</h1>",
+    ]
+    if records.empty:
+        parts.append("<p>No runs in the store yet.</p>")
+        regressions = pd.DataFrame()
+    else:
+        last_id = runs["run_id"].iloc[-1]
+        last = records[records["run_id"] == last_id]
+        regressions = find_regressions(records, runs, window, growth)
+        per_backend = pd.crosstab(last["backend"], last["verdict"]).reset_index()
+        env = last.iloc[0][[c for c in last.columns if c.startswith("env_")]]
+        env_table = pd.DataFrame({"": [c.removeprefix("env_") for c in env.index], "value": [str(v) for v in env]})
+        measured = last[last["verdict"].isin(["pass", "fail", "error"])].copy()
+        measured["worst"] = measured[["ratio", "rel_rms_ratio"]].astype(float).max(axis=1)
+        measured.loc[measured["verdict"] == "error", "worst"] = math.inf
+        worst = measured.sort_values("worst", ascending=False).head(15)
+        worst_table = worst[["case_id", "label", "backend", "tensor", "verdict", "max_abs", "budget", "worst", "repro"]]
+        parts += [
+            "<h2>Overview</h2>",
+            f"<p>{len(runs)} runs; last run <code>{html.escape(last_id)}</code>.</p>",
+            _table(runs, "runs"),
+            "<h3>Last run per backend</h3>",
+            _table(per_backend, "per-backend"),
+            "<h3>Last run's environment</h3>",
+            _table(env_table, "environment"),
+            "<h2>Regressions (last run against the runs before it)</h2>",
+            f"<p class='note'>Worst error/limit per backend, case family and tensor against the median of up to "
+            f"{window} earlier runs; growth flagged past {growth:g} times the median.</p>",
+            _table(regressions, "regressions", code_columns=("repro",)),
+            "<h2>Error against length</h2>",
+            _figure_html(error_vs_length(last), "error-vs-length", first=True),
+            "<h2>Trends</h2>",
+            _figure_html(trends(nightly_groups(records), runs), "trends", first=False),
+            "<h2>Worst cases of the last run</h2>",
+            _table(worst_table, "worst", code_columns=("repro",)),
+        ]
+    if store.problems:
+        parts += ["<h2>Files skipped or partly read</h2><ul>"]
+        parts += [f"<li>{html.escape(p)}</li>" for p in store.problems] + ["</ul>"]
+    parts.append("</body></html>")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text("\n".join(parts))
+    tmp.replace(out)
+    return out, regressions

@@ -1,0 +1,123 @@
+"""Regressions over a store's history: per case family x backend x tensor, tonight against recent nights.
+
+A night's figure for a group is its worst error/limit ratio (the larger of the max-abs and rel-RMS ratios;
+1 is the limit) and whether any case failed or erred. The latest run is compared with the median of the
+``window`` runs before it: a group that fails tonight and passed in the previous run (or was not
+measured in it) is a new failure,
+one that passed tonight and failed in the previous run is fixed, and one whose worst ratio grew past
+``growth`` times the median (and above ``floor``, below which ratios are noise) has grown. Each flag
+says what changed between the two runs: the environment (library versions, GPU, CUDA/HIP), the suite's
+commit, or neither (a new seed drew harder cases, or the kernel is not deterministic).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+ENV_KEYS = {
+    "env_torch": "torch",
+    "env_triton": "triton",
+    "env_fla": "fla",
+    "env_aiter": "aiter",
+    "env_device_name": "device",
+    "env_arch": "arch",
+    "env_cuda": "CUDA",
+    "env_hip": "HIP",
+    "env_multiprocessors": "SMs/CUs",
+}
+GROUP = ["backend", "family", "tensor"]
+
+
+def family(records: pd.DataFrame) -> pd.Series:
+    """The case family of each record: input dtype, gate regime and a power-of-two length bucket."""
+    longest = records["case_seq_lens"].map(lambda lens: max(_lengths(lens)) if _lengths(lens) else 0)
+    bucket = longest.map(lambda n: f"T<={2 ** math.ceil(math.log2(n))}" if n > 1 else "T<=1")
+    return records["case_dtype"].astype(str) + " " + records["case_gate_regime"].astype(str) + " " + bucket
+
+
+def _lengths(value: object) -> list[int]:
+    if isinstance(value, str):
+        return [int(x) for x in value.strip("[]() ").replace(",", " ").split()]
+    return [int(x) for x in value]  # type: ignore[union-attr]
+
+
+def nightly_groups(records: pd.DataFrame) -> pd.DataFrame:
+    """Per run x backend x family x tensor: cases, failures, worst ratio, and the worst case's repro."""
+    measured = records[records["verdict"].isin(["pass", "fail", "error"])].copy()
+    if measured.empty:
+        return pd.DataFrame(columns=["run_id", *GROUP, "cases", "failed", "worst", "repro", "case_id"])
+    measured["family"] = family(measured)
+    measured["tensor"] = measured["tensor"].fillna("").replace("", "(run)")
+    ratio = measured[["ratio", "rel_rms_ratio"]].astype(float).max(axis=1)
+    measured["worst"] = ratio.where(measured["verdict"] != "error", math.inf)
+    measured["failed"] = measured["verdict"].isin(["fail", "error"])
+    measured = measured.sort_values("worst", ascending=False)
+    grouped = measured.groupby(["run_id", *GROUP], sort=False)
+    table = grouped.agg(
+        cases=("case_id", "nunique"),
+        failed=("failed", "sum"),
+        worst=("worst", "max"),
+        repro=("repro", "first"),
+        case_id=("case_id", "first"),
+    )
+    return table.reset_index()
+
+
+def environment_change(runs: pd.DataFrame, before: str, after: str) -> str:
+    """What differs between two runs: environment, suite commit, or neither."""
+    a = runs.set_index("run_id").loc[before]
+    b = runs.set_index("run_id").loc[after]
+    changes = [
+        f"{label} {a[key]} -> {b[key]}" for key, label in ENV_KEYS.items() if key in runs and str(a[key]) != str(b[key])
+    ]
+    suite = "env_suite_commit" in runs and str(a["env_suite_commit"]) != str(b["env_suite_commit"])
+    parts = []
+    if changes:
+        parts.append("environment: " + ", ".join(changes))
+    if suite:
+        parts.append(f"suite: {a['env_suite_commit']} -> {b['env_suite_commit']}")
+    return "; ".join(parts) or "no change of environment or suite (other cases drawn, or nondeterminism)"
+
+
+def find_regressions(
+    records: pd.DataFrame, runs: pd.DataFrame, window: int = 5, growth: float = 1.5, floor: float = 0.1
+) -> pd.DataFrame:
+    """Flags for the latest run against the ``window`` runs before it (see the module's docstring)."""
+    columns = ["kind", *GROUP, "tonight", "before", "cause", "case_id", "repro"]
+    env_runs = runs.copy()
+    for key in [*ENV_KEYS, "env_suite_commit"]:
+        if key in records and key not in env_runs:
+            env_runs = env_runs.merge(records.groupby("run_id")[key].first().reset_index(), on="run_id", how="left")
+    order = list(runs["run_id"])
+    if len(order) < 2:
+        return pd.DataFrame(columns=columns)
+    latest, previous, history = order[-1], order[-2], order[-1 - window : -1]
+    groups = nightly_groups(records)
+    now = groups[groups["run_id"] == latest].set_index(GROUP)
+    past = groups[groups["run_id"].isin(history)]
+    last = groups[groups["run_id"] == previous].set_index(GROUP)
+    median = past.groupby(GROUP)["worst"].median()
+    cause = environment_change(env_runs, previous, latest)
+    flags = []
+    for key, row in now.iterrows():
+        before = median.get(key, math.nan)
+        was = last.loc[key] if key in last.index else None
+        entry = {
+            "tonight": row["worst"],
+            "before": before,
+            "cause": cause,
+            "case_id": row["case_id"],
+            "repro": row["repro"],
+        }
+        if row["failed"] and (was is None or not was["failed"]):
+            kind = "new failure" if was is not None else "failure (family not measured the night before)"
+            flags.append({"kind": kind, **dict(zip(GROUP, key, strict=True)), **entry})
+        elif row["worst"] > floor and before > 0 and row["worst"] > growth * before:
+            flags.append({"kind": "error growth", **dict(zip(GROUP, key, strict=True)), **entry})
+    for key, was in last.iterrows():
+        if was["failed"] and key in now.index and not now.loc[key]["failed"]:
+            entry = {"tonight": now.loc[key]["worst"], "before": median.get(key, math.nan), "cause": cause}
+            flags.append({"kind": "fixed", **dict(zip(GROUP, key, strict=True)), **entry, "case_id": "", "repro": ""})
+    return pd.DataFrame(flags, columns=columns)

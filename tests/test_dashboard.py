@@ -1,0 +1,174 @@
+"""The run store, regression detection, the dashboard (in a real headless Chromium), the nightly command, and
+process isolation (a backend that segfaults and one that hangs cost their own cases only)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from kda_conformance.cli import main
+from kda_reports.dashboard import build_dashboard
+from kda_reports.regressions import find_regressions
+from kda_reports.runfile import RunRecorder, atomic_write, read_run, write_run
+from kda_reports.store import load_store
+
+REPO = Path(__file__).resolve().parent.parent
+PLUGINS = Path(__file__).with_name("plugins")
+ARTIFACTS = Path(os.environ.get("KDA_ARTIFACTS", REPO / "out" / "artifacts"))
+NIGHTS = 5
+RUN = [sys.executable, "-m", "kda_conformance.cli", "run"]
+
+
+@pytest.fixture(scope="module")
+def one_run(tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
+    out = tmp_path_factory.mktemp("seed-run")
+    argv = ["run", "--backend", "torch_chunk", "--device", "cpu", "--lengths", "20,40", "--dtypes", "bf16,fp32"]
+    assert main([*argv, "--out", str(out)]) == 0
+    return read_run(next((out / "runs").glob("*.parquet")))
+
+
+def planted_group(frame: pd.DataFrame) -> pd.Series:
+    """The rows the planted regression hits: fp32 outputs."""
+    return (frame["case_dtype"] == "fp32") & (frame["tensor"] == "o")
+
+
+@pytest.fixture(scope="module")
+def history(one_run: pd.DataFrame, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Five nights of the same run; on the last the fp32 outputs' error grows 20 times and fails, and the
+    suite's commit changes."""
+    store = tmp_path_factory.mktemp("store")
+    for night in range(NIGHTS):
+        frame = one_run.copy()
+        run_id = f"2026111{night}T020000Z-night{night}"
+        env = {"date": f"2026-11-1{night}T02:00:00+00:00", "suite_commit": "abc" if night < NIGHTS - 1 else "def"}
+        env |= {"run_id": run_id, "complete": True, "device_name": "cpu", "fla": "0.6.0"}
+        for key, value in env.items():
+            frame[f"env_{key}"] = value
+        frame["run_id"] = run_id
+        if night == NIGHTS - 1:
+            hit = planted_group(frame)
+            for column in ("max_abs", "rel_rms", "ratio", "rel_rms_ratio"):
+                frame.loc[hit, column] *= 20
+            frame.loc[hit, "verdict"] = "fail"
+        write_run(frame, env, store, run_id)
+    return store
+
+
+def test_store_loads_every_night_and_names_broken_files(history: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "store"
+    shutil.copytree(history, broken)
+    (broken / "runs" / "20261120T000000Z-corrupt.parquet").write_bytes(b"PAR1 not really")
+    torn = broken / "runs" / "20261121T000000Z-killed.partial.jsonl"
+    torn.write_text('{"run_id": "x", "verdict": "pass", "backend": "torch_chunk"}\n{"run_id": "x", "verd')
+    store = load_store(broken)
+    assert len(store.runs) == NIGHTS + 1  # the killed run's whole line is kept, marked incomplete
+    assert any("corrupt.parquet: not readable" in p for p in store.problems)
+    assert any("killed.partial.jsonl: 1 unreadable line" in p for p in store.problems)
+    assert not store.records[store.records["run_id"].str.endswith("killed")]["env_complete"].any()
+
+
+def test_a_killed_write_leaves_no_half_file_and_keeps_earlier_runs(history: Path, tmp_path: Path) -> None:
+    target = tmp_path / "runs" / "20261130T000000Z-x.parquet"
+    target.parent.mkdir()
+
+    def dies_midway(path: Path) -> None:
+        path.write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(target, dies_midway)
+    assert not target.exists()
+    recorder = RunRecorder({"date": "2026-11-30"}, tmp_path)
+    recorder.add([{"case_id": "c", "backend": "b", "verdict": "pass", "tensor": "o"}])  # then the process dies
+    store = load_store(tmp_path)
+    assert list(store.runs["run_id"]) == [recorder.run_id] and not store.records["env_complete"].any()
+    assert len(load_store(history).runs) == NIGHTS
+
+
+def test_regressions_flag_the_planted_one_with_its_cause(history: Path) -> None:
+    store = load_store(history)
+    flags = find_regressions(store.records, store.runs)
+    assert len(flags) >= 1 and set(flags["tensor"]) == {"o"}
+    assert all(" fp32 " in f" {family} " for family in flags["family"])
+    assert set(flags["kind"]) == {"new failure"}
+    assert flags["cause"].str.contains("suite: abc -> def").all()
+    assert flags["repro"].str.startswith("kda-conformance run --device cpu --backend torch_chunk --case").all()
+    quiet = find_regressions(store.records[store.records["run_id"] != store.runs["run_id"].iloc[-1]], store.runs[:-1])
+    assert quiet.empty
+
+
+def chromium() -> str:
+    """Debian's chromium: found, or installed when this user can (root with apt-get), or the test skips."""
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path:
+        return path
+    if hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get"):
+        done = subprocess.run(
+            ["apt-get", "install", "-y", "-q", "chromium"], capture_output=True, text=True, timeout=900, check=False
+        )
+        path = shutil.which("chromium")
+        if path:
+            return path
+        pytest.skip(f"chromium is missing and `apt-get install chromium` failed: {done.stderr[-300:]}")
+    pytest.skip("chromium is missing (Debian: apt-get install chromium) and this user cannot install it")
+
+
+def test_dashboard_renders_in_a_real_browser(history: Path, tmp_path: Path) -> None:
+    page, regressions = build_dashboard(load_store(history), tmp_path / "dashboard.html")
+    assert not regressions.empty
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    screenshot = ARTIFACTS / "dashboard-narrow.png"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0"]
+    flags += ["--virtual-time-budget=15000", "--window-size=420,3000"]
+    browser = chromium()
+    done = subprocess.run(
+        [browser, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=180, check=False
+    )
+    dom = done.stdout
+    # Plotly draws each plot into SVG once its script has run: both plots must be there.
+    assert dom.count('class="main-svg"') >= 2, done.stderr[-2000:]
+    console = [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
+    assert not console, console
+    table = re.search(r'<table id="regressions">.*?</table>', dom, flags=re.S)
+    assert table and "new failure" in table.group(0) and "fp32" in table.group(0) and "torch_chunk" in table.group(0)
+    shot = subprocess.run(
+        [browser, *flags, f"--screenshot={screenshot}", page.as_uri()], capture_output=True, timeout=180, check=False
+    )
+    assert screenshot.exists() and screenshot.stat().st_size > 10_000, shot.stderr[-2000:]
+
+
+def test_nightly_command_adds_a_run_and_rebuilds_the_dashboard(tmp_path: Path) -> None:
+    argv = ["nightly", "--store", str(tmp_path), "--profile", "smoke", "--examples", "1"]
+    assert main([*argv, "--backend", "torch_chunk", "--device", "cpu"]) == 0
+    assert main([*argv, "--backend", "torch_chunk", "--device", "cpu"]) == 0
+    store = load_store(tmp_path)
+    assert len(store.runs) == 2 and (tmp_path / "dashboard.html").stat().st_size > 100_000
+
+
+def test_a_crashing_and_a_hanging_backend_cost_their_cases_only(tmp_path: Path) -> None:
+    cases = [arg for case in ('{"seq_lens": [37]}', '{"seq_lens": [64], "dtype": "fp32"}') for arg in ("--case", case)]
+    backends = [arg for b in ("planted_segfault", "planted_hang", "torch_chunk") for arg in ("--backend", b)]
+    isolated = ["--device", "cpu", "--isolate", "--case-timeout", "5", "--plugin", "kda_planted_crashes"]
+    done = subprocess.run(
+        [*RUN, *isolated, *backends, *cases, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(PLUGINS)},
+        check=False,
+    )
+    assert done.returncode == 1, done.stdout[-3000:]
+    frame = read_run(next((tmp_path / "runs").glob("*.parquet")))
+    by_backend = {b: part for b, part in frame.groupby("backend")}
+    assert set(by_backend["planted_segfault"]["verdict"]) == {"error"}
+    assert by_backend["planted_segfault"]["reason"].str.contains("died (signal SIGSEGV)", regex=False).all()
+    assert by_backend["planted_hang"]["reason"].str.contains("no result within 5 s").all()
+    assert set(by_backend["torch_chunk"]["verdict"]) == {"pass"} and by_backend["torch_chunk"]["case_id"].nunique() == 2
+    assert frame[frame["verdict"] == "error"]["repro"].str.startswith("kda-conformance run --device cpu").all()

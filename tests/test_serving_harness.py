@@ -1,0 +1,193 @@
+"""The serving harness (kernels/serving.py), its checks (conformance/serving.py) and `kda-conformance repro`.
+
+The planted serving bugs of tests/plugins/kda_planted_bugs.py model the bug classes of KDA-FACTS.md that a
+harness can show (a fresh sequence reading a stale slot, a padding row scattering into slot 0, -1 used as an
+index, a checkpoint slot never written, an uninitialised output tail, bounds cached on a cu_seqlens
+tensor's identity); each must be caught and localized.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kda_cases.case import Case
+from kda_conformance.cli import main
+from kda_conformance.repro import run_check
+from kda_kernels import registry
+from kda_kernels.serving import (
+    NULL_SLOT,
+    PAD_SLOT_ID,
+    POISON_MODES,
+    check_slots,
+    plan_pool,
+    poison_like,
+    poisoned_scratch,
+    run_serving,
+    serving_inputs,
+)
+
+PLUGINS = Path(__file__).with_name("plugins")
+CPU = torch.device("cpu")
+# Packed, a zero-length member, an initial state, a checkpoint: every slot kind and the padding at once.
+CASE = Case(
+    seq_lens=(20, 0, 13), packed=True, num_heads=1, num_v_heads=1, head_k_dim=32, head_v_dim=32, checkpoints=((0, 16),)
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def planted() -> None:
+    sys.path.insert(0, str(PLUGINS))
+    try:
+        import kda_planted_bugs  # noqa: F401  (registers the zoo)
+    finally:
+        sys.path.remove(str(PLUGINS))
+
+
+def test_plan_keeps_slot_zero_free_and_names_each_slot_once() -> None:
+    plan = plan_pool(CASE)
+    named = [*plan.seq_slots, *plan.checkpoint_slots]
+    assert NULL_SLOT not in named and len(set(named)) == len(named)
+    assert NULL_SLOT in plan.unnamed_slots and len(plan.unnamed_slots) == plan.num_slots - len(named)
+    assert plan.state_indices[-plan.padding :] == (PAD_SLOT_ID,) * plan.padding
+    assert plan.out_rows > CASE.total_tokens
+
+
+@pytest.mark.parametrize(
+    ("indices", "message"),
+    [
+        ([1, 1, -1], "name slot(s) [1] for more than one sequence"),
+        ([0, 2, -1], "out of range"),
+        ([1, 9, -1], "out of range"),
+        ([1, 2, 3], "must be -1 (padding)"),
+    ],
+)
+def test_bad_slot_indices_are_refused_with_the_argument_named(indices: list[int], message: str) -> None:
+    with pytest.raises(ValueError, match="state_indices") as raised:
+        check_slots(torch.tensor(indices), num_slots=5, num_seqs=2)
+    assert message in str(raised.value)
+
+
+def test_duplicate_slots_are_refused_by_the_harness() -> None:
+    inputs = serving_inputs(CASE.replace(checkpoints=()), CPU)
+    plan = plan_pool(CASE.replace(checkpoints=()))
+    twice = type(plan)(plan.num_slots, (plan.seq_slots[0],) * 3, (), plan.padding, plan.out_rows)
+    with pytest.raises(ValueError, match="more than one sequence"):
+        run_serving(registry.get("torch_chunk"), inputs, twice)
+
+
+def test_poison_modes() -> None:
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    assert poison_like(x, "nan").isnan().all() and poison_like(x, "inf").isinf().all()
+    assert (poison_like(x, "inf") < 0).any() and (poison_like(x, "sentinel") > 1e29).all()
+    assert torch.equal(poison_like(x, "garbage", 3).view(torch.int16), poison_like(x, "garbage", 3).view(torch.int16))
+    assert poison_like(x, "tenant").isfinite().all() and poison_like(x, "tenant").abs().sum() > 0
+    assert not poison_like(x, "none").any()
+    with pytest.raises(ValueError, match="poison mode 'bogus' unknown; choose from " + ", ".join(POISON_MODES)):
+        poison_like(x, "bogus")
+
+
+def test_poisoned_scratch_fills_empty_with_nan_and_restores_the_flags() -> None:
+    before = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
+    with poisoned_scratch(CPU, "nan"):
+        assert torch.empty(16).isnan().all()
+    assert (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory) == before
+
+
+@pytest.mark.parametrize("poison", [m for m in POISON_MODES if m != "none"])
+def test_the_correct_baseline_survives_every_poison(poison: str) -> None:
+    assert run_check(CASE, registry.get("torch_chunk"), CPU, poison, "poison") == []
+
+
+@pytest.mark.parametrize("check", ["steps", "checkpoint", "cu_seqlens"])
+def test_the_correct_baseline_passes_the_step_checks(check: str) -> None:
+    assert run_check(CASE.replace(initial_state="random"), registry.get("torch_chunk"), CPU, "nan", check) == []
+
+
+# planted bug -> (check, poison, what the findings must say)
+LOCALIZED = {
+    "planted_pool_fresh_reads_slot": ("poison", "tenant", "poison reached the result from: fresh"),
+    "planted_padding_writes_slot0": ("poison", "nan", "the null slot 0 was written"),
+    "planted_pad_wraps_to_last_slot": ("poison", "nan", "{last}"),
+    "planted_checkpoint_slot_unwritten": ("poison", "nan", "(checkpoint 0) differs with nan poison"),
+    "planted_uninitialised_output_tail": ("poison", "nan", "(past the last token, 33) was written"),
+    "planted_cu_seqlens_identity_cache": ("cu_seqlens", "none", "second batch through the same cu_seqlens tensor"),
+}
+
+
+@pytest.mark.parametrize("backend", sorted(LOCALIZED))
+def test_each_serving_bug_is_caught_and_localized(backend: str) -> None:
+    check, poison, expected = LOCALIZED[backend]
+    # Fresh sequences for the bug that reads their slots; resumed ones (nonzero states everywhere) otherwise.
+    case = CASE if backend == "planted_pool_fresh_reads_slot" else CASE.replace(initial_state="random")
+    findings = run_check(case, registry.get(backend), CPU, poison, check)
+    plan, last = plan_pool(case), plan_pool(case).num_slots - 1
+    # The last slot: a spare one shows as written, a sequence's as that sequence's wrong final state.
+    owner = f"seq {plan.seq_slots.index(last)} head" if last in plan.seq_slots else f"slot {last}"
+    expected = expected.format(last=owner)
+    assert any(expected in f for f in findings), findings
+
+
+def test_repro_command_localizes_and_writes_a_failing_standalone_test(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    test_file = tmp_path / "test_slot0.py"
+    argv = ["repro", "--backend", "planted_padding_writes_slot0", "--device", "cpu", "--case", CASE.to_json()]
+    assert main([*argv, "--write-test", str(test_file)]) == 1
+    out = capsys.readouterr().out
+    assert "the null slot 0 was written" in out and "sequence 0 (20 tokens) -> slot" in out
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import kda_planted_bugs, pytest, sys; sys.exit(pytest.main(['-q', sys.argv[1]]))",
+            str(test_file),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(PLUGINS), "PATH": ""},
+    )
+    assert done.returncode == 1 and "slot 0 written" in done.stdout, done.stdout[-2000:]
+
+
+def test_repro_names_a_bad_case() -> None:
+    assert main(["repro", "--backend", "torch_chunk", "--device", "cpu", "--case", "kda-000000000000"]) == 2
+    assert main(["repro", "--backend", "torch_chunk", "--device", "cpu", "--case", CASE.to_json()]) == 0
+
+
+def test_fla_standalone_test_needs_only_torch_and_fla(tmp_path: Path) -> None:
+    """The file written for FLA's chunk kernel imports nothing of this suite and passes where FLA passes
+    (here on the CPU, in Triton's interpreter, which the suite switches on before pytest runs the file)."""
+    test_file = tmp_path / "test_fla.py"
+    argv = ["repro", "--backend", "fla_chunk", "--device", "cpu", "--poison", "sentinel", "--case", CASE.to_json()]
+    assert main([*argv, "--write-test", str(test_file)]) == 0
+    assert "kda_" not in "".join(line for line in test_file.read_text().splitlines() if "import" in line)
+    enable = "from kda_kernels import triton_interpret; triton_interpret.enable(); import pytest, sys"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"{enable}; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', sys.argv[1]]))",
+            str(test_file),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-2000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the caching allocator's prefill is CUDA's (no GPU here)")
+def test_cuda_allocator_hands_out_poisoned_blocks() -> None:
+    """Memory that does not come through torch.empty's fill (a kernel's own scratch) is poisoned too."""
+    device = torch.device("cuda")
+    with poisoned_scratch(device, "sentinel"):
+        torch.utils.deterministic.fill_uninitialized_memory = False  # look at the allocator's blocks alone
+        small, large = torch.empty(1024, device=device), torch.empty(2**22, device=device)
+        assert (small == 1e30).all() and (large == 1e30).all()
