@@ -33,6 +33,7 @@ from kda_conformance.sweep import (
     resolve_device,
 )
 from kda_kernels import registry, triton_interpret
+from kda_kernels.protocol import Backend
 
 RECORDS = pytest.StashKey[list[dict]]()
 PROFILE = pytest.StashKey[Profile]()
@@ -40,6 +41,7 @@ SEED = pytest.StashKey[int | None]()
 RECORDER = pytest.StashKey[object]()
 CHECKS = pytest.StashKey[dict[str, dict]]()
 WRITTEN = pytest.StashKey[dict[str, Path]]()
+STRICT = pytest.StashKey[bool]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -77,6 +79,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="seed of a randomized profile's search (default: a fresh one, printed and recorded in the report)",
     )
     group.addoption(
+        "--kda-strict",
+        action="store_true",
+        default=None,
+        help="a selected backend or device that is missing fails instead of skipping, so a CI job cannot go "
+        "green by skipping everything (also KDA_STRICT=1)",
+    )
+    group.addoption(
         "--kda-examples",
         type=int,
         default=None,
@@ -88,6 +97,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kda_device_dependent: runs on the device chosen by --kda-device")
     config.stash[RECORDS] = []
     config.stash[CHECKS] = {}
+    strict = config.getoption("--kda-strict")
+    config.stash[STRICT] = bool(strict) if strict is not None else os.environ.get("KDA_STRICT", "") not in ("", "0")
     for module in config.getoption("--kda-plugin"):
         try:
             registry.load_plugin(module)
@@ -186,6 +197,20 @@ def kda_profile(request: pytest.FixtureRequest) -> Profile:
     return request.config.stash[PROFILE]
 
 
+@pytest.fixture
+def kda_backend(request: pytest.FixtureRequest, kda_backend_name: str, kda_device: torch.device) -> Backend:
+    """The backend under test, able to run on the device; otherwise the test skips, naming what is missing,
+    or fails under --kda-strict (KDA_STRICT=1), so a CI job cannot go green by skipping everything."""
+    backend = registry.get(kda_backend_name)
+    available = backend.availability(kda_device)
+    if not available:
+        missing = f"{kda_backend_name} cannot run on {kda_device}: {available.reason}"
+        if request.config.stash[STRICT]:
+            pytest.fail(f"--kda-strict: {missing}", pytrace=False)
+        pytest.skip(missing)
+    return backend
+
+
 @pytest.fixture(scope="session")
 def kda_device(request: pytest.FixtureRequest) -> torch.device:
     return _device(request.config)
@@ -278,9 +303,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # Conformance tests run on the chosen device: mark them so `-m cpu` / `-m cuda` select them.
     device = _device(config)
     marker = "cpu" if device.type == "cpu" else ("rocm" if torch.version.hip else "cuda")
+    markers_of: dict[str, tuple[str, ...]] = {}
     for item in items:
         if item.get_closest_marker("kda_device_dependent"):
             item.add_marker(getattr(pytest.mark, marker))
+        name = getattr(getattr(item, "callspec", None), "params", {}).get("kda_backend_name")
+        if name is not None:
+            if name not in markers_of:
+                markers_of[name] = registry.get(name).markers(device)
+            for backend_marker in markers_of[name]:
+                item.add_marker(getattr(pytest.mark, backend_marker))
     # Corpus cases outermost, backends inside: each case's truth (the float64 reference and the baseline,
     # minutes at 128K) is computed once and served to every backend from the truth cache.
     slots = [i for i, item in enumerate(items) if "entry" in getattr(getattr(item, "callspec", None), "params", {})]

@@ -7,7 +7,6 @@ import pytest
 from kda_cases.corpus import CorpusEntry, load_corpus
 from kda_conformance.sweep import run_backend
 from kda_conformance.tolerance import failure_message
-from kda_kernels import registry
 
 ENTRIES = load_corpus()
 
@@ -15,10 +14,10 @@ ENTRIES = load_corpus()
 @pytest.mark.kda_device_dependent
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e.case.id for e in ENTRIES])
 def test_corpus_case(
-    entry: CorpusEntry, kda_backend_name: str, kda_profile, kda_device, kda_truth, kda_record, kda_check
-) -> None:  # type: ignore[no-untyped-def]
+    entry: CorpusEntry, kda_backend, kda_profile, kda_device, kda_truth, kda_record, kda_check
+) -> None:  # type: ignore[no-untyped-def]  # type: ignore[no-untyped-def]
     case = entry.case
-    backend = registry.get(kda_backend_name)
+    backend = kda_backend
     too_large = kda_profile.corpus_skip(case, backend.interpreted(kda_device))
     if too_large:
         pytest.skip(too_large)

@@ -7,14 +7,12 @@ import pytest
 from kda_cases.case import Case
 from kda_conformance.sweep import run_backend
 from kda_conformance.tolerance import failure_message
-from kda_kernels import registry
 
 
 @pytest.mark.kda_device_dependent
-def test_first_sweep(first_sweep_case: Case, kda_backend_name: str, kda_device, kda_truth, kda_record) -> None:  # type: ignore[no-untyped-def]
+def test_first_sweep(first_sweep_case: Case, kda_backend, kda_device, kda_truth, kda_record) -> None:  # type: ignore[no-untyped-def]
     """The sweep's cases come from --kda-lengths/--kda-dtypes/--kda-heads/--kda-head-dim (plugin)."""
-    case = first_sweep_case
-    backend = registry.get(kda_backend_name)
+    case, backend = first_sweep_case, kda_backend
     outcome = run_backend(kda_truth(case, kda_device), backend)
     kda_record(outcome)
     if outcome.status == "skip":

@@ -17,17 +17,12 @@ from kda_cases.strategies import CHECKPOINT_GRIDS, cases
 from kda_conformance.properties import alone_inputs, changed_after, judged, split_inputs, token_slice
 from kda_conformance.sweep import repro_command, run_backend
 from kda_conformance.tolerance import failure_message
-from kda_kernels import registry
 from kda_kernels.protocol import Backend
 
 pytestmark = pytest.mark.kda_device_dependent
 
 
-def runnable(name: str, case, device: torch.device) -> Backend:  # type: ignore[no-untyped-def]
-    backend = registry.get(name)
-    available = backend.availability(device)
-    if not available:
-        pytest.skip(f"{name}: {available.reason}")
+def runnable(backend: Backend, case: Case) -> Backend:
     # Outside the envelope: nothing to check for this example (not a failure, not a skip of the test).
     assume(bool(backend.supports(case)))
     return backend
@@ -52,30 +47,30 @@ def packable(case: Case) -> Case:
 
 
 @given(data=st.data())
-def test_within_budget(kda_backend_name, kda_profile, kda_device, kda_truth, kda_record, kda_check, data) -> None:  # type: ignore[no-untyped-def]
+def test_within_budget(kda_backend, kda_profile, kda_device, kda_truth, kda_record, kda_check, data) -> None:  # type: ignore[no-untyped-def]
     """Output, final state and checkpoint states of every drawn case within the case's budgets."""
-    case = data.draw(cases(kda_profile), label="case")
-    backend = runnable(kda_backend_name, case, kda_device)
+    case = data.draw(cases(kda_profile).map(kda_backend.fit), label="case")
+    backend = runnable(kda_backend, case)
     outcome = run_backend(kda_truth(case, kda_device), backend)
     kda_record(outcome)
     if kda_profile.targeted and outcome.verdicts:
         # Climb toward the worst inputs: the largest error/limit ratio this backend shows.
-        target(max(max(v.ratio, v.rel_rms_ratio) for v in outcome.verdicts), label=kda_backend_name)
+        target(max(max(v.ratio, v.rel_rms_ratio) for v in outcome.verdicts), label=kda_backend.name)
     if outcome.status != "ran":
         kda_check(f"{case.id} {backend.name} raised {outcome.reason}\n  repro: {outcome.repro}")
     kda_check("\n".join(failure_message(case, backend.name, v, outcome.repro) for v in outcome.failed) or None)
 
 
 @given(data=st.data())
-def test_split_resume_equals_whole_run(kda_backend_name, kda_profile, kda_device, kda_truth, kda_check, data) -> None:  # type: ignore[no-untyped-def]
+def test_split_resume_equals_whole_run(kda_backend, kda_profile, kda_device, kda_truth, kda_check, data) -> None:  # type: ignore[no-untyped-def]
     """Prefix [0, p) then suffix [p, T) resumed from the prefix's final state: the whole run, within budget."""
-    case = data.draw(cases(kda_profile).map(splittable), label="case")
+    case = data.draw(cases(kda_profile).map(kda_backend.fit).map(splittable), label="case")
     T = case.seq_lens[0]
     grid = st.sampled_from(CHECKPOINT_GRIDS).flatmap(
         lambda g: st.integers(min_value=1, max_value=max(1, (T - 1) // g)).map(lambda k: k * g)
     )
     p = data.draw(st.one_of(grid.filter(lambda x: x < T), st.integers(min_value=1, max_value=T - 1)), label="p")
-    backend = runnable(kda_backend_name, case, kda_device)
+    backend = runnable(kda_backend, case)
     truth = kda_truth(case, kda_device)
     prefix_inputs, suffix_case = split_inputs(truth.inputs, p)
     prefix = backend.run(prefix_inputs)
@@ -100,15 +95,13 @@ def test_split_resume_equals_whole_run(kda_backend_name, kda_profile, kda_device
 
 
 @given(data=st.data())
-def test_prefix_outputs_ignore_later_tokens(
-    kda_backend_name, kda_profile, kda_device, kda_truth, kda_check, data
-) -> None:  # type: ignore[no-untyped-def]
+def test_prefix_outputs_ignore_later_tokens(kda_backend, kda_profile, kda_device, kda_truth, kda_check, data) -> None:  # type: ignore[no-untyped-def]
     """Changing every token at and after p leaves the outputs before p bitwise unchanged (no future leakage)."""
-    case = data.draw(cases(kda_profile), label="case")
+    case = data.draw(cases(kda_profile).map(kda_backend.fit), label="case")
     length = case.total_tokens if case.packed else case.seq_lens[0]
     assume(length >= 2)
     p = data.draw(st.integers(min_value=1, max_value=length - 1), label="p")
-    backend = runnable(kda_backend_name, case, kda_device)
+    backend = runnable(kda_backend, case)
     inputs = kda_truth(case, kda_device).inputs
     before = backend.run(inputs).o[:, :p]
     after = backend.run(changed_after(inputs, p)).o[:, :p]
@@ -124,11 +117,11 @@ def test_prefix_outputs_ignore_later_tokens(
 
 @given(data=st.data())
 def test_packed_sequences_match_each_sequence_alone(
-    kda_backend_name, kda_profile, kda_device, kda_truth, kda_check, data
+    kda_backend, kda_profile, kda_device, kda_truth, kda_check, data
 ) -> None:  # type: ignore[no-untyped-def]
     """Each sequence of a packed batch equals that sequence run alone, within the case's budgets."""
-    case = data.draw(cases(kda_profile).map(packable), label="case")
-    backend = runnable(kda_backend_name, case, kda_device)
+    case = data.draw(cases(kda_profile).map(kda_backend.fit).map(packable), label="case")
+    backend = runnable(kda_backend, case)
     truth = kda_truth(case, kda_device)
     packed = backend.run(truth.inputs)
     problems = []

@@ -21,18 +21,13 @@ from kda_conformance.serving import (
     serving_case,
     steps_findings,
 )
-from kda_kernels import registry
 from kda_kernels.serving import POISON_MODES
 
 pytestmark = pytest.mark.kda_device_dependent
 
 
-def _served(kda_backend_name, kda_profile, kda_device, kda_truth, data, wanted=lambda case: True):  # type: ignore[no-untyped-def]
-    backend = registry.get(kda_backend_name)
-    available = backend.availability(kda_device)
-    if not available:
-        pytest.skip(f"{kda_backend_name}: {available.reason}")
-    case = serving_case(data.draw(cases(kda_profile), label="case"), backend)
+def _served(backend, kda_profile, kda_device, kda_truth, data, wanted=lambda case: True):  # type: ignore[no-untyped-def]
+    case = serving_case(data.draw(cases(kda_profile).map(backend.fit), label="case"), backend)
     assume(wanted(case))
     assume(bool(backend.supports(case)))
     return case, backend, kda_truth(case, kda_device)
@@ -49,30 +44,26 @@ def _message(case, backend: str, device, findings: list[str], poison: str, check
 
 
 @given(data=st.data())
-def test_poisoned_memory_changes_nothing(kda_backend_name, kda_profile, kda_device, kda_truth, kda_check, data) -> None:  # type: ignore[no-untyped-def]
+def test_poisoned_memory_changes_nothing(kda_backend, kda_profile, kda_device, kda_truth, kda_check, data) -> None:  # type: ignore[no-untyped-def]
     """Poison in slot 0, fresh sequences' slots, checkpoint and spare slots, the output tail and scratch."""
-    case, backend, truth = _served(kda_backend_name, kda_profile, kda_device, kda_truth, data)
+    case, backend, truth = _served(kda_backend, kda_profile, kda_device, kda_truth, data)
     poison = data.draw(st.sampled_from([m for m in POISON_MODES if m != "none"]), label="poison")
     findings = poison_findings(truth, backend, poison)
     kda_check(_message(case, backend.name, kda_device, findings, poison, "poison"))
 
 
 @given(data=st.data())
-def test_two_step_prefill_equals_whole_run(
-    kda_backend_name, kda_profile, kda_device, kda_truth, kda_check, data
-) -> None:  # type: ignore[no-untyped-def]
-    case, backend, truth = _served(kda_backend_name, kda_profile, kda_device, kda_truth, data, lambda c: c.max_len >= 2)
+def test_two_step_prefill_equals_whole_run(kda_backend, kda_profile, kda_device, kda_truth, kda_check, data) -> None:  # type: ignore[no-untyped-def]
+    case, backend, truth = _served(kda_backend, kda_profile, kda_device, kda_truth, data, lambda c: c.max_len >= 2)
     kda_check(_message(case, backend.name, kda_device, steps_findings(truth, backend), "nan", "steps"))
 
 
 @given(data=st.data())
-def test_request_resumes_from_checkpoint_slot(
-    kda_backend_name, kda_profile, kda_device, kda_truth, kda_check, data
-) -> None:  # type: ignore[no-untyped-def]
-    if not registry.get(kda_backend_name).produces_checkpoints:
-        pytest.skip(f"{kda_backend_name} returns no checkpoint states")
+def test_request_resumes_from_checkpoint_slot(kda_backend, kda_profile, kda_device, kda_truth, kda_check, data) -> None:  # type: ignore[no-untyped-def]
+    if not kda_backend.produces_checkpoints:
+        pytest.skip(f"{kda_backend.name} returns no checkpoint states")
     case, backend, truth = _served(
-        kda_backend_name,
+        kda_backend,
         kda_profile,
         kda_device,
         kda_truth,
@@ -85,8 +76,8 @@ def test_request_resumes_from_checkpoint_slot(
 
 @given(data=st.data())
 def test_reused_cu_seqlens_tensor_gets_new_bounds(
-    kda_backend_name, kda_profile, kda_device, kda_truth, kda_check, data
+    kda_backend, kda_profile, kda_device, kda_truth, kda_check, data
 ) -> None:  # type: ignore[no-untyped-def]
-    case, backend, truth = _served(kda_backend_name, kda_profile, kda_device, kda_truth, data)
+    case, backend, truth = _served(kda_backend, kda_profile, kda_device, kda_truth, data)
     findings = reused_cu_seqlens_findings(truth, backend, kda_device)
     kda_check(_message(case, backend.name, kda_device, findings, "none", "cu_seqlens"))

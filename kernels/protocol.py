@@ -43,6 +43,16 @@ class BackendOutput:
     checkpoint_states: torch.Tensor | None = None
 
 
+def gpu_arch(device: torch.device) -> str:
+    """``gfx950``, ``gfx942``, ``sm_90``...: the GPU's architecture (AMD's without its feature suffixes),
+    or "" for a CPU or when no GPU is visible."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return ""
+    props = torch.cuda.get_device_properties(device)
+    amd = getattr(props, "gcnArchName", "")
+    return amd.split(":")[0] if amd else f"sm_{props.major}{props.minor}"
+
+
 class Unsupported(Exception):
     """Raised by ``run`` for a case outside the backend's envelope; carries the reason."""
 
@@ -68,6 +78,16 @@ class Backend(ABC):
     @abstractmethod
     def supports(self, case: Case) -> Support:
         """Whether this backend takes ``case``, and if not, why."""
+
+    def fit(self, case: Case) -> Case:
+        """``case`` moved into this backend's envelope where a few fields keep it out (a kernel that takes
+        only K = V = 128, say), so generated sweeps exercise narrow backends too; every other axis is kept."""
+        return case
+
+    def markers(self, device: torch.device) -> tuple[str, ...]:
+        """pytest markers this backend's tests carry on ``device`` (AITER on a gfx950: ``gfx950``), so CI
+        selects them with ``-m``; derived from backend and device, never written on each test."""
+        return ()
 
     def interpreted(self, device: torch.device) -> bool:
         """Whether this backend runs interpreted on ``device`` (Triton kernels on a CPU): seconds per call,

@@ -59,6 +59,7 @@ def _load() -> None:
     if _loaded:
         return
     _loaded = True
+    from kda_kernels.aiter import BACKENDS as AITER_BACKENDS
     from kda_kernels.fla import FlaChunk, FlaRecurrent
     from kda_kernels.torch_chunk import TorchChunk
 
@@ -66,6 +67,8 @@ def _load() -> None:
     register("fla_chunk32", lambda: FlaChunk(chunk_size=32))
     register("fla_recurrent", FlaRecurrent)
     register("torch_chunk", TorchChunk)
+    for aiter_backend in AITER_BACKENDS:
+        register(aiter_backend.name, aiter_backend)
     for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         try:
             entry.load()

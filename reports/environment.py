@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from kda_kernels.protocol import gpu_arch
+
 _REPO = Path(__file__).resolve().parent.parent
 
 
@@ -64,7 +66,7 @@ def environment(device: torch.device) -> dict[str, str | int]:
         props = torch.cuda.get_device_properties(device)
         env["device_name"] = props.name
         env["multiprocessors"] = props.multi_processor_count
-        env["arch"] = getattr(props, "gcnArchName", "") or f"sm_{props.major}{props.minor}"
+        env["arch"] = gpu_arch(device)
         env["cuda"] = torch.version.cuda or ""
         env["hip"] = torch.version.hip or ""
     return env

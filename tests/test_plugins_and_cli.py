@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -157,3 +158,20 @@ def test_detection_names_its_problems(capsys: pytest.CaptureFixture[str]) -> Non
     assert "no backends" in capsys.readouterr().out
     assert main(["detection", "--plugin", "no_such_module_here"]) == 2
     assert "no_such_module_here" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("strict", [None, "--kda-strict", "KDA_STRICT=1"])
+def test_strict_mode_turns_a_missing_backend_into_a_failure(strict: str | None, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).with_name("plugins"))}
+    env.pop("KDA_STRICT", None)
+    args = ["conformance/test_corpus.py", "-q", "-rsf", "--kda-device", "cpu", "--kda-out", str(tmp_path)]
+    args += ["--kda-plugin", "kda_unavailable", "--kda-backend", "needs_an_accelerator", "-k", "kda-7735f63ee3cc"]
+    if strict == "--kda-strict":
+        args.append(strict)
+    elif strict:
+        env["KDA_STRICT"] = "1"
+    done = subprocess.run([sys.executable, "-m", "pytest", *args], capture_output=True, text=True, env=env, cwd=REPO)
+    reason = "needs_an_accelerator cannot run on cpu: the accelerator this backend needs is not in this machine"
+    assert reason in done.stdout, done.stdout[-2000:]
+    assert done.returncode == (0 if strict is None else 1), done.stdout[-2000:]
+    assert ("1 skipped" if strict is None else "1 error") in done.stdout

@@ -1,0 +1,366 @@
+"""Adapters for AITER's KDA prefill, ``aiter.ops.triton.kimi_delta_attn.chunk_kimi_delta_attn``.
+
+Four backends, each detected from the function's signature and the modules' attributes, never from a
+version string:
+
+- ``aiter_flashkda``: FlashKDA (chunk 32, two kernels and a segment scan), with its segment length left
+  to AITER's default, which depends on the GPU's CU count; ``aiter_flashkda_seg16`` pins segments of 16
+  chunks (512 tokens) and ``aiter_flashkda_unsegmented`` switches segmentation off, through
+  ``CHUNK_DELTA_ATTN_FLASH_KDA_SEG``, so their numerics do not depend on the machine;
+- ``aiter_default``: the FLA-derived default pipeline (chunk 64), FlashKDA switched off;
+- ``aiter_native``: ``backend="native"``, the HIP port on gfx942/gfx950, where the signature has ``backend``;
+- ``aiter_paged``: the in-place paged API (``out``, ``state_cache``, ``state_indices``,
+  ``has_initial_state``), where the signature has it; the serving checks call it directly.
+
+FlashKDA's on/off switch is a module constant AITER reads from the environment when it is imported
+(``CHUNK_DELTA_ATTN_USE_FLASH_KDA``, later ``AITER_FDA_ENABLE``); the adapter sets that constant around each
+call instead, so which path runs is decided per backend, not by the environment at import time. Cases that
+AITER's own ``flash_kda_supported`` would send to the default pipeline are outside the FlashKDA backends'
+envelope (said in ``supports``), so a FlashKDA result is always FlashKDA's.
+
+Importing must not start AITER's HIP build: ``AITER_TRITON_ONLY=1`` is set, and with ``KDA_AITER_SRC``
+naming a source checkout (the folder holding ``aiter/``), ``aiter`` and ``aiter.ops`` are registered as
+bare packages whose ``__init__`` never runs (docs/amd-ci.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from kda_cases.case import Case
+from kda_cases.materialize import TORCH_DTYPES, KDAInputs
+from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported, gpu_arch
+
+ENTRY = "aiter.ops.triton.kimi_delta_attn"
+FLASH_KDA_SWITCHES = ("AITER_FDA_ENABLE", "CHUNK_DELTA_ATTN_USE_FLASH_KDA")
+SEGMENT_VARIABLE = "CHUNK_DELTA_ATTN_FLASH_KDA_SEG"
+SAFE_LOWER_BOUND_RANGE = (-5.0, 0.0)
+NATIVE_ARCHS = ("gfx942", "gfx950")
+
+
+class AiterMissing(RuntimeError):
+    """AITER's KDA prefill cannot be imported here; the message says why."""
+
+
+def _import_entry() -> Callable:
+    """``chunk_kimi_delta_attn``, imported without AITER's HIP build."""
+    os.environ.setdefault("AITER_TRITON_ONLY", "1")
+    source = os.environ.get("KDA_AITER_SRC")
+    if source and "aiter" not in sys.modules:
+        root = Path(source) / "aiter"
+        if not (root / "ops" / "triton").is_dir():
+            raise AiterMissing(f"KDA_AITER_SRC={source} holds no aiter/ops/triton source folder")
+        for name, folder in (("aiter", root), ("aiter.ops", root / "ops")):
+            package = types.ModuleType(name)
+            package.__path__ = [str(folder)]  # a bare package: its __init__ (the HIP JIT) never runs
+            sys.modules[name] = package
+    elif not source and importlib.util.find_spec("aiter") is None:
+        raise AiterMissing("aiter is not installed and KDA_AITER_SRC names no source checkout (docs/amd-ci.md)")
+    try:
+        module = importlib.import_module(ENTRY)
+    except Exception as exc:  # a broken or partial checkout: say so, do not crash the sweep
+        raise AiterMissing(f"importing {ENTRY} failed: {type(exc).__name__}: {exc}") from exc
+    entry = getattr(module, "chunk_kimi_delta_attn", None)
+    if entry is None:
+        raise AiterMissing(f"{ENTRY} has no chunk_kimi_delta_attn")
+    return entry
+
+
+def _aiter_modules() -> list[types.ModuleType]:
+    return [m for name, m in list(sys.modules.items()) if name.startswith("aiter.") and m is not None]
+
+
+@contextlib.contextmanager
+def _flash_kda(enabled: bool, segment: int | None) -> Iterator[None]:
+    """FlashKDA on or off (the module constants AITER read at import), the segment length pinned or not."""
+    patched = [(m, name, getattr(m, name)) for m in _aiter_modules() for name in FLASH_KDA_SWITCHES if hasattr(m, name)]
+    if not patched:
+        raise Unsupported(f"none of AITER's modules has a FlashKDA switch ({', '.join(FLASH_KDA_SWITCHES)})")
+    before = os.environ.get(SEGMENT_VARIABLE)
+    try:
+        for module, name, _ in patched:
+            setattr(module, name, enabled)
+        if segment is None:
+            os.environ.pop(SEGMENT_VARIABLE, None)
+        else:
+            os.environ[SEGMENT_VARIABLE] = str(segment)
+        yield
+    finally:
+        for module, name, value in patched:
+            setattr(module, name, value)
+        if before is None:
+            os.environ.pop(SEGMENT_VARIABLE, None)
+        else:
+            os.environ[SEGMENT_VARIABLE] = before
+
+
+def _flash_kda_predicate() -> Callable | None:
+    """AITER's own admission check for FlashKDA, where its modules have one."""
+    for module in _aiter_modules():
+        check = getattr(module, "flash_kda_supported", None)
+        if callable(check):
+            return check
+    return None
+
+
+class AiterBackend(Backend):
+    """Common ground: availability, the envelope, the call with the case's arguments."""
+
+    flash_kda = False
+    segment: int | None = None
+    needs: tuple[str, ...] = ()  # parameters the signature must have
+    extra: ClassVar[dict[str, object]] = {}  # arguments this variant adds to the call
+
+    def __init__(self) -> None:
+        self._entry: Callable | None = None
+
+    def entry(self) -> Callable:
+        if self._entry is None:
+            self._entry = _import_entry()
+        return self._entry
+
+    def availability(self, device: torch.device) -> Support:
+        if device.type == "cpu" and not os.environ.get("KDA_AITER_SRC"):
+            return Support.no("AITER's Triton kernels need a GPU (ROCm or CUDA)")
+        try:
+            parameters = inspect.signature(self.entry()).parameters
+        except AiterMissing as exc:
+            return Support.no(str(exc))
+        missing = [p for p in self.needs if p not in parameters]
+        if missing:
+            return Support.no(f"this AITER's chunk_kimi_delta_attn has no {', '.join(missing)} parameter")
+        return Support.yes()
+
+    def markers(self, device: torch.device) -> tuple[str, ...]:
+        return ("gfx950",) if gpu_arch(device) == "gfx950" else ()
+
+    def supports(self, case: Case) -> Support:
+        if case.head_k_dim > 256:
+            return Support.no(f"AITER supports head_k_dim <= 256, the case has {case.head_k_dim}")
+        lo, hi = SAFE_LOWER_BOUND_RANGE
+        if case.safe_gate and case.gate_in_kernel and not (lo <= (case.lower_bound or 0.0) < hi):
+            return Support.no(
+                f"AITER's safe gate needs lower_bound in [{lo:g}, {hi:g}), the case has {case.lower_bound}"
+            )
+        return self.flash_kda_envelope(case) if self.flash_kda else Support.yes()
+
+    def fit(self, case: Case) -> Case:
+        if not self.flash_kda:
+            return case
+        lower_bound = case.lower_bound if case.gate == "lower_bound" and -5 <= (case.lower_bound or 0) < 0 else -5.0
+        return case.replace(
+            head_k_dim=128,
+            head_v_dim=128,
+            num_v_heads=case.num_heads,
+            dtype="bf16",
+            gate="lower_bound",
+            lower_bound=lower_bound,
+            safe_gate=True,
+            l2norm_in_kernel=True,
+            beta_sigmoid_in_kernel=True,
+        )
+
+    @staticmethod
+    def flash_kda_envelope(case: Case) -> Support:
+        """FlashKDA's envelope, as AITER's dispatcher admits calls (beyond it AITER runs the default pipeline)."""
+        reasons = []
+        if not (case.head_k_dim == case.head_v_dim == 128):
+            reasons.append(f"K = V = 128 (the case has K={case.head_k_dim}, V={case.head_v_dim})")
+        if case.num_v_heads != case.num_heads:
+            reasons.append(f"no GVA (the case has H={case.num_heads}, HV={case.num_v_heads})")
+        if case.dtype != "bf16":
+            reasons.append(f"bf16 inputs (the case has {case.dtype})")
+        if not (case.safe_gate and case.gate == "lower_bound"):
+            reasons.append(f"the safe gate computed in the kernel (the case has gate {case.gate!r})")
+        if not (case.l2norm_in_kernel and case.beta_sigmoid_in_kernel):
+            reasons.append("l2norm and beta sigmoid in the kernel")
+        return Support.no("FlashKDA needs " + "; ".join(reasons)) if reasons else Support.yes()
+
+    def _arguments(self, inputs: KDAInputs) -> tuple[tuple, dict]:
+        case = inputs.case
+        kwargs = dict(inputs.kernel_kwargs())
+        h0 = kwargs.pop("initial_state")
+        kwargs.update(
+            initial_state=None if h0 is None else h0.float(),  # older AITER takes an fp32 state only
+            output_final_state=True,
+            safe_gate=case.safe_gate,
+            chunk_size=None,  # AITER's choice: 32 for FlashKDA, 64 for the default pipeline
+            **self.extra,
+        )
+        return (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta), kwargs
+
+    def _check_path(self, inputs: KDAInputs, kwargs: dict) -> None:
+        if not self.flash_kda:
+            return
+        check = _flash_kda_predicate()
+        if check is None:
+            return
+        accepted = check(
+            q=inputs.q,
+            v=inputs.v,
+            chunk_size=32,
+            safe_gate=kwargs["safe_gate"],
+            use_gate_in_kernel=kwargs["use_gate_in_kernel"],
+            use_qk_l2norm_in_kernel=kwargs["use_qk_l2norm_in_kernel"],
+            use_beta_sigmoid_in_kernel=kwargs["use_beta_sigmoid_in_kernel"],
+            lower_bound=kwargs["lower_bound"],
+            A_log=kwargs["A_log"],
+        )
+        if not accepted:
+            raise Unsupported("AITER's flash_kda_supported refuses this call: it would run the default pipeline")
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        support = self.supports(inputs.case)
+        if not support:
+            raise Unsupported(support.reason)
+        entry = self.entry()
+        args, kwargs = self._arguments(inputs)
+        self._check_path(inputs, kwargs)
+        with torch.inference_mode(), _flash_kda(self.flash_kda, self.segment):
+            o, final = entry(*args, **kwargs)
+        return BackendOutput(
+            o=o, final_state=None if final is None else final.to(TORCH_DTYPES[inputs.case.state_dtype])
+        )
+
+
+class AiterFlashKDA(AiterBackend):
+    name = "aiter_flashkda"
+    description = "AITER chunk_kimi_delta_attn, FlashKDA path, AITER's default segment length (depends on CU count)"
+    flash_kda = True
+
+
+class AiterFlashKDASeg16(AiterFlashKDA):
+    name = "aiter_flashkda_seg16"
+    description = "AITER FlashKDA with segments pinned to 16 chunks of 32 tokens (CHUNK_DELTA_ATTN_FLASH_KDA_SEG=16)"
+    segment = 16
+
+
+class AiterFlashKDAUnsegmented(AiterFlashKDA):
+    name = "aiter_flashkda_unsegmented"
+    description = "AITER FlashKDA with segmentation off (CHUNK_DELTA_ATTN_FLASH_KDA_SEG=0)"
+    segment = 0
+
+
+class AiterDefault(AiterBackend):
+    name = "aiter_default"
+    description = "AITER chunk_kimi_delta_attn, the FLA-derived default pipeline (FlashKDA switched off)"
+
+
+class AiterNative(AiterBackend):
+    name = "aiter_native"
+    description = "AITER chunk_kimi_delta_attn(backend='native'): the HIP FlashKDA port on gfx942/gfx950"
+    needs = ("backend",)
+    extra: ClassVar[dict[str, object]] = {"backend": "native"}
+
+    def availability(self, device: torch.device) -> Support:
+        arch = gpu_arch(device)
+        if arch not in NATIVE_ARCHS:
+            return Support.no(
+                f"backend='native' runs on {' and '.join(NATIVE_ARCHS)} only, this device is {arch or device}"
+            )
+        return super().availability(device)
+
+    flash_kda = True  # the native port's envelope is FlashKDA's (GVA aside)
+
+    def fit(self, case: Case) -> Case:
+        return super().fit(case).replace(state_layout="v_first")
+
+    def supports(self, case: Case) -> Support:
+        common = super().supports(case)
+        if not common:
+            return common
+        if not (case.head_k_dim == case.head_v_dim == 128) or case.dtype != "bf16":
+            return Support.no("the native port takes bf16 with K = V = 128 only")
+        if not (
+            case.safe_gate and case.gate == "lower_bound" and case.l2norm_in_kernel and case.beta_sigmoid_in_kernel
+        ):
+            return Support.no("the native port takes the fused safe gate, l2norm and beta sigmoid only")
+        if case.has_initial_state and not case.state_v_first:
+            return Support.no("the native port takes a V-first initial state only")
+        return Support.yes()
+
+    def _arguments(self, inputs: KDAInputs) -> tuple[tuple, dict]:
+        args, kwargs = super()._arguments(inputs)
+        if inputs.case.gate == "lower_bound" and inputs.dt_bias is None:
+            kwargs["dt_bias"] = torch.zeros(inputs.case.num_v_heads * inputs.case.head_k_dim, device=inputs.device)
+        return args, kwargs
+
+
+class AiterPaged(AiterFlashKDA):
+    name = "aiter_paged"
+    description = (
+        "AITER chunk_kimi_delta_attn's in-place paged API (out, state_cache, state_indices, has_initial_state)"
+    )
+    needs = ("out", "state_cache", "state_indices", "has_initial_state")
+
+    def fit(self, case: Case) -> Case:
+        return super().fit(case).replace(state_layout="v_first", state_dtype="fp32")
+
+    def supports(self, case: Case) -> Support:
+        flash = super().supports(case)
+        if not flash:
+            return flash
+        if not case.state_v_first or case.state_dtype != "fp32":
+            return Support.no("the paged API takes an fp32 V-first state pool only (state_layout='v_first', fp32)")
+        return Support.yes()
+
+    def run_paged(
+        self,
+        batch: KDAInputs,
+        pool: torch.Tensor,
+        state_indices: torch.Tensor,
+        has_initial_state: torch.Tensor,
+        out: torch.Tensor,
+        checkpoint_slots: torch.Tensor,
+    ) -> None:
+        """The server's call: AITER reads and writes ``pool`` in place and writes ``out``."""
+        support = self.supports(batch.case)
+        if not support:
+            raise Unsupported(support.reason)
+        if len(checkpoint_slots):
+            raise Unsupported("AITER's paged API writes no checkpoint states")
+        # AITER does not range-check state_indices: a PAD entry (-1) would wrap to the pool's last slot. The
+        # glue hands it the real sequences only, as a server must.
+        n = batch.case.num_seqs
+        cu = None if batch.cu_seqlens is None else batch.cu_seqlens[: n + 1]
+        real = dataclasses.replace(batch, initial_state=None, cu_seqlens=cu)
+        state_indices, has_initial_state = state_indices[:n], has_initial_state[:n]
+        args, kwargs = self._arguments(real)
+        T = batch.case.total_tokens
+        # AITER wants ``out`` shaped like ``v``; the caller's buffer may be longer: hand it the token rows.
+        rows = out[:, :T]
+        kwargs.update(output_final_state=False, out=rows, state_cache=pool, state_indices=state_indices.to(torch.int32))
+        kwargs.update(has_initial_state=has_initial_state)
+        self._check_path(real, kwargs)
+        with torch.inference_mode(), _flash_kda(True, self.segment):
+            o, _ = self.entry()(*args, **kwargs)
+        if o.data_ptr() != rows.data_ptr():
+            rows.copy_(o)
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        """A plain call through the paged API: the states gathered into a pool of their own."""
+        case = inputs.case
+        HV, K, V, N = case.num_v_heads, case.head_k_dim, case.head_v_dim, case.num_seqs
+        pool = torch.zeros((N + 1, HV, V, K), dtype=torch.float32, device=inputs.device)
+        if inputs.initial_state is not None:
+            pool[1:] = inputs.initial_state.float()
+        out = torch.empty_like(inputs.v)
+        indices = torch.arange(1, N + 1, device=inputs.device)
+        has = torch.full((N,), inputs.initial_state is not None, dtype=torch.bool, device=inputs.device)
+        self.run_paged(inputs, pool, indices, has, out, torch.zeros(0, dtype=torch.int32, device=inputs.device))
+        return BackendOutput(o=out, final_state=pool[1:].to(TORCH_DTYPES[case.state_dtype]))
+
+
+BACKENDS = (AiterFlashKDA, AiterFlashKDASeg16, AiterFlashKDAUnsegmented, AiterDefault, AiterNative, AiterPaged)
