@@ -98,7 +98,13 @@ def poison_like(x: torch.Tensor, mode: str, seed: int = 0) -> torch.Tensor:
     if mode == "none":
         return torch.zeros_like(x)
     if mode == "nan":
-        return torch.full_like(x, float("nan"))
+        # A NaN with its own payload: bitwise unlike the canonical NaN torch.empty is filled with under the
+        # fill-uninitialized-memory mode, so scratch copied over a poisoned row still shows as a write.
+        pattern = {torch.bfloat16: 0x7FC1, torch.float16: 0x7E01, torch.float32: 0x7FC00001}.get(x.dtype)
+        if pattern is None:
+            return torch.full_like(x, float("nan"))
+        ints = {2: torch.int16, 4: torch.int32}[x.element_size()]
+        return torch.full(x.shape, pattern, dtype=ints, device=x.device).view(x.dtype)
     if mode == "inf":
         signs = torch.ones(x.numel(), dtype=torch.float32)
         signs[1::2] = -1

@@ -172,3 +172,44 @@ def test_a_crashing_and_a_hanging_backend_cost_their_cases_only(tmp_path: Path) 
     assert by_backend["planted_hang"]["reason"].str.contains("no result within 5 s").all()
     assert set(by_backend["torch_chunk"]["verdict"]) == {"pass"} and by_backend["torch_chunk"]["case_id"].nunique() == 2
     assert frame[frame["verdict"] == "error"]["repro"].str.startswith("kda-conformance run --device cpu").all()
+
+
+def _nights(worst: list[float], failed: list[bool]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A tiny history: one backend, one case family, one tensor, a row per night."""
+    rows = [
+        {
+            "run_id": f"n{i}",
+            "backend": "k",
+            "tensor": "o",
+            "case_id": "c",
+            "case_seq_lens": "64",
+            "case_dtype": "bf16",
+            "case_gate_regime": "typical",
+            "verdict": "fail" if bad else "pass",
+            "ratio": ratio,
+            "rel_rms_ratio": ratio / 2,
+            "repro": "kda-conformance run ...",
+            "env_fla": "0.6.0" if i < len(worst) - 1 else "0.6.1",
+        }
+        for i, (ratio, bad) in enumerate(zip(worst, failed, strict=True))
+    ]
+    runs = pd.DataFrame({"run_id": [f"n{i}" for i in range(len(worst))], "env_fla": [r["env_fla"] for r in rows]})
+    return pd.DataFrame(rows), runs
+
+
+@pytest.mark.parametrize(
+    ("worst", "failed", "kind"),
+    [
+        ([0.3, 0.3, 0.3, 1.4], [False, False, False, True], "new failure"),
+        ([0.3, 0.3, 1.4, 0.3], [False, False, True, False], "fixed"),
+        ([0.2, 0.2, 0.2, 0.5], [False] * 4, "error growth"),
+        ([0.2, 0.2, 0.2, 0.25], [False] * 4, None),
+        ([0.01, 0.01, 0.01, 0.05], [False] * 4, None),  # below the noise floor
+    ],
+)
+def test_regression_kinds_and_environment_cause(worst: list[float], failed: list[bool], kind: str | None) -> None:
+    records, runs = _nights(worst, failed)
+    flags = find_regressions(records, runs)
+    assert list(flags["kind"]) == ([kind] if kind else [])
+    if kind:
+        assert flags["cause"].iloc[0] == "environment: fla 0.6.0 -> 0.6.1"
