@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of the first sweep: the committed corpus plus cases drawn for this profile",
     )
     run.add_argument("--examples", type=int, default=None, help="cases to draw for --profile (default: the profile's)")
+    run.add_argument(
+        "--dashboard",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="rebuild OUT/dashboard.html from every run under OUT afterwards (default: on)",
+    )
     _isolation_arguments(run)
     corpus = sub.add_parser("corpus", help="list or add pinned cases (cases/corpus)")
     corpus_sub = corpus.add_subparsers(dest="corpus_command", required=True)
@@ -372,6 +378,12 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     counts = frame["verdict"].value_counts().to_dict()
     console.print(f"run {run_id}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     console.print(f"records: {paths['records']}\nsummary: {paths['summary_md']}")
+    if getattr(args, "dashboard", False):
+        from kda_reports.dashboard import build_dashboard
+        from kda_reports.store import load_store
+
+        page, _ = build_dashboard(load_store(args.out), Path(args.out) / "dashboard.html")
+        console.print(f"dashboard: {page} (every run under {args.out})")
     return 1 if counts.get("fail") or counts.get("error") else 0
 
 
@@ -492,7 +504,7 @@ def cmd_dashboard(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_nightly(args: argparse.Namespace, console: Console) -> int:
-    args.out, args.cases = args.store, None
+    args.out, args.cases, args.dashboard = args.store, None, False  # rebuilt below, with the regressions
     code = cmd_run(args, console)
     args.html = None
     cmd_dashboard(args, console)

@@ -107,7 +107,10 @@ def test_pytest_run_with_plugin_leaves_a_report(tmp_path: Path) -> None:
 def test_entry_point_plugins_load_on_first_lookup(monkeypatch: pytest.MonkeyPatch, example_plugin: str) -> None:
     import importlib.metadata
 
-    sys.modules.pop(example_plugin, None)
+    # The module and the registry are put back together afterwards: a module left imported while the
+    # registry forgets its backends would make later tests' plugin imports no-ops.
+    monkeypatch.setitem(sys.modules, example_plugin, None)
+    del sys.modules[example_plugin]
     entry = importlib.metadata.EntryPoint(name="example", value=example_plugin, group=registry.ENTRY_POINT_GROUP)
     monkeypatch.setattr(registry.importlib.metadata, "entry_points", lambda group: [entry])
     monkeypatch.setattr(registry, "_FACTORIES", {})
