@@ -92,18 +92,19 @@ def _flash_kda(enabled: bool, segment: int | None) -> Iterator[None]:
     try:
         for module, name, _ in patched:
             setattr(module, name, enabled)
-        if segment is None:
-            os.environ.pop(SEGMENT_VARIABLE, None)
-        else:
-            os.environ[SEGMENT_VARIABLE] = str(segment)
+        _set_env(SEGMENT_VARIABLE, None if segment is None else str(segment))
         yield
     finally:
         for module, name, value in patched:
             setattr(module, name, value)
-        if before is None:
-            os.environ.pop(SEGMENT_VARIABLE, None)
-        else:
-            os.environ[SEGMENT_VARIABLE] = before
+        _set_env(SEGMENT_VARIABLE, before)
+
+
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def _flash_kda_predicate() -> Callable | None:
