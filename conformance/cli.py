@@ -27,7 +27,7 @@ from kda_conformance.calibrate import (
     calibration_table,
 )
 from kda_conformance.isolation import DEFAULT_CASE_TIMEOUT, run_cases_isolated
-from kda_conformance.repro import CHECKS as REPRO_CHECKS
+from kda_conformance.serving import SERVING_CHECKS
 from kda_conformance.sweep import (
     FIRST_SWEEP_LENGTHS,
     Outcome,
@@ -170,7 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     repro.add_argument(
         "--poison", default="nan", choices=POISON_MODES, help="what fills forbidden memory (default: nan)"
     )
-    repro.add_argument("--check", default="poison", choices=REPRO_CHECKS, help="which serving check (default: poison)")
+    repro.add_argument(
+        "--check", default="poison", choices=list(SERVING_CHECKS), help="which serving check (default: poison)"
+    )
     repro.add_argument(
         "--write-test", type=Path, default=None, metavar="FILE", help="also write a standalone pytest file"
     )

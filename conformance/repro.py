@@ -15,18 +15,10 @@ import torch
 
 from kda_cases.case import Case
 from kda_cases.corpus import load_corpus
-from kda_conformance.serving import (
-    checkpoint_resume_findings,
-    poison_findings,
-    reused_cu_seqlens_findings,
-    serving_case,
-    steps_findings,
-)
+from kda_conformance.serving import SERVING_CHECKS, serving_case
 from kda_conformance.sweep import case_truth
 from kda_kernels.protocol import Backend
 from kda_kernels.serving import NULL_SLOT, plan_pool, run_serving
-
-CHECKS = ("poison", "steps", "checkpoint", "cu_seqlens")
 
 
 def resolve_case(text: str) -> Case:
@@ -63,16 +55,9 @@ def plan_lines(case: Case) -> list[str]:
 
 def run_check(case: Case, backend: Backend, device: torch.device, poison: str, check: str) -> list[str]:
     """The findings of one serving check on ``case`` (made a served case for ``backend``)."""
-    if check not in CHECKS:
-        raise ValueError(f"--check {check!r} unknown; choose from {', '.join(CHECKS)}")
-    truth = case_truth(serving_case(case, backend), device)
-    if check == "poison":
-        return poison_findings(truth, backend, poison)
-    if check == "steps":
-        return steps_findings(truth, backend)
-    if check == "checkpoint":
-        return checkpoint_resume_findings(truth, backend)
-    return reused_cu_seqlens_findings(truth, backend, device)
+    if check not in SERVING_CHECKS:
+        raise ValueError(f"--check {check!r} unknown; choose from {', '.join(SERVING_CHECKS)}")
+    return SERVING_CHECKS[check](case_truth(serving_case(case, backend), device), backend, poison)
 
 
 def write_standalone(case: Case, backend: Backend, device: torch.device, poison: str, path: Path) -> tuple[Path, Path]:

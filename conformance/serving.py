@@ -1,26 +1,29 @@
 """Checks of a backend run through the serving harness (kda_kernels.serving): poisoned memory, slots, steps.
 
 Each check returns a list of findings (empty: passed), each a message that says where the run went wrong
-(sequence, token, head; which slot was written, or read, that should not have been) and ends with the
-``kda-conformance repro`` line that rebuilds it.
+(sequence, token, head; which slot was written, or read, that should not have been); the tests print them
+with the ``kda-conformance repro`` line that rebuilds the case (``repro_line``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import shlex
+from collections.abc import Callable
 
 import torch
 
 from kda_cases.case import Case
 from kda_cases.materialize import KDAInputs
+from kda_conformance.properties import TOKEN_TENSORS
 from kda_conformance.sweep import CaseTruth, case_truth, inputs_truth, judge_result
-from kda_conformance.tolerance import failure_message
+from kda_conformance.tolerance import TensorVerdict
 from kda_kernels.protocol import Backend, BackendOutput
 from kda_kernels.serving import (
     NULL_SLOT,
     PoolPlan,
     ServingRun,
+    bits,
     build_pool,
     new_out,
     plan_pool,
@@ -46,13 +49,8 @@ def repro_line(case: Case, backend: str, device: torch.device, poison: str, chec
     )
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    """The raw bits, so NaN compares equal to the same NaN and -0 differs from 0."""
-    return x.contiguous().view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
-
-
 def _first_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...] | None:
-    differs = _bits(a) != _bits(b)
+    differs = bits(a) != bits(b)
     return tuple(differs.nonzero()[0].tolist()) if differs.any() else None
 
 
@@ -102,18 +100,22 @@ def difference_findings(got: ServingRun, want: ServingRun, what: str) -> list[st
     return findings
 
 
+def _problems(verdict: TensorVerdict) -> str:
+    return "; ".join(verdict.problems) + f" (first bad: {verdict.first_bad or '-'})"
+
+
 def served_result(run: ServingRun) -> BackendOutput:
     return BackendOutput(o=run.o, final_state=run.final_states, checkpoint_states=run.checkpoint_states)
 
 
-def poison_findings(truth: CaseTruth, backend: Backend, poison: str, localize: bool = True) -> list[str]:
+def poison_findings(truth: CaseTruth, backend: Backend, poison: str) -> list[str]:
     """The clean run within budget; the poisoned run (pool, output buffer, scratch) bitwise equal to it;
-    nothing written where nothing may be. With ``localize``, a difference is traced to the region read."""
+    nothing written where nothing may be. A difference is traced to the region the backend read."""
     case, inputs = truth.case, truth.inputs
     plan = plan_pool(case)
     clean = run_serving(backend, inputs, plan, "none")
     findings = [
-        failure_message(case, backend.name, v, "(served clean)").splitlines()[0] + f" (first bad: {v.first_bad or '-'})"
+        f"{case.id} ({case.label}) backend {backend.name} tensor {v.error.tensor}: {_problems(v)}"
         for v in judge_result(truth, served_result(clean))
         if not v.passed
     ]
@@ -122,7 +124,7 @@ def poison_findings(truth: CaseTruth, backend: Backend, poison: str, localize: b
         poisoned = run_serving(backend, inputs, plan, poison)
     findings += integrity_findings(poisoned)
     differences = difference_findings(poisoned, clean, f"with {poison} poison")
-    if differences and localize:
+    if differences:
         read = [r for r in REGIONS if difference_findings(run_serving(backend, inputs, plan, poison, (r,)), clean, "")]
         with poisoned_scratch(inputs.device, poison):
             scratch = run_serving(backend, inputs, plan, "none")
@@ -134,13 +136,10 @@ def poison_findings(truth: CaseTruth, backend: Backend, poison: str, localize: b
 def step_inputs(inputs: KDAInputs, spans: list[tuple[int, int]]) -> KDAInputs:
     """The tokens ``spans`` (packed row positions) of a packed batch, as a packed batch of their own."""
     case = inputs.case
-    pieces = {name: torch.cat([getattr(inputs, name)[:, a:b] for a, b in spans], dim=1) for name in TOKENS}
+    pieces = {name: torch.cat([getattr(inputs, name)[:, a:b] for a, b in spans], dim=1) for name in TOKEN_TENSORS}
     step = case.replace(seq_lens=tuple(b - a for a, b in spans), checkpoints=())
     cu = torch.tensor(step.offsets, dtype=torch.int32, device=inputs.device)
     return dataclasses.replace(inputs, case=step, cu_seqlens=cu, **pieces)
-
-
-TOKENS = ("q", "k", "v", "g", "beta")
 
 
 def _request_findings(what: str, request: KDAInputs, got: BackendOutput) -> list[str]:
@@ -148,11 +147,7 @@ def _request_findings(what: str, request: KDAInputs, got: BackendOutput) -> list
     state as the pool stored it: a bf16 pool's rounding is the server's choice), budgets from the baseline
     on the same request."""
     truth = inputs_truth(request)
-    return [
-        f"{what}: {v.error.tensor}: " + "; ".join(v.problems) + f" (first bad: {v.first_bad or '-'})"
-        for v in judge_result(truth, got)
-        if not v.passed
-    ]
+    return [f"{what}: {v.error.tensor}: {_problems(v)}" for v in judge_result(truth, got) if not v.passed]
 
 
 def steps_findings(truth: CaseTruth, backend: Backend) -> list[str]:
@@ -194,7 +189,7 @@ def checkpoint_resume_findings(truth: CaseTruth, backend: Backend) -> list[str]:
     plan = plan_pool(case)
     run = run_serving(backend, inputs, plan, "nan")
     findings = [
-        "checkpoint slots after the batch: " + "; ".join(v.problems) + f" (first bad: {v.first_bad or '-'})"
+        f"checkpoint slots after the batch: {_problems(v)}"
         for v in judge_result(truth, served_result(run))
         if v.error.tensor == "checkpoint_states" and not v.passed
     ]
@@ -221,10 +216,10 @@ def resplit(case: Case) -> Case:
     return case.replace(seq_lens=lens, packed=True, checkpoints=())
 
 
-def reused_cu_seqlens_findings(truth: CaseTruth, backend: Backend, device: torch.device) -> list[str]:
+def reused_cu_seqlens_findings(truth: CaseTruth, backend: Backend) -> list[str]:
     """One ``cu_seqlens`` tensor object, given a second batch's offsets in place: the second answer must be
     the second batch's (a kernel caching chunk indices on the tensor's identity returns stale bounds)."""
-    case, inputs = truth.case, truth.inputs
+    case, inputs, device = truth.case, truth.inputs, truth.inputs.device
     first_plan = plan_pool(case.replace(checkpoints=()))
     cu = torch.zeros(case.num_seqs + first_plan.padding + 1, dtype=torch.int32, device=device)
     first = dataclasses.replace(inputs, case=case.replace(checkpoints=()))
@@ -243,11 +238,16 @@ def reused_cu_seqlens_findings(truth: CaseTruth, backend: Backend, device: torch
     result = BackendOutput(o=out[:, : other.case.total_tokens], final_state=pool[list(plan.seq_slots)])
     return [
         f"second batch through the same cu_seqlens tensor ({other.case.seq_lens} after {case.seq_lens}): "
-        + "; ".join(v.problems)
-        + f" (first bad: {v.first_bad or '-'})"
+        + _problems(v)
         for v in judge_result(other, result)
         if not v.passed
     ]
 
 
-SERVING_CHECKS = ("poison", "steps", "checkpoint", "cu_seqlens")
+# Each check by the name `kda-conformance repro --check` takes; every one gets the poison mode.
+SERVING_CHECKS: dict[str, Callable[[CaseTruth, Backend, str], list[str]]] = {
+    "poison": poison_findings,
+    "steps": lambda truth, backend, poison: steps_findings(truth, backend),
+    "checkpoint": lambda truth, backend, poison: checkpoint_resume_findings(truth, backend),
+    "cu_seqlens": lambda truth, backend, poison: reused_cu_seqlens_findings(truth, backend),
+}

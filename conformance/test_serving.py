@@ -79,5 +79,5 @@ def test_reused_cu_seqlens_tensor_gets_new_bounds(
     kda_backend, kda_profile, kda_device, kda_truth, kda_check, data
 ) -> None:  # type: ignore[no-untyped-def]
     case, backend, truth = _served(kda_backend, kda_profile, kda_device, kda_truth, data)
-    findings = reused_cu_seqlens_findings(truth, backend, kda_device)
+    findings = reused_cu_seqlens_findings(truth, backend)
     kda_check(_message(case, backend.name, kda_device, findings, "none", "cu_seqlens"))

@@ -160,7 +160,9 @@ class AiterBackend(Backend):
     def fit(self, case: Case) -> Case:
         if not self.flash_kda:
             return case
-        lower_bound = case.lower_bound if case.gate == "lower_bound" and -5 <= (case.lower_bound or 0) < 0 else -5.0
+        lo, hi = SAFE_LOWER_BOUND_RANGE
+        in_range = case.gate == "lower_bound" and lo <= (case.lower_bound or 0.0) < hi
+        lower_bound = case.lower_bound if in_range else lo
         return case.replace(
             head_k_dim=128,
             head_v_dim=128,

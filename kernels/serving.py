@@ -22,13 +22,19 @@ from dataclasses import dataclass
 import torch
 
 from kda_cases.case import Case
-from kda_cases.materialize import TORCH_DTYPES, KDAInputs, materialize
+from kda_cases.materialize import TORCH_DTYPES, KDAInputs
 from kda_kernels.protocol import Backend
 
 PAD_SLOT_ID = -1
 NULL_SLOT = 0
 POISON_MODES = ("none", "nan", "inf", "sentinel", "garbage", "tenant")
 SENTINEL = 1e30
+INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """The raw bits, so NaN compares equal to the same NaN and -0 differs from 0."""
+    return x.contiguous().view(INT_OF_SIZE[x.element_size()])
 
 
 @dataclass(frozen=True)
@@ -103,8 +109,7 @@ def poison_like(x: torch.Tensor, mode: str, seed: int = 0) -> torch.Tensor:
         pattern = {torch.bfloat16: 0x7FC1, torch.float16: 0x7E01, torch.float32: 0x7FC00001}.get(x.dtype)
         if pattern is None:
             return torch.full_like(x, float("nan"))
-        ints = {2: torch.int16, 4: torch.int32}[x.element_size()]
-        return torch.full(x.shape, pattern, dtype=ints, device=x.device).view(x.dtype)
+        return torch.full(x.shape, pattern, dtype=INT_OF_SIZE[x.element_size()], device=x.device).view(x.dtype)
     if mode == "inf":
         signs = torch.ones(x.numel(), dtype=torch.float32)
         signs[1::2] = -1
@@ -140,11 +145,6 @@ class ServingRun:
     @property
     def checkpoint_states(self) -> torch.Tensor | None:
         return self.pool[list(self.plan.checkpoint_slots)] if self.plan.checkpoint_slots else None
-
-
-def serving_inputs(case: Case, device: torch.device) -> KDAInputs:
-    """The inputs of ``case`` in the packed layout a server hands over (a [B, T] case becomes its packed twin)."""
-    return materialize(case if case.packed else case.replace(packed=True), device)
 
 
 def build_pool(inputs: KDAInputs, plan: PoolPlan, poison: str, regions: tuple[str, ...] | None = None) -> torch.Tensor:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kda_cases.case import Case
+from kda_cases.materialize import materialize
 from kda_conformance.cli import main
 from kda_conformance.repro import run_check
 from kda_kernels import registry
@@ -28,7 +29,6 @@ from kda_kernels.serving import (
     poison_like,
     poisoned_scratch,
     run_serving,
-    serving_inputs,
 )
 
 PLUGINS = Path(__file__).with_name("plugins")
@@ -73,7 +73,7 @@ def test_bad_slot_indices_are_refused_with_the_argument_named(indices: list[int]
 
 
 def test_duplicate_slots_are_refused_by_the_harness() -> None:
-    inputs = serving_inputs(CASE.replace(checkpoints=()), CPU)
+    inputs = materialize(CASE.replace(checkpoints=()), CPU)
     plan = plan_pool(CASE.replace(checkpoints=()))
     twice = type(plan)(plan.num_slots, (plan.seq_slots[0],) * 3, (), plan.padding, plan.out_rows)
     with pytest.raises(ValueError, match="more than one sequence"):
