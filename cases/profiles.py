@@ -40,17 +40,6 @@ class Profile:
     # on the CPU the float64 reference and the baseline take 5 s and 4 s for 2048 tokens x 8 heads x 128^2.
     corpus_max_work: int = 2**60
 
-    @property
-    def shrinks(self) -> bool:
-        """Whether a failure is shrunk to a minimal case: never. With compiled kernels every shrunk case is a
-        new shape and a new Triton compile (on the H200 one fp32 failure's shrinking took the rest of a
-        540 s nightly slot, about 450 s, and no other property ran); under the CPU interpreter it takes
-        minutes. The failing case is printed whole, with its repro line, and kept in the failure database."""
-        return False
-
-    def allows(self, total_tokens: int) -> bool:
-        return total_tokens <= self.max_total_tokens
-
     def corpus_skip(self, case: Case, interpreted: bool) -> str | None:
         """Why a corpus case does not run in this profile (None when it runs)."""
         work = case.total_tokens * case.num_v_heads * case.head_k_dim * case.head_v_dim

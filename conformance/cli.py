@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="rebuild OUT/dashboard.html from every run under OUT afterwards (default: on)",
     )
+    _regression_arguments(run)
     _isolation_arguments(run)
     corpus = sub.add_parser("corpus", help="list or add pinned cases (cases/corpus)")
     corpus_sub = corpus.add_subparsers(dest="corpus_command", required=True)
@@ -380,12 +381,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     counts = frame["verdict"].value_counts().to_dict()
     console.print(f"run {run_id}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     console.print(f"records: {paths['records']}\nsummary: {paths['summary_md']}")
-    if getattr(args, "dashboard", False):
-        from kda_reports.dashboard import build_dashboard
-        from kda_reports.store import load_store
-
-        page, _ = build_dashboard(load_store(args.out), Path(args.out) / "dashboard.html")
-        console.print(f"dashboard: {page} (every run under {args.out})")
+    if args.dashboard:
+        _rebuild_dashboard(args.out, None, args, console)
     return 1 if counts.get("fail") or counts.get("error") else 0
 
 
@@ -485,15 +482,20 @@ def _write_calibration(frame: pd.DataFrame, commands: list[str], args: argparse.
 
 
 def cmd_dashboard(args: argparse.Namespace, console: Console) -> int:
+    _rebuild_dashboard(args.store, args.html, args, console)
+    return 0
+
+
+def _rebuild_dashboard(store_dir: Path, html: Path | None, args: argparse.Namespace, console: Console) -> None:
+    """The dashboard of every run under ``store_dir``, and the regressions it flags, printed."""
     from kda_reports.dashboard import build_dashboard
     from kda_reports.store import load_store
 
-    store = load_store(args.store)
+    store = load_store(store_dir)
     for problem in store.problems:
         console.print(f"[yellow]store:[/] {problem}", highlight=False)
-    path, regressions = build_dashboard(
-        store, args.html or Path(args.store) / "dashboard.html", args.window, args.growth
-    )
+    target = html or Path(store_dir) / "dashboard.html"
+    path, regressions = build_dashboard(store, target, args.window, args.growth)
     for row in regressions.itertuples():
         console.print(
             f"[red]{row.kind}[/] {row.backend} {row.family} {row.tensor}: worst {row.tonight:.3g} "
@@ -502,15 +504,11 @@ def cmd_dashboard(args: argparse.Namespace, console: Console) -> int:
             soft_wrap=True,
         )
     console.print(f"{len(store.runs)} runs, {len(regressions)} flags; dashboard: {path}")
-    return 0
 
 
 def cmd_nightly(args: argparse.Namespace, console: Console) -> int:
-    args.out, args.cases, args.dashboard = args.store, None, False  # rebuilt below, with the regressions
-    code = cmd_run(args, console)
-    args.html = None
-    cmd_dashboard(args, console)
-    return code
+    args.out, args.cases, args.dashboard = args.store, None, True
+    return cmd_run(args, console)
 
 
 def cmd_repro(args: argparse.Namespace, console: Console) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import plotly.graph_objects as go
 
-from kda_reports.regressions import GROUP, find_regressions, nightly_groups
+from kda_reports.regressions import GROUP, find_regressions, longest, nightly_groups, worst_ratio
 from kda_reports.store import Store
 
 STYLE = """
@@ -70,7 +70,7 @@ def error_vs_length(records: pd.DataFrame) -> go.Figure:
     """Max-abs error against the longest sequence, per backend and tensor, with each case's limit."""
     figure = go.Figure()
     measured = records[records["verdict"].isin(["pass", "fail"]) & records["max_abs"].notna()].copy()
-    measured["length"] = measured["case_seq_lens"].map(lambda s: max(int(x) for x in str(s).split(",")))
+    measured["length"] = longest(measured)
     for (backend, tensor), part in measured.groupby(["backend", "tensor"]):
         part = part.sort_values("length")
         label = f"{backend} {tensor}"
@@ -131,8 +131,7 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
         env = last.iloc[0][[c for c in last.columns if c.startswith("env_")]]
         env_table = pd.DataFrame({"": [c.removeprefix("env_") for c in env.index], "value": [str(v) for v in env]})
         measured = last[last["verdict"].isin(["pass", "fail", "error"])].copy()
-        measured["worst"] = measured[["ratio", "rel_rms_ratio"]].astype(float).max(axis=1)
-        measured.loc[measured["verdict"] == "error", "worst"] = math.inf
+        measured["worst"] = worst_ratio(measured)
         worst = measured.sort_values("worst", ascending=False).head(15)
         worst_table = worst[["case_id", "label", "backend", "tensor", "verdict", "max_abs", "budget", "worst", "repro"]]
         parts += [

@@ -30,10 +30,20 @@ ENV_KEYS = {
 GROUP = ["backend", "family", "tensor"]
 
 
+def longest(records: pd.DataFrame) -> pd.Series:
+    """Each record's longest sequence (tokens)."""
+    return records["case_seq_lens"].map(lambda lens: max(_lengths(lens), default=0))
+
+
+def worst_ratio(records: pd.DataFrame) -> pd.Series:
+    """Each record's error/limit: the larger of the max-abs and rel-RMS ratios; inf where the backend erred."""
+    ratio = records[["ratio", "rel_rms_ratio"]].astype(float).max(axis=1)
+    return ratio.where(records["verdict"] != "error", math.inf)
+
+
 def family(records: pd.DataFrame) -> pd.Series:
     """The case family of each record: input dtype, gate regime and a power-of-two length bucket."""
-    longest = records["case_seq_lens"].map(lambda lens: max(_lengths(lens)) if _lengths(lens) else 0)
-    bucket = longest.map(lambda n: f"T<={2 ** math.ceil(math.log2(n))}" if n > 1 else "T<=1")
+    bucket = longest(records).map(lambda n: f"T<={2 ** math.ceil(math.log2(n))}" if n > 1 else "T<=1")
     return records["case_dtype"].astype(str) + " " + records["case_gate_regime"].astype(str) + " " + bucket
 
 
@@ -50,8 +60,7 @@ def nightly_groups(records: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=["run_id", *GROUP, "cases", "failed", "worst", "repro", "case_id"])
     measured["family"] = family(measured)
     measured["tensor"] = measured["tensor"].fillna("").replace("", "(run)")
-    ratio = measured[["ratio", "rel_rms_ratio"]].astype(float).max(axis=1)
-    measured["worst"] = ratio.where(measured["verdict"] != "error", math.inf)
+    measured["worst"] = worst_ratio(measured)
     measured["failed"] = measured["verdict"].isin(["fail", "error"])
     measured = measured.sort_values("worst", ascending=False)
     grouped = measured.groupby(["run_id", *GROUP], sort=False)
