@@ -1,63 +1,224 @@
-"""Time the exact reference forms side by side: ``python -m kda_reference.benchmark --device cuda``.
+"""Time the exact reference forms beside FLA's float32 loop and the kernels under test, in one run.
 
-Prints one line per length: seconds for the float64 token loop (up to
-``--loop-up-to`` tokens, it is slow) and for the chunked float64 form, and their
-ratio, measured in the same process on the same inputs.
+    python -m kda_reference.benchmark --device cuda --table docs/reference-speed.md
+
+For each length (one sequence, ``--heads`` heads, K = V = ``--head-dim``, bf16
+inputs, a random initial state) it times, on the same inputs in the same
+process: the float64 token loop (the definition), the chunked float64 form,
+FLA's ``naive_recurrent_kda`` (a float32 token loop) and each ``--backend``.
+Every contender gets one untimed warm-up call (the loops at a short length:
+kernel caches, the allocator, Triton's compile and autotune) and the median of
+``--repeats`` timed calls (one for the loops, whose calls take seconds); on a
+GPU every timing is synchronized. It prints seconds, each contender's time
+over the chunked form's, the peak memory of each call, and a roofline of the
+chunked form: its matmul flops against the device's measured float64 matmul
+rate, the bytes it allocates (each written at least once, read at least once)
+against the measured copy bandwidth.
+
+``--small`` instead times the two exact forms at a few short lengths with the
+``ci`` profile's shape, the measurement behind ``CHUNKED_FROM_TOKENS``.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from kda_cases.case import Case
-from kda_cases.materialize import materialize
-from kda_reference.chunked import kda_chunked
+from kda_cases.materialize import KDAInputs, materialize
+from kda_reference.chunked import DEFAULT_CHUNK, kda_chunked
 from kda_reference.recurrent import kda_recurrent
 
+LOOP_WARMUP_TOKENS = 64
 
-def _seconds(form, x, device: torch.device) -> float:  # type: ignore[no-untyped-def]
+
+def benchmark_case(T: int, heads: int, head_dim: int) -> Case:
+    """A precomputed log gate (bounded) and activated beta: inputs FLA's naive loop takes as they are."""
+    return Case(
+        seq_lens=(T,),
+        num_heads=heads,
+        num_v_heads=heads,
+        head_k_dim=head_dim,
+        head_v_dim=head_dim,
+        dtype="bf16",
+        gate="log",
+        lower_bound=-5.0,
+        safe_gate=True,
+        l2norm_in_kernel=False,
+        beta_sigmoid_in_kernel=False,
+        initial_state="random",
+    )
+
+
+def chunked_flops(T: int, heads: int, K: int, V: int, C: int = DEFAULT_CHUNK) -> float:
+    """Matmul and triangular-solve flops of the chunked form: per token and head, the two intra-chunk
+    products (4CK), the solve for u and w (C(V+K)), w S, K^T U and Q S (6KV) and A U (2CV)."""
+    return float(T) * heads * (4 * C * K + C * (V + K) + 6 * K * V + 2 * C * V)
+
+
+def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    form(x.q, x.k, x.v, x.g, x.beta, **x.kernel_kwargs())
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+
+
+def _timed(call: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, float, float]:
+    """Median seconds, peak GiB of the calls, GiB allocated per call (GPU; NaN on the CPU)."""
+    seconds = []
+    peak = allocated = float("nan")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_stats(device).get("allocated_bytes.all.allocated", 0)
+        _sync(device)
+        start = time.perf_counter()
+        call()
+        _sync(device)
+        seconds.append(time.perf_counter() - start)
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device) / 2**30
+            allocated = (torch.cuda.memory_stats(device)["allocated_bytes.all.allocated"] - before) / 2**30
+    return statistics.median(seconds), peak, allocated
+
+
+def device_ceilings(device: torch.device) -> tuple[float, float]:
+    """Measured float64 matmul rate (flop/s) and copy bandwidth (bytes/s, read + written) of ``device``."""
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, dtype=torch.float64, device=device)
+    b = torch.randn(n, n, dtype=torch.float64, device=device)
+    a @ b
+    seconds, _, _ = _timed(lambda: a @ b, device, 5)
+    rate = 2 * n**3 / seconds
+    x = torch.empty(2**30 // 8 if device.type == "cuda" else 2**25 // 8, dtype=torch.float64, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    seconds, _, _ = _timed(lambda: y.copy_(x), device, 10)
+    return rate, 2 * x.numel() * 8 / seconds
+
+
+def _forms(x: KDAInputs) -> dict[str, Callable[[], object]]:
+    kwargs = x.kernel_kwargs()
+    return {
+        "loop": lambda: kda_recurrent(x.q, x.k, x.v, x.g, x.beta, **kwargs),
+        "chunked": lambda: kda_chunked(x.q, x.k, x.v, x.g, x.beta, **kwargs),
+    }
+
+
+def _fla_naive(x: KDAInputs) -> Callable[[], object] | None:
+    try:
+        from fla.ops.kda.naive import naive_recurrent_kda
+    except ImportError:
+        return None
+    h0 = x.initial_state.float() if x.initial_state is not None else None
+    return lambda: naive_recurrent_kda(x.q, x.k, x.v, x.g, x.beta, scale=x.case.scale, initial_state=h0)
+
+
+def run_benchmark(args: argparse.Namespace) -> list[str]:
+    device = torch.device(args.device)
+    backends = []
+    if args.backends:
+        from kda_kernels import registry
+
+        backends = [registry.get(name) for name in args.backends.split(",")]
+    rate, bandwidth = device_ceilings(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    lines = [
+        f"Device: {name}; heads {args.heads}, K = V = {args.head_dim}, bf16 inputs, random initial state, "
+        f"chunk {DEFAULT_CHUNK}. Measured ceilings: float64 matmul {rate / 1e12:.2f} TFLOP/s, "
+        f"copy {bandwidth / 1e12:.2f} TB/s (read + written).",
+        "",
+    ]
+    contenders = ["loop", "chunked", "fla_naive_fp32", *(b.name for b in backends)]
+    header = ["T", *(f"{c} s" for c in contenders), *(f"{c} / chunked" for c in contenders if c != "chunked")]
+    header += ["chunked peak GiB", "chunked GFLOP", "chunked GiB allocated", "roofline s", "chunked / roofline"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    print("\n".join(lines), flush=True)
+    # Warm the loops' kernels at a short length, so their long timings hold no first-call cost.
+    short = materialize(benchmark_case(LOOP_WARMUP_TOKENS, args.heads, args.head_dim), device)
+    _forms(short)["loop"]()
+    naive_short = _fla_naive(short)
+    if naive_short is not None:
+        naive_short()
+    for T in (int(t) for t in args.lengths.split(",")):
+        x = materialize(benchmark_case(T, args.heads, args.head_dim), device)
+        calls: dict[str, Callable[[], object] | None] = dict(_forms(x))
+        calls["fla_naive_fp32"] = _fla_naive(x)
+        for backend in backends:
+            available = backend.availability(device)
+            supported = backend.supports(x.case) if available else available
+            calls[backend.name] = (lambda b=backend, x=x: b.run(x)) if supported else None
+        seconds: dict[str, float] = {}
+        chunked_peak = chunked_allocated = float("nan")
+        for contender, call in calls.items():
+            if call is None:
+                seconds[contender] = float("nan")
+                continue
+            loop_like = contender in ("loop", "fla_naive_fp32")
+            if loop_like and args.loop_up_to and T > args.loop_up_to:
+                seconds[contender] = float("nan")
+                continue
+            if not loop_like:
+                call()  # warm-up: compile, autotune, allocator
+            s, peak, allocated = _timed(call, device, 1 if loop_like else args.repeats)
+            seconds[contender] = s
+            if contender == "chunked":
+                chunked_peak, chunked_allocated = peak, allocated
+        flops = chunked_flops(T, args.heads, args.head_dim, args.head_dim)
+        moved = 2 * chunked_allocated * 2**30  # every allocated byte written once and read at least once
+        roofline = max(flops / rate, moved / bandwidth if moved == moved else 0.0)
+        base = seconds["chunked"]
+        row = [str(T), *(f"{seconds[c]:.4g}" for c in contenders)]
+        row += [f"{seconds[c] / base:.3g}" for c in contenders if c != "chunked"]
+        row += [f"{chunked_peak:.3g}", f"{flops / 1e9:.4g}", f"{chunked_allocated:.4g}", f"{roofline:.3g}"]
+        row += [f"{base / roofline:.3g}"]
+        lines.append("| " + " | ".join(row) + " |")
+        print(lines[-1], flush=True)
+        del x, calls
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return lines
+
+
+def run_small(args: argparse.Namespace) -> list[str]:
+    """The two exact forms at short lengths in the ci profile's shape (2 heads, K = V = 32)."""
+    device = torch.device(args.device)
+    lines = ["| T | loop s | chunked s | loop / chunked |", "|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    for T in (1, 4, 8, 12, 16, 24, 32, 64, 96):
+        x = materialize(benchmark_case(T, 2, 32), device)
+        forms = _forms(x)
+        for call in forms.values():
+            call()
+        loop = _timed(forms["loop"], device, args.repeats)[0]
+        chunked = _timed(forms["chunked"], device, args.repeats)[0]
+        lines.append(f"| {T} | {loop:.3g} | {chunked:.3g} | {loop / chunked:.3g} |")
+        print(lines[-1], flush=True)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--lengths", default="2048,8192,32768,131072")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    parser.add_argument("--lengths", default="2048,8192,32768,131072", help="comma-separated sequence lengths")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--loop-up-to", type=int, default=8192, help="longest length the token loop is timed at")
+    parser.add_argument("--backends", default="", help="registered backends to time too, e.g. fla_chunk,fla_recurrent")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per fast contender (median)")
+    parser.add_argument("--loop-up-to", type=int, default=0, help="skip the token loops above this length (0: never)")
+    parser.add_argument("--small", action="store_true", help="only the short-length comparison of the exact forms")
+    parser.add_argument("--table", type=Path, default=None, help="also write the table (markdown) to this file")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    print(f"device {device} heads {args.heads} K=V={args.head_dim}")
-    print(f"{'T':>8} {'loop s':>9} {'chunked s':>10} {'loop/chunked':>13} {'peak GiB':>9}")
-    for T in (int(x) for x in args.lengths.split(",")):
-        case = Case(
-            seq_lens=(T,),
-            num_heads=args.heads,
-            num_v_heads=args.heads,
-            head_k_dim=args.head_dim,
-            head_v_dim=args.head_dim,
-            initial_state="random",
-        )
-        x = materialize(case, device)
-        _seconds(kda_chunked, x, device)  # warm-up: allocator and kernel caches
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        t_chunked = _seconds(kda_chunked, x, device)
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-        t_loop = float("nan")
-        if T <= args.loop_up_to:
-            t_loop = _seconds(kda_recurrent, x, device)
-        print(f"{T:>8} {t_loop:>9.3f} {t_chunked:>10.3f} {t_loop / t_chunked:>13.1f} {peak:>9.1f}", flush=True)
+    lines = run_small(args) if args.small else run_benchmark(args)
+    if args.table is not None:
+        shown = [a for i, a in enumerate(argv) if a != "--table" and (i == 0 or argv[i - 1] != "--table")]
+        command = "python -m kda_reference.benchmark " + " ".join(shown)
+        args.table.write_text(f"Produced by `{command}`\n\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

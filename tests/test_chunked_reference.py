@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 
-from kda_cases.case import Case
+from kda_cases.case import DTYPES, Case
 from kda_cases.materialize import materialize
+from kda_cases.profiles import Profile
+from kda_cases.strategies import cases
 from kda_kernels.torch_chunk import TorchChunk
-from kda_reference.chunked import kda_chunked
+from kda_reference import chunked as chunked_module
+from kda_reference.chunked import DEFAULT_CHUNK, FACTORED_SPAN, kda_chunked
 from kda_reference.recurrent import kda_recurrent
-from kda_reference.run import CHUNKED_FROM_TOKENS, reference_form
+from kda_reference.run import CHUNKED_FROM_TOKENS, FORM_VARIABLE, reference_form
 
 CPU = torch.device("cpu")
+# The GPU runs the same algebra through other kernels (cuBLAS, cuSOLVER): the equality is checked there too.
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+]
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -20,8 +29,8 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) / max(scale, 1e-300) if a.numel() else 0.0
 
 
-def both(case: Case, chunk_size: int = 64):  # type: ignore[no-untyped-def]
-    inputs = materialize(case, CPU)
+def both(case: Case, chunk_size: int = 64, device: str = "cpu"):  # type: ignore[no-untyped-def]
+    inputs = materialize(case, device)
     kwargs = dict(**inputs.kernel_kwargs(), checkpoints=case.checkpoints)
     loop = kda_recurrent(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, **kwargs)
     chunked = kda_chunked(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, chunk_size=chunk_size, **kwargs)
@@ -53,9 +62,10 @@ AXES = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(AXES))
-def test_chunked_equals_token_loop(name: str) -> None:
-    loop, chunked = both(AXES[name])
+def test_chunked_equals_token_loop(name: str, device: str) -> None:
+    loop, chunked = both(AXES[name], device=device)
     assert relative(chunked.o, loop.o) <= 1e-10
     assert relative(chunked.final_state, loop.final_state) <= 1e-10
     assert relative(chunked.checkpoint_states, loop.checkpoint_states) <= 1e-10
@@ -65,6 +75,66 @@ def test_chunked_equals_token_loop(name: str) -> None:
 def test_any_chunk_size_gives_the_same_answer(chunk_size: int) -> None:
     loop, chunked = both(AXES["checkpoints on and off the grid"], chunk_size)
     assert relative(chunked.o, loop.o) <= 1e-10
+    assert relative(chunked.checkpoint_states, loop.checkpoint_states) <= 1e-10
+
+
+# Every axis the sweeps draw (packing with zero-length members, GVA, both layouts, state dtypes, every gate
+# form and regime, key and beta regimes, initial states, checkpoints), at sizes that cross several chunks.
+EVERY_AXIS = Profile("forms", 40, 400, 1, 4, 4, (16, 32), DTYPES, True, False)
+
+
+@settings(
+    max_examples=EVERY_AXIS.max_examples,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@pytest.mark.parametrize("device", DEVICES)
+@given(case=cases(EVERY_AXIS))
+def test_chunked_equals_token_loop_on_drawn_cases(device: str, case: Case) -> None:
+    loop, chunked = both(case, device=device)
+    assert relative(chunked.o, loop.o) <= 1e-10
+    assert relative(chunked.final_state, loop.final_state) <= 1e-10
+    assert relative(chunked.checkpoint_states, loop.checkpoint_states) <= 1e-10
+
+
+@pytest.mark.parametrize(
+    ("per_token", "pairwise"),
+    [(-0.5, False), (-15.0, False), (-FACTORED_SPAN / DEFAULT_CHUNK * 1.01, True), (-40.0, True)],
+)
+def test_gate_ranges_on_both_sides_of_the_factored_span(
+    per_token: float, pairwise: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Per-key decays from none to per_token, weak for the first 40 tokens: chunk ranges of G up to
+    # 64 x |per_token|, so with strong gates the float64 form factors some (chunk, head) pairs and
+    # builds the pairwise decays for the others, within one call.
+    case = BASE.replace(
+        gate="log",
+        lower_bound=None,
+        safe_gate=False,
+        seq_lens=(150, 0, 90),
+        packed=True,
+        initial_state="random",
+        checkpoints=((0, 100), (2, 64), (2, 90)),
+    )
+    inputs = materialize(case, CPU)
+    ramp = torch.linspace(0.0, 1.0, inputs.g.shape[-1], dtype=torch.float64)
+    g = (per_token * ramp).expand_as(inputs.g).clone()
+    g[:, :40] *= 0.01
+    built = []
+    real_pairwise = chunked_module._pairwise
+    monkeypatch.setattr(
+        chunked_module, "_pairwise", lambda q, *rest: built.append(q.shape[0]) or real_pairwise(q, *rest)
+    )
+    kwargs = dict(**inputs.kernel_kwargs(), checkpoints=case.checkpoints)
+    loop = kda_recurrent(inputs.q, inputs.k, inputs.v, g, inputs.beta, **kwargs)
+    chunked = kda_chunked(inputs.q, inputs.k, inputs.v, g, inputs.beta, **kwargs)
+    total_pairs = 5 * case.num_v_heads  # chunks of 150 and 90 tokens
+    assert (0 < sum(built) < total_pairs) if pairwise else not built
+    assert torch.isfinite(chunked.o).all()
+    assert relative(chunked.o, loop.o) <= 1e-10
+    assert relative(chunked.final_state, loop.final_state) <= 1e-10
     assert relative(chunked.checkpoint_states, loop.checkpoint_states) <= 1e-10
 
 
@@ -80,14 +150,23 @@ def test_gate_as_strong_as_float64_allows_stays_finite() -> None:
     assert relative(chunked.o, loop.o) <= 1e-10
 
 
-def test_long_gpu_cases_use_the_chunked_form() -> None:
-    short = materialize(BASE, "meta")
-    long = materialize(BASE.replace(seq_lens=(CHUNKED_FROM_TOKENS,)), "meta")
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_auto_takes_the_loop_for_short_cases_and_chunked_from_the_threshold(device: str) -> None:
+    short = materialize(BASE.replace(seq_lens=(CHUNKED_FROM_TOKENS - 1,)), device)
+    long = materialize(BASE.replace(seq_lens=(CHUNKED_FROM_TOKENS,)), device)
     assert reference_form(short) == "loop" and reference_form(long) == "chunked"
-    assert reference_form(materialize(BASE.replace(seq_lens=(CHUNKED_FROM_TOKENS,)), CPU)) == "loop"
-    assert reference_form(short, "chunked") == "chunked"
+    assert reference_form(short, "chunked") == "chunked" and reference_form(long, "loop") == "loop"
     with pytest.raises(ValueError, match=r"form=.fast.* auto, loop, chunked"):
         reference_form(short, "fast")
+
+
+def test_the_environment_sets_the_form_auto_stands_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    long = materialize(BASE.replace(seq_lens=(CHUNKED_FROM_TOKENS,)), CPU)
+    monkeypatch.setenv(FORM_VARIABLE, "loop")
+    assert reference_form(long) == "loop" and reference_form(long, "chunked") == "chunked"
+    monkeypatch.setenv(FORM_VARIABLE, "fast")
+    with pytest.raises(ValueError, match=r"KDA_REFERENCE_FORM='fast' .* auto, loop, chunked"):
+        reference_form(long)
 
 
 def test_bad_chunk_size_and_working_dtype_are_named() -> None:

@@ -1,0 +1,96 @@
+"""Where the suite's own time goes: seconds per stage of every case, summed over a process.
+
+A nightly sweep is only worth its hours if they are spent in the kernels under
+test, not in drawing inputs or computing the truth; the totals go to each run's
+``<run_id>.timing.json`` and to the end of the terminal summary.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+STAGES = ("materialize", "reference", "baseline", "backend", "compare")
+
+
+class StageClock:
+    """Seconds and calls per stage; GPU work is synchronized so it counts in its own stage."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(STAGES, 0.0)
+        self.calls = dict.fromkeys(STAGES, 0)
+        self.forms: dict[str, float] = {}  # reference seconds per exact form (loop, chunked)
+        self.peaks: dict[str, float] = {}  # reported by worker processes (isolated runs)
+
+    @contextmanager
+    def stage(self, name: str, device: torch.device) -> Iterator[None]:
+        if name not in self.seconds:
+            raise ValueError(f"stage {name!r} is not one of {', '.join(STAGES)}")
+        _synchronize(device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            _synchronize(device)
+            self.seconds[name] += time.perf_counter() - start
+            self.calls[name] += 1
+
+    def add_form(self, form: str, seconds: float) -> None:
+        self.forms[form] = self.forms.get(form, 0.0) + seconds
+
+    def drain(self) -> dict:
+        """Totals since the last drain, then zero (a worker process sends them with each result)."""
+        taken = {"seconds": self.seconds, "calls": self.calls, "forms": self.forms, "peaks": _peak_memory()}
+        self.seconds, self.calls, self.forms = dict.fromkeys(STAGES, 0.0), dict.fromkeys(STAGES, 0), {}
+        return taken
+
+    def absorb(self, taken: dict) -> None:
+        """Add a worker's drained totals; its peak memory counts where it exceeds this process's."""
+        for name, seconds in taken["seconds"].items():
+            self.seconds[name] += seconds
+            self.calls[name] += taken["calls"][name]
+        for form, seconds in taken["forms"].items():
+            self.add_form(form, seconds)
+        for key, value in taken["peaks"].items():
+            self.peaks[key] = max(self.peaks.get(key, 0.0), value)
+
+    def snapshot(self) -> dict:
+        """Totals so far, with the peak memory (GPU: torch's allocator; CPU: max resident set) of this
+        process or of any worker it absorbed."""
+        peak = _peak_memory()
+        for key, value in self.peaks.items():
+            peak[key] = max(peak.get(key, 0.0), value)
+        return {
+            "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+            "calls": dict(self.calls),
+            "reference_seconds_by_form": {k: round(v, 3) for k, v in self.forms.items()},
+            "peak_memory": {k: round(v, 2) for k, v in peak.items()},
+        }
+
+    def lines(self) -> list[str]:
+        """A few lines for a terminal: seconds per stage and their share, peak memory."""
+        snap = self.snapshot()
+        total = sum(snap["seconds"].values()) or 1.0
+        parts = [f"{name} {s:.1f} s ({100 * s / total:.0f}%)" for name, s in snap["seconds"].items()]
+        forms = ", ".join(f"{form} {s:.1f} s" for form, s in snap["reference_seconds_by_form"].items())
+        memory = ", ".join(f"{k} {v:.2f}" for k, v in snap["peak_memory"].items())
+        return ["; ".join(parts), f"reference by form: {forms or 'none'}; peak memory: {memory}"]
+
+
+CLOCK = StageClock()
+
+
+def _peak_memory() -> dict[str, float]:
+    peak = {"cpu_max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        peak["gpu_max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return peak
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
