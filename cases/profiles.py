@@ -1,8 +1,9 @@
 """Named sweep profiles: how many cases, how large, how they are searched.
 
 ``smoke`` takes seconds, ``ci`` is the CPU tier (minutes, derandomized, so CI
-runs the same cases every time), ``nightly`` is the GPU sweep (hundreds of
-cases up to 128K tokens, a fresh seed each night, searching toward the worst
+runs the same cases every time), ``nightly`` is the GPU sweep (a few cases per
+property from a few kernel configurations, up to 128K tokens x 16 heads, the
+corpus' 128K case for every backend, a fresh seed each night, searching toward the worst
 error/budget), ``long`` only 32K tokens and more. Pytest selects one with
 ``--kda-profile``, the CLI with ``kda-conformance run --profile``.
 """
@@ -39,6 +40,16 @@ class Profile:
     # Corpus cases with more work than this (tokens x value heads x K x V) are skipped for every backend:
     # on the CPU the float64 reference and the baseline take 5 s and 4 s for 2048 tokens x 8 heads x 128^2.
     corpus_max_work: int = 2**60
+    # Drawn cases with more work than this (tokens x value heads x K x V) draw shorter sequences: the GPU
+    # tiers stop at the issue's scale, 128K tokens x 16 heads x 128 x 128, where the float64 truth takes
+    # 0.22 s on an H200 but drawing the inputs on the CPU takes seconds (docs/reference-speed.md).
+    max_work: int = 2**60
+    # How many kernel configurations (heads, head dims, dtypes, gate form, in-kernel flags, state layout,
+    # packing, initial state or none) one run draws its cases from; 0: every case draws its own. Each
+    # configuration is a Triton compile and autotune of every chunk kernel (70 to 90 s on a fresh H200),
+    # so a night affords a few; the seed picks them, so the nights together cover the axes.
+    kernel_configs: int = 0
+    kernel_pool: tuple[tuple[tuple[str, object], ...], ...] = ()  # filled per run: see strategies.with_kernel_pool
 
     def corpus_skip(self, case: Case, interpreted: bool) -> str | None:
         """Why a corpus case does not run in this profile (None when it runs)."""
@@ -90,8 +101,10 @@ PROFILES: dict[str, Profile] = {
             corpus_max_tokens=256,
             corpus_max_work=2**23,
         ),
-        Profile("nightly", 200, 2 * 131072, 1, 6, 16, (64, 128), DTYPES, False, True),
-        Profile("long", 20, 2 * 131072, 32768, 2, 16, (128,), ("bf16", "fp16"), False, True),
+        Profile("nightly", 4, 2 * 131072, 1, 6, 16, (64, 128), DTYPES, False, True, max_work=2**35, kernel_configs=3),
+        Profile(
+            "long", 4, 2 * 131072, 32768, 2, 16, (128,), ("bf16", "fp16"), False, True, max_work=2**35, kernel_configs=2
+        ),
     )
 }
 

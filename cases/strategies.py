@@ -7,9 +7,13 @@ simpler regimes) and whose tensors ``materialize`` builds from ``seed``.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as fixed_seed
 from hypothesis import strategies as st
+from hypothesis.errors import HypothesisSideeffectWarning
 
 from kda_cases.case import BETA_REGIMES, GATE_REGIMES, INITIAL_STATES, STATE_LAYOUTS, Case
 from kda_cases.profiles import BOUNDARY_LENGTHS, Profile
@@ -27,15 +31,23 @@ def lengths(profile: Profile, most: int, least: int = 1) -> st.SearchStrategy[in
 
 
 @st.composite
-def seq_lens(draw: st.DrawFn, profile: Profile) -> tuple[tuple[int, ...], bool]:
-    """Sequence lengths and whether they are packed; packed batches may hold zero-length members."""
-    budget = profile.max_total_tokens
+def seq_lens(
+    draw: st.DrawFn, profile: Profile, budget: int | None = None, packed: bool | None = None
+) -> tuple[tuple[int, ...], bool]:
+    """Sequence lengths and whether they are packed; packed batches may hold zero-length members.
+
+    ``budget`` caps the total tokens below the profile's; ``packed`` fixes packing (a kernel configuration).
+    """
+    budget = profile.max_total_tokens if budget is None else budget
     first = draw(lengths(profile, min(budget, BOUNDARY_LENGTHS[-1]), max(1, profile.min_length)))
     count = draw(st.integers(min_value=1, max_value=profile.max_seqs))
     if count == 1:
-        return (first,), draw(st.booleans())
-    if draw(st.booleans()) and first * count <= budget:  # a [B, T] batch: equal lengths
-        return (first,) * count, False
+        return (first,), draw(st.booleans()) if packed is None else packed
+    if packed is None:
+        if draw(st.booleans()) and first * count <= budget:  # a [B, T] batch: equal lengths
+            return (first,) * count, False
+    elif not packed:
+        return (first,) * max(1, min(count, budget // first)), False
     lens = [first]
     for _ in range(count - 1):
         left = budget - sum(lens)
@@ -59,10 +71,34 @@ def checkpoints(draw: st.DrawFn, lens: tuple[int, ...]) -> tuple[tuple[int, int]
     return tuple(sorted(marks))
 
 
+# The axes that select which compiled kernels a backend runs (and so what a Triton compile costs).
+KERNEL_FIELDS = (
+    "num_heads",
+    "num_v_heads",
+    "head_k_dim",
+    "head_v_dim",
+    "dtype",
+    "state_dtype",
+    "gate",
+    "lower_bound",
+    "safe_gate",
+    "l2norm_in_kernel",
+    "beta_sigmoid_in_kernel",
+    "state_layout",
+    "packed",
+)
+
+
 @st.composite
 def cases(draw: st.DrawFn, profile: Profile) -> Case:
-    """A case within ``profile``'s limits, every axis of the suite drawn."""
-    lens, packed = draw(seq_lens(profile))
+    """A case within ``profile``'s limits, every axis of the suite drawn (the kernel axes from the run's
+    pool of kernel configurations, where the profile has one)."""
+    config: dict = dict(draw(st.sampled_from(profile.kernel_pool))) if profile.kernel_pool else {}
+    budget = profile.max_total_tokens
+    if config:
+        per_token = config["num_v_heads"] * config["head_k_dim"] * config["head_v_dim"]
+        budget = min(budget, max(profile.min_length, profile.max_work // per_token))
+    lens, packed = draw(seq_lens(profile, budget, config.get("packed")))
     heads = draw(st.integers(min_value=1, max_value=profile.max_heads))
     group = draw(st.sampled_from([g for g in (1, 2, 4) if heads * g <= profile.max_heads] or [1]))
     head_k_dim = draw(st.sampled_from(profile.head_dims))
@@ -78,7 +114,7 @@ def cases(draw: st.DrawFn, profile: Profile) -> Case:
     else:
         lower_bound, safe_gate = None, False
     key_regime = draw(st.sampled_from(("random", "random", "correlated", "repeated")))
-    return Case(
+    fields = dict(
         seq_lens=lens,
         packed=packed,
         num_heads=heads,
@@ -102,12 +138,46 @@ def cases(draw: st.DrawFn, profile: Profile) -> Case:
         seed=draw(st.integers(min_value=0, max_value=2**31 - 1)),
         tags=(f"profile:{profile.name}",),
     )
+    if "has_initial_state" in config:  # the pool fixes whether there is one; the kind stays drawn
+        wanted = config.pop("has_initial_state")
+        if (fields["initial_state"] != "none") != wanted:
+            fields["initial_state"] = "random" if wanted else "none"
+    return Case(**{**fields, **config})
+
+
+def with_kernel_pool(profile: Profile, seed: int | None) -> Profile:
+    """``profile`` with its run's pool of kernel configurations: the kernel axes of the first
+    ``profile.kernel_configs`` cases drawn from ``seed`` (unchanged when the profile has no pool)."""
+    if not profile.kernel_configs or profile.kernel_pool:
+        return profile
+    pool: list[tuple[tuple[str, object], ...]] = []
+    with warnings.catch_warnings():
+        # Drawn while pytest configures (the run header names the pool): Hypothesis warns of work done in a plugin.
+        warnings.simplefilter("ignore", HypothesisSideeffectWarning)
+        drawn = draw_cases(profile, 8 * profile.kernel_configs, seed)
+    for case in drawn:
+        entry = (
+            *((name, getattr(case, name)) for name in KERNEL_FIELDS),
+            ("has_initial_state", case.has_initial_state),
+        )
+        if entry not in pool and len(pool) < profile.kernel_configs:
+            pool.append(entry)
+    return dataclasses.replace(profile, kernel_pool=tuple(pool))
+
+
+def kernel_pool_lines(profile: Profile) -> list[str]:
+    """The run's kernel configurations, one line each (empty when every case draws its own)."""
+    return [
+        f"kernel configuration {i}: " + " ".join(f"{name}={value}" for name, value in entry)
+        for i, entry in enumerate(profile.kernel_pool)
+    ]
 
 
 def draw_cases(profile: Profile, count: int, seed: int | None = None) -> list[Case]:
     """``count`` distinct cases of ``profile`` outside pytest (for ``kda-conformance run --profile``).
 
     With ``seed`` the draw is reproducible; a derandomized profile ignores it and always gives the same cases.
+    A profile with a kernel pool draws its kernel axes from the pool as it stands (see ``with_kernel_pool``).
     """
     drawn: dict[str, Case] = {}
 

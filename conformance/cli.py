@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import shlex
 import signal
@@ -18,7 +19,7 @@ from rich.table import Table
 from kda_cases.case import Case
 from kda_cases.corpus import CORPUS_DIR, load_corpus, save_case
 from kda_cases.profiles import PROFILES, get_profile
-from kda_cases.strategies import draw_cases
+from kda_cases.strategies import draw_cases, kernel_pool_lines, with_kernel_pool
 from kda_conformance.calibrate import (
     GATE_REGIMES,
     INITIAL_STATES,
@@ -28,6 +29,7 @@ from kda_conformance.calibrate import (
 )
 from kda_conformance.isolation import DEFAULT_CASE_TIMEOUT, run_cases_isolated
 from kda_conformance.serving import SERVING_CHECKS
+from kda_conformance.stages import CLOCK
 from kda_conformance.sweep import (
     FIRST_SWEEP_LENGTHS,
     Outcome,
@@ -44,6 +46,7 @@ from kda_conformance.tolerance import failure_message
 from kda_kernels import registry
 from kda_kernels.protocol import Backend
 from kda_kernels.serving import POISON_MODES
+from kda_reference.run import FORM_VARIABLE, FORMS
 from kda_reports.environment import environment
 from kda_reports.runfile import DEFAULT_OUT, RunRecorder, read_run
 
@@ -78,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _regression_arguments(run)
     _isolation_arguments(run)
+    _reference_arguments(run)
     corpus = sub.add_parser("corpus", help="list or add pinned cases (cases/corpus)")
     corpus_sub = corpus.add_subparsers(dest="corpus_command", required=True)
     corpus_sub.add_parser("list", help="print the pinned cases")
@@ -159,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     nightly.add_argument("-v", "--verbose", action="store_true")
     _isolation_arguments(nightly)
     _regression_arguments(nightly)
+    _reference_arguments(nightly)
     repro = sub.add_parser(
         "repro", help="rebuild one case through the serving harness, say where it goes wrong, write a standalone test"
     )
@@ -184,6 +189,16 @@ def _regression_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=5, help="earlier runs a run is compared with (default: 5)")
     parser.add_argument(
         "--growth", type=float, default=1.5, help="flag a worst error/limit grown past this times the median"
+    )
+
+
+def _reference_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--reference-form",
+        choices=FORMS,
+        default=None,
+        help="exact form of the float64 truth: auto (default: the chunked form from a few tokens on), "
+        "loop (the token-by-token definition) or chunked",
     )
 
 
@@ -340,7 +355,7 @@ def _sweep(
             interrupted = True
         else:
             interrupted = False
-    frame, paths = recorder.finish(complete=not interrupted)
+    frame, paths = recorder.finish(complete=not interrupted, timing=CLOCK.snapshot())
     if interrupted:
         raise SweepInterrupted(frame, paths, failures)
     return frame, paths, failures
@@ -359,6 +374,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     if chosen is None:
         return 2
     device, backends = chosen
+    if args.reference_form:
+        os.environ[FORM_VARIABLE] = args.reference_form  # isolated case processes inherit it
     if args.cases:
         cases = args.cases
     elif args.profile:
@@ -381,6 +398,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     counts = frame["verdict"].value_counts().to_dict()
     console.print(f"run {run_id}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     console.print(f"records: {paths['records']}\nsummary: {paths['summary_md']}")
+    console.print("suite time by stage: " + "\n  ".join(CLOCK.lines()), highlight=False)
     if args.dashboard:
         _rebuild_dashboard(args.out, None, args, console)
     return 1 if counts.get("fail") or counts.get("error") else 0
@@ -393,6 +411,9 @@ def _profile_cases(args: argparse.Namespace, console: Console) -> list[Case]:
     pinned = [e.case for e in load_corpus() if profile.corpus_skip(e.case, interpreted=True) is None]
     seed = None if profile.derandomize else (args.seed or secrets.randbelow(2**31))
     args.profile_seed = seed
+    profile = with_kernel_pool(profile, seed)
+    for line in kernel_pool_lines(profile):
+        console.print(line, highlight=False)
     drawn = draw_cases(profile, args.examples or profile.max_examples, seed)
     how = "derandomized" if seed is None else f"seed {seed} (rerun with --seed {seed})"
     console.print(f"profile {profile.name}: {len(pinned)} corpus cases, {len(drawn)} drawn, {how}")

@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from kda_cases.case import Case
+from kda_conformance.stages import CLOCK
 from kda_conformance.sweep import CaseTruth, Outcome, case_truth, run_backend
 
 DEFAULT_CASE_TIMEOUT = 900.0  # seconds for one case on one backend, its reference and compile included
@@ -39,7 +40,8 @@ def _worker(conn: Connection, device: str, plugins: list[str]) -> None:
         case = Case.from_json(case_json)
         if truth is None or truth.case != case:  # one case's truth serves all its backends
             truth = case_truth(case, torch.device(device))
-        conn.send(run_backend(truth, registry.get(backend_name)))
+        outcome = run_backend(truth, registry.get(backend_name))
+        conn.send((outcome, CLOCK.drain()))
 
 
 class IsolatedRunner:
@@ -77,7 +79,9 @@ class IsolatedRunner:
         reason = ""
         if self.conn.poll(self.case_timeout):
             try:
-                return self.conn.recv()
+                outcome, stages = self.conn.recv()
+                CLOCK.absorb(stages)
+                return outcome
             except (EOFError, ConnectionError):
                 self.process.join(timeout=30)
                 reason = f"the backend's process died ({_exit_status(self.process.exitcode)}); the night went on"

@@ -19,6 +19,8 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from kda_cases.case import Case
 from kda_cases.profiles import Profile, get_profile
+from kda_cases.strategies import kernel_pool_lines, with_kernel_pool
+from kda_conformance.stages import CLOCK
 from kda_conformance.sweep import (
     FIRST_SWEEP_LENGTHS,
     RECORD_LINE_HEADER,
@@ -34,6 +36,7 @@ from kda_conformance.sweep import (
 )
 from kda_kernels import registry, triton_interpret
 from kda_kernels.protocol import Backend
+from kda_reference.run import FORM_VARIABLE, FORMS
 
 RECORDS = pytest.StashKey[list[dict]]()
 PROFILE = pytest.StashKey[Profile]()
@@ -86,6 +89,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "green by skipping everything (also KDA_STRICT=1)",
     )
     group.addoption(
+        "--kda-reference-form",
+        choices=FORMS,
+        default=None,
+        help="exact form of the float64 truth: auto (default: the chunked form from a few tokens on), loop "
+        "(the token-by-token definition) or chunked (also KDA_REFERENCE_FORM)",
+    )
+    group.addoption(
         "--kda-examples",
         type=int,
         default=None,
@@ -97,6 +107,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kda_device_dependent: runs on the device chosen by --kda-device")
     config.stash[RECORDS] = []
     config.stash[CHECKS] = {}
+    _share_cores()
     strict = config.getoption("--kda-strict")
     config.stash[STRICT] = bool(strict) if strict is not None else os.environ.get("KDA_STRICT", "") not in ("", "0")
     for module in config.getoption("--kda-plugin"):
@@ -105,10 +116,22 @@ def pytest_configure(config: pytest.Config) -> None:
         except registry.PluginError as exc:
             raise pytest.UsageError(f"--kda-plugin: {exc}") from None
     _configure_profile(config)
+    if config.getoption("--kda-reference-form"):
+        # The environment carries it into pytest-xdist workers and isolated case processes alike.
+        os.environ[FORM_VARIABLE] = config.getoption("--kda-reference-form")
     # On a CPU the FLA kernels run in Triton's interpreter, which must be switched on
     # before anything imports triton or fla (test modules included).
     if _device(config).type == "cpu" and not triton_interpret.problem():
         triton_interpret.enable()
+
+
+def _share_cores() -> None:
+    """In a pytest-xdist worker, give torch this worker's share of the cores. Each worker would otherwise
+    start one thread per core, and on a busy machine every small parallel op waits for a thread that
+    another worker's process holds."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
 def _configure_profile(config: pytest.Config) -> None:
@@ -128,7 +151,7 @@ def _configure_profile(config: pytest.Config) -> None:
     seed = config.getoption("--kda-seed")
     if seed is None and not profile.derandomize:
         seed = secrets.randbelow(2**31)
-    config.stash[PROFILE] = profile
+    config.stash[PROFILE] = with_kernel_pool(profile, seed)
     config.stash[SEED] = seed
     settings.register_profile(
         f"kda-{profile.name}",
@@ -330,11 +353,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[i] = item
 
 
-def pytest_report_header(config: pytest.Config) -> str:
+def pytest_report_header(config: pytest.Config) -> list[str]:
     seed, profile = config.stash[SEED], config.stash[PROFILE]
     how = "derandomized" if seed is None else f"seed {seed} (rerun with --kda-seed {seed})"
     examples = f"{profile.max_examples} examples per property"
-    return f"kda-conformance: device {_device(config)}, profile {profile.name} ({examples}), {how}"
+    header = f"kda-conformance: device {_device(config)}, profile {profile.name} ({examples}), {how}"
+    return [header, *kernel_pool_lines(profile)]
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -352,8 +376,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             atomic_write(path, lambda p: p.write_text(json.dumps(checks, indent=1)))
             written["checks"] = path
         if rows:
-            written |= recorder.finish()[1]
+            written |= recorder.finish(timing=CLOCK.snapshot())[1]
     config.stash[WRITTEN] = written
+    if hasattr(config, "workeroutput"):  # a pytest-xdist worker: its stage totals go to the controller
+        config.workeroutput["kda_stages"] = json.dumps(CLOCK.drain())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # type: ignore[no-untyped-def]
+    taken = getattr(node, "workeroutput", {}).get("kda_stages")
+    if taken:
+        CLOCK.absorb(json.loads(taken))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
@@ -367,6 +400,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             tr.write_line(f"{nodeid}: {entry['examples']} examples{failed}")
         if "checks" in written:
             tr.write_line(f"checks: {written['checks']}")
+    if any(CLOCK.calls.values()):
+        tr.section("KDA conformance: the suite's own time by stage (all workers)")
+        for line in CLOCK.lines():
+            tr.write_line(line)
+        if "timing" in written:
+            tr.write_line(f"timing: {written['timing']}")
     if not rows:
         return
     tr.section("KDA conformance: max-abs error against the float64 reference")

@@ -15,9 +15,17 @@ import torch
 from kda_cases.case import Case
 from kda_cases.materialize import KDAInputs, materialize
 from kda_conformance.compare import tensor_error
+from kda_conformance.stages import CLOCK
 from kda_conformance.tolerance import Budget, TensorVerdict, judge
+from kda_kernels.protocol import Backend, BackendOutput
 
 TOKEN_TENSORS = ("q", "k", "v", "g", "beta")
+
+
+def run(backend: Backend, inputs: KDAInputs) -> BackendOutput:
+    """``backend.run(inputs)``, its time counted as the backend's (conformance.stages)."""
+    with CLOCK.stage("backend", inputs.device):
+        return backend.run(inputs)
 
 
 def token_slice(inputs: KDAInputs, start: int, end: int, initial_state: torch.Tensor | None, case: Case) -> KDAInputs:

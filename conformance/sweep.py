@@ -13,6 +13,7 @@ import torch
 from kda_cases.case import DTYPES, Case
 from kda_cases.materialize import KDAInputs, materialize
 from kda_conformance.compare import compare
+from kda_conformance.stages import CLOCK
 from kda_conformance.tolerance import (
     DEFAULT_RULE,
     Budget,
@@ -102,7 +103,9 @@ class CaseTruth:
 
 def case_truth(case: Case, device: torch.device, rule: BudgetRule = DEFAULT_RULE) -> CaseTruth:
     """Materialize ``case`` on ``device``, run the reference and the same-precision baseline, derive budgets."""
-    return inputs_truth(materialize(case, device), rule)
+    with CLOCK.stage("materialize", device):
+        inputs = materialize(case, device)
+    return inputs_truth(inputs, rule)
 
 
 def inputs_truth(inputs: KDAInputs, rule: BudgetRule = DEFAULT_RULE) -> CaseTruth:
@@ -111,18 +114,16 @@ def inputs_truth(inputs: KDAInputs, rule: BudgetRule = DEFAULT_RULE) -> CaseTrut
     case, device = inputs.case, inputs.device
     form = reference_form(inputs)
     start = time.perf_counter()
-    reference = run_reference(inputs, form)
+    with CLOCK.stage("reference", device):
+        reference = run_reference(inputs, form)
     middle = time.perf_counter()
-    baseline = TorchChunk().run(inputs)
-    _synchronize(device)
+    CLOCK.add_form(form, middle - start)
+    with CLOCK.stage("baseline", device):
+        baseline = TorchChunk().run(inputs)
     end = time.perf_counter()
-    budgets = case_budgets(case, reference, compare(case, reference, baseline), rule)
+    with CLOCK.stage("compare", device):
+        budgets = case_budgets(case, reference, compare(case, reference, baseline), rule)
     return CaseTruth(case, inputs, reference, form, budgets, middle - start, end - middle)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def repro_command(case: Case, backend: str, device: torch.device) -> str:
@@ -142,6 +143,7 @@ class Outcome:
     seconds: float = 0.0
     verdicts: tuple[TensorVerdict, ...] = ()
     reference_form: str = ""
+    reference_seconds: float = 0.0  # the case's float64 truth, computed once for every backend
 
     @property
     def repro(self) -> str:
@@ -164,8 +166,8 @@ def run_backend(truth: CaseTruth, backend: Backend) -> Outcome:
         return Outcome(case, backend.name, device, "skip", supported.reason)
     start = time.perf_counter()
     try:
-        result = backend.run(inputs)
-        _synchronize(device)
+        with CLOCK.stage("backend", device):
+            result = backend.run(inputs)
     except Unsupported as exc:
         return Outcome(case, backend.name, device, "skip", str(exc))
     except Exception as exc:  # a kernel failure is a result to record, not a crash of the sweep
@@ -180,15 +182,26 @@ def run_backend(truth: CaseTruth, backend: Backend) -> Outcome:
             time.perf_counter() - start,
         )
     seconds = time.perf_counter() - start
-    return Outcome(case, backend.name, device, "ran", "", seconds, judge_result(truth, result), truth.reference_form)
+    return Outcome(
+        case,
+        backend.name,
+        device,
+        "ran",
+        "",
+        seconds,
+        judge_result(truth, result),
+        truth.reference_form,
+        truth.reference_seconds,
+    )
 
 
 def judge_result(truth: CaseTruth, result: BackendOutput) -> tuple[TensorVerdict, ...]:
     """A verdict on every tensor ``result`` holds, against the case's truth and budgets."""
-    return tuple(
-        judge(truth.case, err, truth.budgets[err.tensor], returned_dtype(result, err.tensor))
-        for err in compare(truth.case, truth.reference, result)
-    )
+    with CLOCK.stage("compare", truth.inputs.device):
+        return tuple(
+            judge(truth.case, err, truth.budgets[err.tensor], returned_dtype(result, err.tensor))
+            for err in compare(truth.case, truth.reference, result)
+        )
 
 
 def outcome_records(outcome: Outcome) -> list[dict]:
@@ -205,6 +218,7 @@ def outcome_records(outcome: Outcome) -> list[dict]:
         "reason": outcome.reason,
         "repro": outcome.repro,
         "reference_form": outcome.reference_form,
+        "reference_seconds": outcome.reference_seconds,
     }
     if outcome.status != "ran":
         return [{**base, "tensor": "", "verdict": outcome.status}]

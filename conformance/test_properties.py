@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kda_cases.case import Case
 from kda_cases.strategies import CHECKPOINT_GRIDS, cases
-from kda_conformance.properties import alone_inputs, changed_after, judged, split_inputs, token_slice
+from kda_conformance.properties import alone_inputs, changed_after, judged, run, split_inputs, token_slice
 from kda_conformance.sweep import repro_command, run_backend
 from kda_conformance.tolerance import failure_message
 from kda_kernels.protocol import Backend
@@ -73,9 +73,9 @@ def test_split_resume_equals_whole_run(kda_backend, kda_profile, kda_device, kda
     backend = runnable(kda_backend, case)
     truth = kda_truth(case, kda_device)
     prefix_inputs, suffix_case = split_inputs(truth.inputs, p)
-    prefix = backend.run(prefix_inputs)
-    suffix = backend.run(token_slice(truth.inputs, p, T, prefix.final_state, suffix_case))
-    whole = backend.run(truth.inputs)
+    prefix = run(backend, prefix_inputs)
+    suffix = run(backend, token_slice(truth.inputs, p, T, prefix.final_state, suffix_case))
+    whole = run(backend, truth.inputs)
     resumed = torch.cat([prefix.o, suffix.o], dim=1)
     checks = {
         "o against the truth": judged(case, "o", resumed, truth.reference.o, truth.budgets["o"]),
@@ -103,8 +103,8 @@ def test_prefix_outputs_ignore_later_tokens(kda_backend, kda_profile, kda_device
     p = data.draw(st.integers(min_value=1, max_value=length - 1), label="p")
     backend = runnable(kda_backend, case)
     inputs = kda_truth(case, kda_device).inputs
-    before = backend.run(inputs).o[:, :p]
-    after = backend.run(changed_after(inputs, p)).o[:, :p]
+    before = run(backend, inputs).o[:, :p]
+    after = run(backend, changed_after(inputs, p)).o[:, :p]
     differs = (before != after) & ~(before.isnan() & after.isnan())
     kda_check(
         f"{case.id} ({case.label}) backend {backend.name}: outputs before token {p} changed when only tokens "
@@ -123,14 +123,14 @@ def test_packed_sequences_match_each_sequence_alone(
     case = data.draw(cases(kda_profile).map(kda_backend.fit).map(packable), label="case")
     backend = runnable(kda_backend, case)
     truth = kda_truth(case, kda_device)
-    packed = backend.run(truth.inputs)
+    packed = run(backend, truth.inputs)
     problems = []
     for n, (row, start, end) in enumerate(case.row_spans):
         if start == end:
             # Nothing to run alone: a zero-length sequence's final state is its initial state.
             pairs = [("final_state", packed.final_state[n : n + 1], truth.reference.final_state[n : n + 1])]
         else:
-            alone = backend.run(alone_inputs(truth.inputs, n))
+            alone = run(backend, alone_inputs(truth.inputs, n))
             pairs = [
                 ("o", packed.o[row : row + 1, start:end], alone.o),
                 ("final_state", packed.final_state[n : n + 1], alone.final_state),

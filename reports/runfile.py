@@ -88,10 +88,14 @@ class RunRecorder:
             handle.flush()
             os.fsync(handle.fileno())
 
-    def finish(self, complete: bool = True) -> tuple[pd.DataFrame, dict[str, Path]]:
+    def finish(self, complete: bool = True, timing: dict | None = None) -> tuple[pd.DataFrame, dict[str, Path]]:
+        """Write the run files; ``timing`` (the suite's seconds per stage) goes to ``<run_id>.timing.json``."""
         env = {**self.env, "complete": complete}
         frame = pd.DataFrame([self._stamp(row, env) for row in self.rows])
         paths = write_run(frame, env, self.out_dir, self.run_id)
+        if timing is not None:
+            paths["timing"] = self.out_dir / "runs" / f"{self.run_id}.timing.json"
+            atomic_write(paths["timing"], lambda p: p.write_text(json.dumps(timing, indent=1)))
         self.partial.unlink(missing_ok=True)
         return frame, paths
 

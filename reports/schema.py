@@ -29,6 +29,7 @@ RECORD_COLUMNS: dict[str, str] = {
     "repro": "one shell line that reruns this case on this backend and device",
     "seconds": "wall time of the backend call (synchronized on GPUs)",
     "reference_form": "exact form that produced the truth: `loop` (the definition) or `chunked` (float64)",
+    "reference_seconds": "wall time of the float64 truth of this case (computed once, shared by its backends)",
     "max_abs": "max-abs error against the float64 truth (the headline metric); inf for non-finite values",
     "rel_rms": "RMS of the error over RMS of the truth",
     "max_abs_over_ref_rms": "max-abs error over RMS of the truth",

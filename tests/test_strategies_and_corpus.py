@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from kda_cases.case import Case
 from kda_cases.corpus import load_corpus, save_case
 from kda_cases.profiles import BOUNDARY_LENGTHS, PROFILES, get_profile
-from kda_cases.strategies import cases, draw_cases
+from kda_cases.strategies import KERNEL_FIELDS, cases, draw_cases, with_kernel_pool
 from kda_conformance.cli import main
 from kda_reports.runfile import read_run, record_run
 
@@ -40,16 +40,33 @@ def test_drawn_cases_respect_their_profile(name: str) -> None:
 
 
 def test_axes_are_all_reached_in_the_nightly_profile() -> None:
-    drawn = draw_cases(get_profile("nightly"), 150, seed=1)
+    # One night draws its kernel axes from a few configurations; the nights together reach every axis.
+    nightly = get_profile("nightly")
+    drawn = [c for seed in range(12) for c in draw_cases(with_kernel_pool(nightly, seed), 12, seed)]
     assert {c.gate for c in drawn} == {"lower_bound", "softplus", "log"}
     assert {c.gate_regime for c in drawn} == {"typical", "weak", "strong", "reset"}
     assert {c.key_regime for c in drawn} == {"random", "correlated", "repeated"}
     assert {c.initial_state for c in drawn} == {"none", "random", "large"}
     assert {c.state_layout for c in drawn} == {"k_first", "v_first"}
     assert {c.state_dtype for c in drawn} == {"fp32", "bf16"}
+    assert {c.dtype for c in drawn} == {"bf16", "fp16", "fp32"}
     assert any(c.packed and 0 in c.seq_lens for c in drawn), "no zero-length member"
     assert any(c.num_v_heads > c.num_heads for c in drawn), "no GVA"
     assert any(c.checkpoints for c in drawn)
+
+
+@pytest.mark.parametrize("name", ["nightly", "long"])
+def test_one_run_draws_from_its_few_kernel_configurations_within_the_work_limit(name: str) -> None:
+    profile = with_kernel_pool(get_profile(name), seed=3)
+    assert len(profile.kernel_pool) == profile.kernel_configs
+    drawn = draw_cases(profile, 40, seed=3)
+    configs = {
+        (*((f, getattr(c, f)) for f in KERNEL_FIELDS), ("has_initial_state", c.has_initial_state)) for c in drawn
+    }
+    assert configs <= set(profile.kernel_pool)
+    assert len({c.max_len for c in drawn}) > 5, "lengths must still vary within a configuration"
+    assert all(c.total_tokens * c.num_v_heads * c.head_k_dim * c.head_v_dim <= profile.max_work for c in drawn)
+    assert with_kernel_pool(get_profile(name), seed=3) == profile, "the seed alone decides the pool"
 
 
 def test_a_seed_draws_the_same_cases_and_another_seed_others() -> None:
