@@ -157,10 +157,9 @@ def _chunked(p: Prepared, C: int, r: Callable[[torch.Tensor], torch.Tensor], exa
         S = S_in[rows]
         if exact:
             torch.baddbmm(u[rows], w[rows], S, alpha=-1, out=U[rows])
-            decayed = decay_end[rows] * S
         else:
             U[rows] = r(u[rows] - w[rows] @ r(S))
-            decayed = decay_end[rows] * S
+        decayed = decay_end[rows] * S
         going_on = plan.active[j + 1] if j + 1 < len(plan.active) else 0
         if going_on == active:
             nxt_rows = slice(plan.offsets[j + 1] * HV, (plan.offsets[j + 1] + active) * HV)
