@@ -316,6 +316,7 @@ def _sweep(
         seed = getattr(args, "profile_seed", None)
         env["seed"] = "" if seed is None else seed
     recorder = RunRecorder(env, args.out)
+    CLOCK.drain()  # the run's timing file holds this run's time only
     rows = recorder.rows
     failures: list[str] = []
     with Progress(
