@@ -11,10 +11,18 @@ import resource
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
 STAGES = ("materialize", "reference", "baseline", "backend", "compare")
+
+
+@dataclass
+class Lap:
+    """One timed block's seconds (set when the block ends)."""
+
+    seconds: float = 0.0
 
 
 class StageClock:
@@ -27,17 +35,26 @@ class StageClock:
         self.peaks: dict[str, float] = {}  # reported by worker processes (isolated runs)
 
     @contextmanager
-    def stage(self, name: str, device: torch.device) -> Iterator[None]:
+    def stage(self, name: str, device: torch.device, form: str | None = None) -> Iterator[Lap]:
+        """Time the block as stage ``name`` (``form``: the exact form of a reference stage); the yielded
+        lap holds the block's own seconds once it ends, raised or not."""
         if name not in self.seconds:
             raise ValueError(f"stage {name!r} is not one of {', '.join(STAGES)}")
+        lap = Lap()
         _synchronize(device)
         start = time.perf_counter()
+        finished = False
         try:
-            yield
+            yield lap
+            finished = True
         finally:
-            _synchronize(device)
-            self.seconds[name] += time.perf_counter() - start
+            if finished:  # a block that raised keeps its own exception, not a GPU error surfacing here
+                _synchronize(device)
+            lap.seconds = time.perf_counter() - start
+            self.seconds[name] += lap.seconds
             self.calls[name] += 1
+            if form is not None:
+                self.add_form(form, lap.seconds)
 
     def add_form(self, form: str, seconds: float) -> None:
         self.forms[form] = self.forms.get(form, 0.0) + seconds

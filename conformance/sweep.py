@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shlex
-import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ import torch
 from kda_cases.case import DTYPES, Case
 from kda_cases.materialize import KDAInputs, materialize
 from kda_conformance.compare import compare
-from kda_conformance.stages import CLOCK
+from kda_conformance.stages import CLOCK, Lap
 from kda_conformance.tolerance import (
     DEFAULT_RULE,
     Budget,
@@ -98,7 +97,6 @@ class CaseTruth:
     reference_form: str  # "loop" or "chunked"
     budgets: dict[str, Budget]
     reference_seconds: float
-    baseline_seconds: float
 
 
 def case_truth(case: Case, device: torch.device, rule: BudgetRule = DEFAULT_RULE) -> CaseTruth:
@@ -113,17 +111,13 @@ def inputs_truth(inputs: KDAInputs, rule: BudgetRule = DEFAULT_RULE) -> CaseTrut
     tensor's, which may be a stored state a request resumes from)."""
     case, device = inputs.case, inputs.device
     form = reference_form(inputs)
-    start = time.perf_counter()
-    with CLOCK.stage("reference", device):
+    with CLOCK.stage("reference", device, form) as lap:
         reference = run_reference(inputs, form)
-    middle = time.perf_counter()
-    CLOCK.add_form(form, middle - start)
     with CLOCK.stage("baseline", device):
         baseline = TorchChunk().run(inputs)
-    end = time.perf_counter()
     with CLOCK.stage("compare", device):
         budgets = case_budgets(case, reference, compare(case, reference, baseline), rule)
-    return CaseTruth(case, inputs, reference, form, budgets, middle - start, end - middle)
+    return CaseTruth(case, inputs, reference, form, budgets, lap.seconds)
 
 
 def repro_command(case: Case, backend: str, device: torch.device) -> str:
@@ -164,9 +158,9 @@ def run_backend(truth: CaseTruth, backend: Backend) -> Outcome:
     supported = backend.supports(case)
     if not supported:
         return Outcome(case, backend.name, device, "skip", supported.reason)
-    start = time.perf_counter()
+    lap = Lap()  # where the stage's own synchronize raises (an earlier kernel's fault), the lap stays empty
     try:
-        with CLOCK.stage("backend", device):
+        with CLOCK.stage("backend", device) as lap:
             result = backend.run(inputs)
     except Unsupported as exc:
         return Outcome(case, backend.name, device, "skip", str(exc))
@@ -179,16 +173,15 @@ def run_backend(truth: CaseTruth, backend: Backend) -> Outcome:
             device,
             "error",
             f"{type(exc).__name__}: {exc} (at {where})",
-            time.perf_counter() - start,
+            lap.seconds,
         )
-    seconds = time.perf_counter() - start
     return Outcome(
         case,
         backend.name,
         device,
         "ran",
         "",
-        seconds,
+        lap.seconds,
         judge_result(truth, result),
         truth.reference_form,
         truth.reference_seconds,

@@ -216,7 +216,7 @@ class _ChunkPlan:
         counts = [math.ceil((end - start) / C) for _, start, end in bounds]
         order = sorted(range(len(bounds)), key=lambda n: -counts[n])
         steps = counts[order[0]] if order else 0
-        active = [sum(1 for c in counts if c > j) for j in range(steps)] if len(bounds) > 1 else [1] * steps
+        active = [sum(1 for c in counts if c > j) for j in range(steps)]
         offsets = [0, *itertools.accumulate(active)][:steps]
         first, length = [0] * sum(counts), [0] * sum(counts)
         for r, n in enumerate(order):

@@ -19,9 +19,12 @@ CPU = torch.device("cpu")
 
 def test_stages_add_up_and_a_worker_s_totals_merge() -> None:
     clock = StageClock()
-    with clock.stage("reference", CPU):
+    with clock.stage("reference", CPU, "chunked") as lap:
         pass
-    clock.add_form("chunked", 0.5)
+    clock.forms["chunked"] = 0.5  # a round figure for the sums below
+    assert lap.seconds > 0
+    with pytest.raises(RuntimeError, match="the kernel's own error"), clock.stage("compare", CPU):
+        raise RuntimeError("the kernel's own error")
     with pytest.raises(ValueError, match="stage 'kernel' is not one of materialize, reference"):
         with clock.stage("kernel", CPU):
             pass
@@ -33,7 +36,7 @@ def test_stages_add_up_and_a_worker_s_totals_merge() -> None:
     assert worker.calls["backend"] == 0 and not worker.forms, "a drain starts the worker's totals again"
     clock.absorb(json.loads(json.dumps(taken)))  # what crosses a pipe or xdist's channel
     snap = clock.snapshot()
-    assert snap["calls"] == {**dict.fromkeys(STAGES, 0), "reference": 1, "backend": 1}
+    assert snap["calls"] == {**dict.fromkeys(STAGES, 0), "reference": 1, "backend": 1, "compare": 1}
     assert snap["reference_seconds_by_form"] == {"chunked": 0.75}
     assert snap["peak_memory"]["cpu_max_rss_gib"] > 0
 
