@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
-from typing import Any
+from typing import Any, Protocol
 
 DTYPES = ("bf16", "fp16", "fp32")
 STATE_DTYPES = ("fp32", "bf16")
@@ -21,6 +22,25 @@ STATE_LAYOUTS = ("k_first", "v_first")
 # Bumped when materialize() changes how it draws tensors from a seed: the same id
 # must always mean the same inputs, so the version is part of the id.
 GENERATOR_VERSION = 1
+
+
+class _IntList(Protocol):
+    def tolist(self) -> list[int]: ...
+
+
+def sequence_bounds(batch: int, length: int, cu_seqlens: _IntList | Sequence[int] | None) -> list[tuple[int, int, int]]:
+    """``(batch row, start, end)`` of every sequence: one per row of a ``[batch, length]`` layout, or the
+    ``cu_seqlens`` spans of row 0 (a tensor or a list), checked the way chunk_kda checks them."""
+    if cu_seqlens is None:
+        return [(b, 0, length) for b in range(batch)]
+    bounds = [int(x) for x in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens)]
+    if batch != 1:
+        raise ValueError(f"cu_seqlens needs batch size 1 (packed sequences), got batch size {batch}")
+    if len(bounds) < 2 or bounds[0] != 0 or any(nxt < prev for prev, nxt in pairwise(bounds)):
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing with at least 2 entries, got {bounds}")
+    if bounds[-1] > length:
+        raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the inputs hold only {length} tokens")
+    return [(0, s, e) for s, e in pairwise(bounds)]
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -120,12 +140,17 @@ class Case:
         """Sequence start offsets plus the end: the ``cu_seqlens`` of the packed layout."""
         return (0, *accumulate(self.seq_lens))
 
+    def cu_seqlens(self, padding: int = 0) -> tuple[int, ...]:
+        """The packed layout's ``cu_seqlens``, with ``padding`` zero-length entries after the last sequence
+        (the padding rows of a batch a server pads to a fixed size)."""
+        return (*self.offsets, *(self.total_tokens,) * padding)
+
     @property
     def row_spans(self) -> tuple[tuple[int, int, int], ...]:
         """``(batch row, start, end)`` of each sequence in the materialized ``[B, T, ...]`` tensors."""
         if self.packed:
-            return tuple((0, s, e) for s, e in pairwise(self.offsets))
-        return tuple((b, 0, self.seq_lens[0]) for b in range(self.num_seqs))
+            return tuple(sequence_bounds(1, self.total_tokens, self.offsets))
+        return tuple(sequence_bounds(self.num_seqs, self.seq_lens[0], None))
 
     @property
     def max_len(self) -> int:

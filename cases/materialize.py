@@ -2,14 +2,42 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kda_cases.case import Case
+from kda_cases.dtypes import TORCH_DTYPES
 
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+@dataclass(frozen=True)
+class KDAOptions:
+    """Everything a KDA call takes besides ``q k v g beta``, in chunk_kda's terms, as one typed object.
+
+    The reference's forms take it whole; :meth:`kernel_kwargs` spells it as chunk_kda's keywords.
+    ``checkpoints`` lists ``(sequence, tokens)`` pairs: the state of that sequence after its first
+    ``tokens`` tokens (a reference output; kernels have no such argument).
+    """
+
+    scale: float | None = None
+    initial_state: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None
+    use_qk_l2norm_in_kernel: bool = False
+    use_beta_sigmoid_in_kernel: bool = False
+    use_gate_in_kernel: bool = False
+    A_log: torch.Tensor | None = None
+    dt_bias: torch.Tensor | None = None
+    lower_bound: float | None = None
+    state_v_first: bool = False
+    checkpoints: Sequence[tuple[int, int]] = ()
+
+    def kernel_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of chunk_kda-style kernels (FLA's, AITER's): every field but the
+        checkpoints, which are the reference's alone."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "checkpoints"}
 
 
 @dataclass(frozen=True)
@@ -36,10 +64,11 @@ class KDAInputs:
     def device(self) -> torch.device:
         return self.q.device
 
-    def kernel_kwargs(self) -> dict:
-        """Keyword arguments shared by the reference and chunk_kda-style kernels."""
+    @property
+    def options(self) -> KDAOptions:
+        """The call's options as the case defines them (the case's checkpoints included)."""
         c = self.case
-        return dict(
+        return KDAOptions(
             scale=c.scale,
             initial_state=self.initial_state,
             cu_seqlens=self.cu_seqlens,
@@ -50,7 +79,12 @@ class KDAInputs:
             dt_bias=self.dt_bias,
             lower_bound=c.lower_bound,
             state_v_first=c.state_v_first,
+            checkpoints=c.checkpoints,
         )
+
+    def kernel_kwargs(self) -> dict[str, Any]:
+        """chunk_kda's keyword arguments for these inputs."""
+        return self.options.kernel_kwargs()
 
 
 def _keys(case: Case, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -137,9 +171,7 @@ def materialize(case: Case, device: str | torch.device = "cpu") -> KDAInputs:
             h0 = h0.transpose(-1, -2).contiguous()
         h0 = h0.to(TORCH_DTYPES[case.state_dtype])
 
-    cu = None
-    if case.packed:
-        cu = torch.tensor(case.offsets, dtype=torch.long)
+    cu = cu_seqlens_tensor(case, "cpu", dtype=torch.long) if case.packed else None
 
     dtype = TORCH_DTYPES[case.dtype]
     dev = torch.device(device)
@@ -161,3 +193,10 @@ def materialize(case: Case, device: str | torch.device = "cpu") -> KDAInputs:
         initial_state=move(h0),
         cu_seqlens=move(cu),
     )
+
+
+def cu_seqlens_tensor(
+    case: Case, device: str | torch.device, padding: int = 0, dtype: torch.dtype = torch.int32
+) -> torch.Tensor:
+    """``case.cu_seqlens(padding)`` as a tensor on ``device`` (int32, as servers pass it, unless asked)."""
+    return torch.tensor(case.cu_seqlens(padding), dtype=dtype, device=device)

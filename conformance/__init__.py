@@ -1,5 +1,5 @@
-"""The suite itself: comparison, the sweep, the pytest plugin and the command line."""
+"""The suite itself: judging, running, the checks, and the front ends (the command line and the pytest plugin)."""
 
-from .layout import defer_if_shadowing
+from kda_cases.shadowing import defer_if_shadowing
 
 defer_if_shadowing(__name__, __file__, "kda_conformance")

@@ -1,50 +1,37 @@
-"""The pytest plugin: options, the device under test, device markers, and the report a run leaves."""
+"""The pytest plugin: pytest's options become the run's configuration (``running/config.py``); fixtures
+hand tests the run, the device and the backend under test; hooks mark, seed and order the tests and
+report the run. What a run does lives below this module; here it is only wired to pytest."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import secrets
 import shlex
-from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-import hypothesis
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, settings
-from hypothesis.database import DirectoryBasedExampleDatabase
 
-from kda_cases.case import Case
-from kda_cases.profiles import Profile, get_profile
-from kda_cases.strategies import kernel_pool_lines, with_kernel_pool
-from kda_conformance.stages import CLOCK
-from kda_conformance.sweep import (
-    FIRST_SWEEP_LENGTHS,
-    RECORD_LINE_HEADER,
-    CaseTruth,
-    Outcome,
-    case_truth,
-    first_sweep_cases,
-    outcome_records,
-    parse_dtypes,
-    parse_lengths,
-    record_line,
-    resolve_device,
+from kda_cases.profiles import Profile
+from kda_conformance.running.config import ConfigError, Grid, build_config, parse_dtypes, parse_lengths
+from kda_conformance.running.search import (
+    check_seed,
+    configure_hypothesis,
+    observe_examples,
+    seed_check_test,
+    stop_observing,
 )
+from kda_conformance.running.session import Run
+from kda_conformance.running.stages import CLOCK
 from kda_kernels import registry, triton_interpret
 from kda_kernels.protocol import Backend
-from kda_reference.run import FORM_VARIABLE, FORMS
+from kda_reference.run import FORMS
+from kda_reports.console import RECORD_LINE_HEADER, record_line
+from kda_reports.findings import Finding
 
-RECORDS = pytest.StashKey[list[dict]]()
-PROFILE = pytest.StashKey[Profile]()
-SEED = pytest.StashKey[int | None]()
-RECORDER = pytest.StashKey[object]()
-CHECKS = pytest.StashKey[dict[str, dict]]()
+RUN = pytest.StashKey[Run]()
 WRITTEN = pytest.StashKey[dict[str, Path]]()
-STRICT = pytest.StashKey[bool]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -103,26 +90,64 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def _run_config(config: pytest.Config):  # type: ignore[no-untyped-def]
+    option = config.getoption
+    # Under pytest-xdist the controller fixes the seed, so that every worker draws from the same one.
+    seed = option("--kda-seed")
+    if seed is None and hasattr(config, "workerinput"):
+        seed = config.workerinput.get("kda_seed")
+    try:
+        lengths = parse_lengths(option("--kda-lengths")) if option("--kda-lengths") else None
+        grid = Grid(
+            **({"lengths": lengths} if lengths else {}),
+            dtypes=parse_dtypes(option("--kda-dtypes")),
+            heads=option("--kda-heads"),
+            head_dim=option("--kda-head-dim"),
+        )
+        return build_config(
+            device=option("--kda-device"),
+            backends=option("--kda-backend"),
+            plugins=option("--kda-plugin"),
+            profile=option("--kda-profile"),
+            default_profile=True,
+            examples=option("--kda-examples"),
+            seed=seed,
+            grid=grid,
+            out=option("--kda-out"),
+            strict=option("--kda-strict"),
+            reference_form=option("--kda-reference-form"),
+            command="pytest " + " ".join(shlex.quote(a) for a in config.invocation_params.args),
+        )
+    except ConfigError as exc:
+        raise pytest.UsageError(exc.shown_as("kda-")) from None
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kda_device_dependent: runs on the device chosen by --kda-device")
-    config.stash[RECORDS] = []
-    config.stash[CHECKS] = {}
     _share_cores()
-    strict = config.getoption("--kda-strict")
-    config.stash[STRICT] = bool(strict) if strict is not None else os.environ.get("KDA_STRICT", "") not in ("", "0")
-    for module in config.getoption("--kda-plugin"):
-        try:
-            registry.load_plugin(module)
-        except registry.PluginError as exc:
-            raise pytest.UsageError(f"--kda-plugin: {exc}") from None
-    _configure_profile(config)
-    if config.getoption("--kda-reference-form"):
-        # The environment carries it into pytest-xdist workers and isolated case processes alike.
-        os.environ[FORM_VARIABLE] = config.getoption("--kda-reference-form")
+    run = Run(_run_config(config))
+    run.config.export()
+    config.stash[RUN] = run
+    assert run.config.profile is not None
+    configure_hypothesis(run.config.profile)
+    observe_examples(run.examples)
     # On a CPU the FLA kernels run in Triton's interpreter, which must be switched on
     # before anything imports triton or fla (test modules included).
-    if _device(config).type == "cpu" and not triton_interpret.problem():
+    if run.config.device.type == "cpu" and not triton_interpret.problem():
         triton_interpret.enable()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if RUN in config.stash:
+        stop_observing(config.stash[RUN].examples)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:  # type: ignore[no-untyped-def]
+    """pytest-xdist, in the controller: each worker gets the run's seed."""
+    node.workerinput["kda_seed"] = node.config.stash[RUN].config.seed
 
 
 def _share_cores() -> None:
@@ -134,203 +159,72 @@ def _share_cores() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
-def _configure_profile(config: pytest.Config) -> None:
-    """Pick the profile and give Hypothesis its settings: no deadline, a failure database, the repro printed."""
-    name = config.getoption("--kda-profile") or os.environ.get("KDA_PROFILE")
-    if name is None:
-        name = "ci" if _device(config).type == "cpu" else "nightly"
-    try:
-        profile = get_profile(name)
-    except ValueError as exc:
-        raise pytest.UsageError(f"--kda-profile: {exc}") from None
-    examples = config.getoption("--kda-examples")
-    if examples is not None:
-        if examples < 1:
-            raise pytest.UsageError(f"--kda-examples: {examples} must be a positive number of cases")
-        profile = dataclasses.replace(profile, max_examples=examples)
-    seed = config.getoption("--kda-seed")
-    if seed is None and not profile.derandomize:
-        seed = secrets.randbelow(2**31)
-    config.stash[PROFILE] = with_kernel_pool(profile, seed)
-    config.stash[SEED] = seed
-    settings.register_profile(
-        f"kda-{profile.name}",
-        max_examples=profile.max_examples,
-        deadline=None,
-        derandomize=profile.derandomize,
-        # A derandomized profile replays the same cases every run: no failure database to consult.
-        database=None if profile.derandomize else DirectoryBasedExampleDatabase(".hypothesis/kda-conformance"),
-        print_blob=True,
-        # No shrinking in any profile: with compiled kernels every shrunk case is a new shape and a new Triton
-        # compile (on the H200 one fp32 failure's shrinking took about 450 s of a 540 s nightly slot and no
-        # other property ran); in the CPU interpreter it takes minutes. The failing case is printed whole,
-        # with its repro line, and kept in the failure database.
-        phases=[phase for phase in Phase if phase not in (Phase.shrink, Phase.explain)],
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
-    )
-    settings.load_profile(f"kda-{profile.name}")
-    if seed is not None:
-        # What Hypothesis's own --hypothesis-seed does: every @given test starts from this seed.
-        hypothesis.core.global_force_seed = seed
-
-
-def _device(config: pytest.Config) -> torch.device:
-    try:
-        return resolve_device(config.getoption("--kda-device"))
-    except ValueError as exc:
-        raise pytest.UsageError(f"--kda-device: {exc}") from None
-
-
-def selected_backends(config: pytest.Config) -> list[str]:
-    chosen = config.getoption("--kda-backend")
-    known = registry.names()
-    if chosen:
-        unknown = [name for name in chosen if name not in known]
-        if unknown:
-            raise pytest.UsageError(f"--kda-backend {unknown} unknown; known backends: {', '.join(known)}")
-        return chosen
-    return known
-
-
-def first_sweep(config: pytest.Config) -> list[Case]:
-    try:
-        lengths = parse_lengths(config.getoption("--kda-lengths")) if config.getoption("--kda-lengths") else None
-        dtypes = parse_dtypes(config.getoption("--kda-dtypes"))
-    except ValueError as exc:
-        raise pytest.UsageError(str(exc)) from None
-    return first_sweep_cases(
-        lengths=lengths or FIRST_SWEEP_LENGTHS,
-        dtypes=dtypes,
-        num_heads=config.getoption("--kda-heads"),
-        head_dim=config.getoption("--kda-head-dim"),
-    )
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    run = metafunc.config.stash[RUN]
     if "kda_backend_name" in metafunc.fixturenames:
-        metafunc.parametrize("kda_backend_name", selected_backends(metafunc.config))
+        metafunc.parametrize("kda_backend_name", list(run.config.backends))
     if "first_sweep_case" in metafunc.fixturenames:
-        cases = first_sweep(metafunc.config)
+        cases = run.config.grid.cases()
         metafunc.parametrize("first_sweep_case", cases, ids=[c.id for c in cases])
 
 
-# Long GPU cases hold gigabytes of truth; a handful is enough for every backend to reuse a case.
-TRUTH_CACHE_SIZE = 4
+@pytest.fixture(scope="session")
+def kda_run(request: pytest.FixtureRequest) -> Run:
+    """The run: its configuration, the truth of its cases, its records and example log."""
+    return request.config.stash[RUN]
 
 
 @pytest.fixture(scope="session")
-def kda_profile(request: pytest.FixtureRequest) -> Profile:
+def kda_profile(kda_run: Run) -> Profile:
     """The sweep profile chosen by --kda-profile (or KDA_PROFILE, or the device's default)."""
-    return request.config.stash[PROFILE]
+    assert kda_run.config.profile is not None
+    return kda_run.config.profile
+
+
+@pytest.fixture(scope="session")
+def kda_device(kda_run: Run) -> torch.device:
+    return kda_run.config.device
 
 
 @pytest.fixture
-def kda_backend(request: pytest.FixtureRequest, kda_backend_name: str, kda_device: torch.device) -> Backend:
+def kda_backend(kda_run: Run, kda_backend_name: str) -> Backend:
     """The backend under test, able to run on the device; otherwise the test skips, naming what is missing,
     or fails under --kda-strict (KDA_STRICT=1), so a CI job cannot go green by skipping everything."""
     backend = registry.get(kda_backend_name)
-    available = backend.availability(kda_device)
+    device = kda_run.config.device
+    available = backend.availability(device)
     if not available:
-        missing = f"{kda_backend_name} cannot run on {kda_device}: {available.reason}"
-        if request.config.stash[STRICT]:
+        missing = f"{kda_backend_name} cannot run on {device}: {available.reason}"
+        if kda_run.config.strict:
             pytest.fail(f"--kda-strict: {missing}", pytrace=False)
         pytest.skip(missing)
     return backend
 
 
-@pytest.fixture(scope="session")
-def kda_device(request: pytest.FixtureRequest) -> torch.device:
-    return _device(request.config)
-
-
-@pytest.fixture(scope="session")
-def kda_truth() -> Callable[[Case, torch.device], CaseTruth]:
-    """Inputs, float64 truth and budgets per case, kept for the last few cases (each backend reuses them)."""
-    cache: OrderedDict[tuple[str, str], CaseTruth] = OrderedDict()
-
-    def get(case: Case, device: torch.device) -> CaseTruth:
-        key = (case.id, str(device))
-        if key not in cache:
-            cache[key] = case_truth(case, device)
-            while len(cache) > TRUTH_CACHE_SIZE:
-                cache.popitem(last=False)
-        cache.move_to_end(key)
-        return cache[key]
-
-    return get
-
-
 @pytest.fixture
-def kda_record(request: pytest.FixtureRequest) -> Callable[[Outcome], None]:
-    """Adds an outcome's rows to this pytest run's report."""
+def kda_record(request: pytest.FixtureRequest, kda_run: Run) -> Callable[[list[Finding]], None]:
+    """Adds findings to the run's records (with -v, each record's line as soon as it is measured)."""
 
-    def record(outcome: Outcome) -> None:
-        rows = [{**row, "test": request.node.nodeid} for row in outcome_records(outcome)]
-        request.config.stash[RECORDS].extend(rows)
-        recorder = _recorder(request.config)
-        if recorder is not None:
-            recorder.add(rows)
+    def record(findings: list[Finding]) -> None:
+        rows = kda_run.record(findings, request.node.nodeid)
         reporter = request.config.pluginmanager.get_plugin("terminalreporter")
         if request.config.getoption("verbose") > 0 and reporter is not None:
-            # With -v, numbers appear as they are measured, so a run cut short still shows them.
             for row in rows:
                 reporter.write_line(record_line(row))
 
     return record
 
 
-@pytest.fixture
-def kda_check(request: pytest.FixtureRequest) -> Callable[[str | None], None]:
-    """Ends each example a property checks: ``check(None)`` passes it, ``check(message)`` fails it.
-
-    Counts the examples of each test until its first failure and keeps that failure's message, for the
-    run's ``<run_id>.checks.json`` (how many cases it took to catch a bug; how many ran).
-    """
-    callspec = getattr(request.node, "callspec", None)
-    entry = request.config.stash[CHECKS].setdefault(
-        request.node.nodeid,
-        {
-            "test": request.node.originalname,
-            "backend": callspec.params.get("kda_backend_name", "") if callspec else "",
-            "examples": 0,
-            "failed_at": None,
-            "message": "",
-        },
-    )
-
-    def check(message: str | None) -> None:
-        if entry["failed_at"] is None:  # later examples are Hypothesis replaying or shrinking the failure
-            entry["examples"] += 1
-            if message:
-                entry["failed_at"], entry["message"] = entry["examples"], message
-        if message:
-            raise AssertionError(message)
-
-    return check
-
-
-def _recorder(config: pytest.Config):  # type: ignore[no-untyped-def]
-    """The run's recorder, made at the first record; None where pandas (the report writer) is missing."""
-    if RECORDER not in config.stash:
-        try:
-            from kda_reports.environment import environment
-            from kda_reports.runfile import RunRecorder
-        except ImportError:
-            config.stash[RECORDER] = None
-        else:
-            command = "pytest " + " ".join(shlex.quote(a) for a in config.invocation_params.args)
-            profile, seed = config.stash[PROFILE], config.stash[SEED]
-            env = {**environment(_device(config)), "command": command, "profile": profile.name}
-            env["seed"] = "" if seed is None else seed
-            config.stash[RECORDER] = RunRecorder(env, Path(config.getoption("--kda-out")))
-    return config.stash[RECORDER]
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Conformance tests run on the chosen device: mark them so `-m cpu` / `-m cuda` select them.
-    device = _device(config)
+    run = config.stash[RUN]
+    device = run.config.device
+    profile = run.config.profile
+    assert profile is not None
+    # Conformance tests run on the chosen device: mark them so `-m cpu` / `-m cuda` select them; a backend's
+    # own markers (AITER on a gfx950: `gfx950`) go on its tests.
     marker = "cpu" if device.type == "cpu" else ("rocm" if torch.version.hip else "cuda")
     markers_of: dict[str, tuple[str, ...]] = {}
+    seeded: set[int] = set()
     for item in items:
         if item.get_closest_marker("kda_device_dependent"):
             item.add_marker(getattr(pytest.mark, marker))
@@ -340,8 +234,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 markers_of[name] = registry.get(name).markers(device)
             for backend_marker in markers_of[name]:
                 item.add_marker(getattr(pytest.mark, backend_marker))
-    # Corpus cases outermost, backends inside: each case's truth (the float64 reference and the baseline,
-    # minutes at 128K) is computed once and served to every backend from the truth cache.
+        check = getattr(getattr(item, "obj", None), "kda_check", None)
+        if check is not None and id(item.obj) not in seeded:  # one test function serves every backend
+            seeded.add(id(item.obj))
+            seed_check_test(item.obj, check.name, check_seed(check.ci_seed, profile, run.config.seed))
+    _corpus_cases_outermost(items)
+
+
+def _corpus_cases_outermost(items: list[pytest.Item]) -> None:
+    """Corpus cases outermost, backends inside: each case's truth (the float64 reference and the baseline)
+    is computed once and served to every backend from the run's truth cache."""
     slots = [i for i, item in enumerate(items) if "entry" in getattr(getattr(item, "callspec", None), "params", {})]
     first_seen: dict[str, int] = {}
     for i in slots:
@@ -354,30 +256,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    seed, profile = config.stash[SEED], config.stash[PROFILE]
-    how = "derandomized" if seed is None else f"seed {seed} (rerun with --kda-seed {seed})"
+    run_config = config.stash[RUN].config
+    profile = run_config.profile
+    assert profile is not None
+    how = (
+        "derandomized"
+        if run_config.seed is None
+        else f"seed {run_config.seed} (rerun with --kda-seed {run_config.seed})"
+    )
     examples = f"{profile.max_examples} examples per property"
-    header = f"kda-conformance: device {_device(config)}, profile {profile.name} ({examples}), {how}"
-    return [header, *kernel_pool_lines(profile)]
+    header = f"kda-conformance: device {run_config.device}, profile {profile.name} ({examples}), {how}"
+    return [header, *run_config.kernel_pool_lines()]
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Write the run's files where the tests ran: in the process itself, or in each pytest-xdist worker
     (each worker's rows become a run of their own; the controller ran none)."""
     config = session.config
-    rows, checks = config.stash.get(RECORDS, []), config.stash.get(CHECKS, {})
-    written: dict[str, Path] = {}
-    if (rows or checks) and _recorder(config) is not None:
-        recorder = _recorder(config)
-        if checks:
-            from kda_reports.runfile import atomic_write
-
-            path = recorder.out_dir / "runs" / f"{recorder.run_id}.checks.json"
-            atomic_write(path, lambda p: p.write_text(json.dumps(checks, indent=1)))
-            written["checks"] = path
-        if rows:
-            written |= recorder.finish(timing=CLOCK.snapshot())[1]
-    config.stash[WRITTEN] = written
+    run = config.stash[RUN]
+    config.stash[WRITTEN] = run.finish() if (run.rows or run.examples.entries) else {}
     if hasattr(config, "workeroutput"):  # a pytest-xdist worker: its stage totals go to the controller
         config.workeroutput["kda_stages"] = json.dumps(CLOCK.drain())
 
@@ -390,12 +287,12 @@ def pytest_testnodedown(node, error) -> None:  # type: ignore[no-untyped-def]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
-    rows, checks = config.stash.get(RECORDS, []), config.stash.get(CHECKS, {})
+    run = config.stash[RUN]
     written = config.stash.get(WRITTEN, {})
     tr = terminalreporter
-    if checks:
+    if run.examples.entries:
         tr.section("KDA conformance: examples checked per test (and the first that failed)")
-        for nodeid, entry in checks.items():
+        for nodeid, entry in run.examples.entries.items():
             failed = "" if entry["failed_at"] is None else f", failed at example {entry['failed_at']}"
             tr.write_line(f"{nodeid}: {entry['examples']} examples{failed}")
         if "checks" in written:
@@ -406,13 +303,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             tr.write_line(line)
         if "timing" in written:
             tr.write_line(f"timing: {written['timing']}")
-    if not rows:
+    if not run.rows:
         return
     tr.section("KDA conformance: max-abs error against the float64 reference")
     tr.write_line(RECORD_LINE_HEADER)
-    for row in rows:
+    for row in run.rows:
         tr.write_line(record_line(row))
-    if "records" not in written:
-        tr.write_line("no report file written: pandas is not installed")
-        return
     tr.write_line(f"report: {written['records']} and {written['summary_md']}")

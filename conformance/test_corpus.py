@@ -1,31 +1,41 @@
-"""The committed corpus (cases/corpus/*.json) against every selected backend, in every profile."""
+"""The committed corpus (cases/corpus/*.json) against every selected backend, in every profile: the budget
+check on each pinned case."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 
 from kda_cases.corpus import CorpusEntry, load_corpus
-from kda_conformance.sweep import run_backend
-from kda_conformance.tolerance import failure_message
+from kda_conformance.running.runner import run_backend
+from kda_conformance.running.session import Run
+from kda_kernels.protocol import Backend
+from kda_reports.findings import failure_report
 
 ENTRIES = load_corpus()
+CORPUS = "corpus"  # how the run's example log names these tests
 
 
 @pytest.mark.kda_device_dependent
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e.case.id for e in ENTRIES])
 def test_corpus_case(
-    entry: CorpusEntry, kda_backend, kda_profile, kda_device, kda_truth, kda_record, kda_check
-) -> None:  # type: ignore[no-untyped-def]  # type: ignore[no-untyped-def]
-    case = entry.case
-    backend = kda_backend
-    too_large = kda_profile.corpus_skip(case, backend.interpreted(kda_device))
+    entry: CorpusEntry, kda_backend: Backend, kda_run: Run, kda_record: Callable, request: pytest.FixtureRequest
+) -> None:
+    case, backend = entry.case, kda_backend
+    assert kda_run.config.profile is not None
+    too_large = kda_run.config.profile.corpus_skip(case, backend.interpreted(kda_run.config.device))
     if too_large:
         pytest.skip(too_large)
-    outcome = run_backend(kda_truth(case, kda_device), backend)
-    kda_record(outcome)
-    if outcome.status == "skip":
-        pytest.skip(f"{backend.name}: {outcome.reason}")
-    if outcome.status != "ran":
-        kda_check(f"{case.id} {backend.name} raised {outcome.reason}\n  repro: {outcome.repro}")
-    failures = [failure_message(case, backend.name, v, outcome.repro) for v in outcome.failed]
-    kda_check(f"pinned because: {entry.why}\n" + "\n".join(failures) if failures else None)
+    findings = run_backend(kda_run.truth(case), backend)
+    kda_record(findings)
+    skipped = [f for f in findings if f.verdict == "skip"]
+    if skipped:
+        pytest.skip(f"{backend.name}: {skipped[0].reason}")
+    report = failure_report(findings, f"pinned because: {entry.why}")
+    nodeid = request.node.nodeid
+    kda_run.examples.open(nodeid, CORPUS, backend.name)
+    kda_run.examples.ran_once(nodeid, failed=report is not None)
+    if report:
+        kda_run.examples.keep_failure(nodeid, [f.to_dict() for f in findings if f.failed])
+        raise AssertionError(report)

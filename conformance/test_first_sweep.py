@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from kda_cases.case import Case
-from kda_conformance.sweep import run_backend
-from kda_conformance.tolerance import failure_message
+from kda_conformance.running.runner import run_backend
+from kda_conformance.running.session import Run
+from kda_kernels.protocol import Backend
+from kda_reports.findings import failure_report
 
 
 @pytest.mark.kda_device_dependent
-def test_first_sweep(first_sweep_case: Case, kda_backend, kda_device, kda_truth, kda_record) -> None:  # type: ignore[no-untyped-def]
+def test_first_sweep(first_sweep_case: Case, kda_backend: Backend, kda_run: Run, kda_record: Callable) -> None:
     """The sweep's cases come from --kda-lengths/--kda-dtypes/--kda-heads/--kda-head-dim (plugin)."""
-    case, backend = first_sweep_case, kda_backend
-    outcome = run_backend(kda_truth(case, kda_device), backend)
-    kda_record(outcome)
-    if outcome.status == "skip":
-        pytest.skip(f"{backend.name}: {outcome.reason}")
-    if outcome.status == "error":
-        pytest.fail(f"{case.id} ({case.label}) {backend.name} raised {outcome.reason}\n  repro: {outcome.repro}")
-    failures = [failure_message(case, backend.name, v, outcome.repro) for v in outcome.failed]
-    assert not failures, "\n".join(failures)
+    findings = run_backend(kda_run.truth(first_sweep_case), kda_backend)
+    kda_record(findings)
+    skipped = [f for f in findings if f.verdict == "skip"]
+    if skipped:
+        pytest.skip(f"{kda_backend.name}: {skipped[0].reason}")
+    report = failure_report(findings)
+    assert report is None, report

@@ -40,13 +40,15 @@ from typing import ClassVar
 import torch
 
 from kda_cases.case import Case
-from kda_cases.materialize import TORCH_DTYPES, KDAInputs
-from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported, gpu_arch
+from kda_cases.devices import gpu_arch
+from kda_cases.dtypes import stored
+from kda_cases.materialize import KDAInputs
+from kda_kernels.envelope import SAFE_LOWER_BOUND_RANGE, head_dim_envelope, in_safe_range, safe_gate_envelope
+from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported
 
 ENTRY = "aiter.ops.triton.kimi_delta_attn"
 FLASH_KDA_SWITCHES = ("AITER_FDA_ENABLE", "CHUNK_DELTA_ATTN_USE_FLASH_KDA")
 SEGMENT_VARIABLE = "CHUNK_DELTA_ATTN_FLASH_KDA_SEG"
-SAFE_LOWER_BOUND_RANGE = (-5.0, 0.0)
 NATIVE_ARCHS = ("gfx942", "gfx950")
 
 
@@ -148,21 +150,16 @@ class AiterBackend(Backend):
         return ("gfx950",) if gpu_arch(device) == "gfx950" else ()
 
     def supports(self, case: Case) -> Support:
-        if case.head_k_dim > 256:
-            return Support.no(f"AITER supports head_k_dim <= 256, the case has {case.head_k_dim}")
-        lo, hi = SAFE_LOWER_BOUND_RANGE
-        if case.safe_gate and case.gate_in_kernel and not (lo <= (case.lower_bound or 0.0) < hi):
-            return Support.no(
-                f"AITER's safe gate needs lower_bound in [{lo:g}, {hi:g}), the case has {case.lower_bound}"
-            )
+        for envelope in (head_dim_envelope(case, "AITER"), safe_gate_envelope(case, "AITER's safe gate")):
+            if not envelope:
+                return envelope
         return self.flash_kda_envelope(case) if self.flash_kda else Support.yes()
 
     def fit(self, case: Case) -> Case:
         if not self.flash_kda:
             return case
-        lo, hi = SAFE_LOWER_BOUND_RANGE
-        in_range = case.gate == "lower_bound" and lo <= (case.lower_bound or 0.0) < hi
-        lower_bound = case.lower_bound if in_range else lo
+        in_range = case.gate == "lower_bound" and in_safe_range(case.lower_bound)
+        lower_bound = case.lower_bound if in_range else SAFE_LOWER_BOUND_RANGE[0]
         return case.replace(
             head_k_dim=128,
             head_v_dim=128,
@@ -233,9 +230,7 @@ class AiterBackend(Backend):
         self._check_path(inputs, kwargs)
         with torch.inference_mode(), _flash_kda(self.flash_kda, self.segment):
             o, final = entry(*args, **kwargs)
-        return BackendOutput(
-            o=o, final_state=None if final is None else final.to(TORCH_DTYPES[inputs.case.state_dtype])
-        )
+        return BackendOutput(o=o, final_state=stored(inputs.case, "final_state", final))
 
 
 class AiterFlashKDA(AiterBackend):
@@ -266,6 +261,7 @@ class AiterNative(AiterBackend):
     description = "AITER chunk_kimi_delta_attn(backend='native'): the HIP FlashKDA port on gfx942/gfx950"
     needs = ("backend",)
     extra: ClassVar[dict[str, object]] = {"backend": "native"}
+    flash_kda = True  # the native port's envelope is FlashKDA's
 
     def availability(self, device: torch.device) -> Support:
         arch = gpu_arch(device)
@@ -275,21 +271,13 @@ class AiterNative(AiterBackend):
             )
         return super().availability(device)
 
-    flash_kda = True  # the native port's envelope is FlashKDA's (GVA aside)
-
     def fit(self, case: Case) -> Case:
         return super().fit(case).replace(state_layout="v_first")
 
     def supports(self, case: Case) -> Support:
-        common = super().supports(case)
-        if not common:
-            return common
-        if not (case.head_k_dim == case.head_v_dim == 128) or case.dtype != "bf16":
-            return Support.no("the native port takes bf16 with K = V = 128 only")
-        if not (
-            case.safe_gate and case.gate == "lower_bound" and case.l2norm_in_kernel and case.beta_sigmoid_in_kernel
-        ):
-            return Support.no("the native port takes the fused safe gate, l2norm and beta sigmoid only")
+        flash = super().supports(case)  # FlashKDA's envelope: bf16, K = V = 128, the fused safe gate
+        if not flash:
+            return flash
         if case.has_initial_state and not case.state_v_first:
             return Support.no("the native port takes a V-first initial state only")
         return Support.yes()
@@ -363,7 +351,7 @@ class AiterPaged(AiterFlashKDA):
         indices = torch.arange(1, N + 1, device=inputs.device)
         has = torch.full((N,), inputs.initial_state is not None, dtype=torch.bool, device=inputs.device)
         self.run_paged(inputs, pool, indices, has, out, torch.zeros(0, dtype=torch.int32, device=inputs.device))
-        return BackendOutput(o=out, final_state=pool[1:].to(TORCH_DTYPES[case.state_dtype]))
+        return BackendOutput(o=out, final_state=stored(case, "final_state", pool[1:]))
 
 
 BACKENDS = (AiterFlashKDA, AiterFlashKDASeg16, AiterFlashKDAUnsegmented, AiterDefault, AiterNative, AiterPaged)

@@ -15,12 +15,11 @@ from types import ModuleType
 import torch
 
 from kda_cases.case import Case
-from kda_cases.materialize import TORCH_DTYPES, KDAInputs
+from kda_cases.dtypes import stored
+from kda_cases.materialize import KDAInputs
 from kda_kernels import triton_interpret
+from kda_kernels.envelope import head_dim_envelope, safe_gate_envelope
 from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported
-
-FLA_MAX_HEAD_K_DIM = 256
-SAFE_LOWER_BOUND_RANGE = (-5.0, 0.0)
 
 
 def _import_fla_kda(device: torch.device) -> ModuleType:
@@ -52,12 +51,6 @@ def _fla_availability(device: torch.device) -> Support:
     return Support.no(f"FLA's Triton kernels do not run on device type {device.type!r}")
 
 
-def _common_envelope(case: Case) -> Support:
-    if case.head_k_dim > FLA_MAX_HEAD_K_DIM:
-        return Support.no(f"FLA supports head_k_dim <= {FLA_MAX_HEAD_K_DIM}, the case has {case.head_k_dim}")
-    return Support.yes()
-
-
 def _state_for_kernel(inputs: KDAInputs) -> torch.Tensor | None:
     # FLA takes an fp32 state only; a bf16 pool is widened exactly, as serving glue does.
     h0 = inputs.initial_state
@@ -78,11 +71,6 @@ def call(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs):
 """
 
 
-def _stored_state(final: torch.Tensor | None, case: Case) -> torch.Tensor | None:
-    # The state a server keeps is the kernel's fp32 state rounded to the pool's dtype.
-    return None if final is None else final.to(TORCH_DTYPES[case.state_dtype])
-
-
 class FlaChunk(Backend):
     name = "fla_chunk"
     description = "fla.ops.kda.chunk_kda, the Triton chunk pipeline (dispatch to FlashKDA disabled)"
@@ -101,16 +89,10 @@ class FlaChunk(Backend):
         return device.type == "cpu"
 
     def supports(self, case: Case) -> Support:
-        common = _common_envelope(case)
-        if not common:
-            return common
-        lo, hi = SAFE_LOWER_BOUND_RANGE
-        if case.safe_gate and case.gate_in_kernel and not (lo <= (case.lower_bound or 0.0) < hi):
-            return Support.no(
-                f"chunk_kda's safe gate with the in-kernel gate needs lower_bound in [{lo:g}, {hi:g}), "
-                f"the case has {case.lower_bound}"
-            )
-        return Support.yes()
+        head_dims = head_dim_envelope(case, "FLA")
+        if not head_dims:
+            return head_dims
+        return safe_gate_envelope(case, "chunk_kda's safe gate with the in-kernel gate")
 
     def standalone_source(self, case: Case) -> str:
         """A ``call`` that needs only torch and fla-core, for standalone repro files (on a GPU)."""
@@ -137,7 +119,7 @@ class FlaChunk(Backend):
                 chunk_size=self.chunk_size,
                 **kwargs,
             )
-        return BackendOutput(o=o, final_state=_stored_state(final, inputs.case))
+        return BackendOutput(o=o, final_state=stored(inputs.case, "final_state", final))
 
 
 class FlaRecurrent(Backend):
@@ -151,7 +133,7 @@ class FlaRecurrent(Backend):
         return device.type == "cpu"
 
     def supports(self, case: Case) -> Support:
-        return _common_envelope(case)
+        return head_dim_envelope(case, "FLA")
 
     def standalone_source(self, case: Case) -> str:
         """A ``call`` that needs only torch and fla-core, for standalone repro files (on a GPU)."""
@@ -174,4 +156,4 @@ class FlaRecurrent(Backend):
                 output_final_state=True,
                 **kwargs,
             )
-        return BackendOutput(o=o, final_state=_stored_state(final, inputs.case))
+        return BackendOutput(o=o, final_state=stored(inputs.case, "final_state", final))

@@ -43,16 +43,6 @@ class BackendOutput:
     checkpoint_states: torch.Tensor | None = None
 
 
-def gpu_arch(device: torch.device) -> str:
-    """``gfx950``, ``gfx942``, ``sm_90``...: the GPU's architecture (AMD's without its feature suffixes),
-    or "" for a CPU or when no GPU is visible."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return ""
-    props = torch.cuda.get_device_properties(device)
-    amd = getattr(props, "gcnArchName", "")
-    return amd.split(":")[0] if amd else f"sm_{props.major}{props.minor}"
-
-
 class Unsupported(Exception):
     """Raised by ``run`` for a case outside the backend's envelope; carries the reason."""
 

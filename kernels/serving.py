@@ -22,19 +22,14 @@ from dataclasses import dataclass
 import torch
 
 from kda_cases.case import Case
-from kda_cases.materialize import TORCH_DTYPES, KDAInputs
+from kda_cases.dtypes import INT_OF_SIZE, stored_dtype
+from kda_cases.materialize import KDAInputs, cu_seqlens_tensor
 from kda_kernels.protocol import Backend
 
 PAD_SLOT_ID = -1
 NULL_SLOT = 0
 POISON_MODES = ("none", "nan", "inf", "sentinel", "garbage", "tenant")
 SENTINEL = 1e30
-INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(x: torch.Tensor) -> torch.Tensor:
-    """The raw bits, so NaN compares equal to the same NaN and -0 differs from 0."""
-    return x.contiguous().view(INT_OF_SIZE[x.element_size()])
 
 
 @dataclass(frozen=True)
@@ -154,7 +149,7 @@ def build_pool(inputs: KDAInputs, plan: PoolPlan, poison: str, regions: tuple[st
     case = inputs.case
     HV, K, V = case.num_v_heads, case.head_k_dim, case.head_v_dim
     shape = (plan.num_slots, HV, V, K) if case.state_v_first else (plan.num_slots, HV, K, V)
-    dtype = TORCH_DTYPES[case.state_dtype]
+    dtype = stored_dtype(case, "final_state")
     pool = torch.zeros(shape, dtype=dtype, device=inputs.device)
     filled = poison_like(pool, poison, case.seed)
     fresh = [] if case.has_initial_state else list(plan.seq_slots)
@@ -170,7 +165,7 @@ def build_pool(inputs: KDAInputs, plan: PoolPlan, poison: str, regions: tuple[st
 
 def new_out(case: Case, plan: PoolPlan, poison: str, device: torch.device) -> torch.Tensor:
     """The caller's output buffer ``[1, out_rows, HV, V]``, ``poison`` in every row."""
-    out = torch.zeros((1, plan.out_rows, case.num_v_heads, case.head_v_dim), dtype=TORCH_DTYPES[case.dtype])
+    out = torch.zeros((1, plan.out_rows, case.num_v_heads, case.head_v_dim), dtype=stored_dtype(case, "o"))
     return poison_like(out, poison, case.seed + 1).to(device)
 
 
@@ -189,7 +184,7 @@ def serve(
     ``initial_state`` is ignored: resumed sequences read their slot), ``padding`` PAD entries after them.
     ``cu_seqlens``: a tensor object to reuse, given the batch's offsets as new contents."""
     case, device = inputs.case, inputs.device
-    offsets = torch.tensor((*case.offsets, *(case.total_tokens,) * padding), dtype=torch.int32, device=device)
+    offsets = cu_seqlens_tensor(case, device, padding)
     if cu_seqlens is not None:
         cu_seqlens.copy_(offsets)  # same object, new contents: a kernel caching on its identity gets stale bounds
         offsets = cu_seqlens

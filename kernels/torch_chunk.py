@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from kda_cases.case import Case
-from kda_cases.materialize import TORCH_DTYPES, KDAInputs
+from kda_cases.dtypes import TORCH_DTYPES, stored
+from kda_cases.materialize import KDAInputs
 from kda_kernels.protocol import Backend, BackendOutput, Support
 from kda_reference.chunked import DEFAULT_CHUNK, kda_chunked
 
@@ -40,14 +41,12 @@ class TorchChunk(Backend):
                 inputs.v,
                 inputs.g,
                 inputs.beta,
+                inputs.options,
                 chunk_size=self.chunk_size,
                 working_dtype=TORCH_DTYPES[case.dtype],
-                checkpoints=case.checkpoints,
-                **inputs.kernel_kwargs(),
             )
-        state_dtype = TORCH_DTYPES[case.state_dtype]
         return BackendOutput(
-            o=result.o.to(TORCH_DTYPES[case.dtype]),
-            final_state=result.final_state.to(state_dtype),
-            checkpoint_states=result.checkpoint_states.to(state_dtype),
+            o=stored(case, "o", result.o),
+            final_state=stored(case, "final_state", result.final_state),
+            checkpoint_states=stored(case, "checkpoint_states", result.checkpoint_states),
         )

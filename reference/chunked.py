@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from kda_cases.materialize import KDAOptions
 from kda_reference.prepared import Prepared, prepare
 from kda_reference.recurrent import ReferenceResult
 
@@ -52,20 +53,10 @@ def kda_chunked(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
+    options: KDAOptions | None = None,
     *,
     chunk_size: int = DEFAULT_CHUNK,
     working_dtype: torch.dtype | None = None,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    lower_bound: float | None = None,
-    state_v_first: bool = False,
-    checkpoints: Sequence[tuple[int, int]] = (),
 ) -> ReferenceResult:
     """KDA with ``kda_recurrent``'s arguments and conventions, computed chunk by chunk.
 
@@ -77,25 +68,7 @@ def kda_chunked(
     if working_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"working_dtype must be None, bfloat16, float16 or float32, got {working_dtype}")
     compute = torch.float64 if working_dtype is None else torch.float32
-    p = prepare(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        dtype=compute,
-        scale=scale,
-        initial_state=initial_state,
-        cu_seqlens=cu_seqlens,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        state_v_first=state_v_first,
-        checkpoints=checkpoints,
-    )
+    p = prepare(q, k, v, g, beta, options or KDAOptions(), compute)
     if working_dtype is None or working_dtype == compute:
 
         def rounded(x: torch.Tensor) -> torch.Tensor:

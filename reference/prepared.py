@@ -6,29 +6,13 @@ prepared tensors, so they can only differ in how they run the recurrence.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 
 import torch
 
+from kda_cases.case import sequence_bounds
+from kda_cases.materialize import KDAOptions
 from kda_reference.preprocess import beta_activation, gate_activation, l2norm
-
-
-def sequence_bounds(
-    batch: int, length: int, cu_seqlens: torch.Tensor | Sequence[int] | None
-) -> list[tuple[int, int, int]]:
-    """``(batch row, start, end)`` of every sequence: one per row, or the ``cu_seqlens`` spans of row 0."""
-    if cu_seqlens is None:
-        return [(b, 0, length) for b in range(batch)]
-    bounds = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
-    if batch != 1:
-        raise ValueError(f"cu_seqlens needs batch size 1 (packed sequences), got batch size {batch}")
-    if len(bounds) < 2 or bounds[0] != 0 or any(nxt < prev for prev, nxt in pairwise(bounds)):
-        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing with at least 2 entries, got {bounds}")
-    if bounds[-1] > length:
-        raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the inputs hold only {length} tokens")
-    return [(0, s, e) for s, e in pairwise(bounds)]
 
 
 @dataclass(frozen=True)
@@ -56,21 +40,11 @@ def prepare(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    *,
+    options: KDAOptions,
     dtype: torch.dtype,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    lower_bound: float | None = None,
-    state_v_first: bool = False,
-    checkpoints: Sequence[tuple[int, int]] = (),
 ) -> Prepared:
     """Check shapes and arguments with chunk_kda's conventions, then preprocess in ``dtype``."""
+    o = options
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if k.shape != q.shape:
@@ -82,12 +56,12 @@ def prepare(
             f"expected v [B,T,HV,V], g [B,T,HV,K]={[B, T, HV, K]}, beta [B,T,HV]={[B, T, HV]}; "
             f"got v {list(v.shape)}, g {list(g.shape)}, beta {list(beta.shape)}"
         )
-    bounds = sequence_bounds(B, T, cu_seqlens)
+    bounds = sequence_bounds(B, T, o.cu_seqlens)
     N = len(bounds)
-    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-    if initial_state is not None and tuple(initial_state.shape) != state_shape:
-        raise ValueError(f"initial_state must have shape {list(state_shape)}, got {list(initial_state.shape)}")
-    for index, (seq, tokens) in enumerate(checkpoints):
+    state_shape = (N, HV, V, K) if o.state_v_first else (N, HV, K, V)
+    if o.initial_state is not None and tuple(o.initial_state.shape) != state_shape:
+        raise ValueError(f"initial_state must have shape {list(state_shape)}, got {list(o.initial_state.shape)}")
+    for index, (seq, tokens) in enumerate(o.checkpoints):
         if not 0 <= seq < N:
             raise ValueError(f"checkpoint {index} names sequence {seq}; there are {N} sequences")
         length = bounds[seq][2] - bounds[seq][1]
@@ -96,18 +70,18 @@ def prepare(
                 f"checkpoint {index} asks for the state after {tokens} tokens of a {length}-token sequence"
             )
 
-    scale = K**-0.5 if scale is None else scale
+    scale = K**-0.5 if o.scale is None else o.scale
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
+    if o.use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    beta = beta_activation(beta, use_beta_sigmoid_in_kernel)
-    g = gate_activation(g, in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    beta = beta_activation(beta, o.use_beta_sigmoid_in_kernel)
+    g = gate_activation(g, in_kernel=o.use_gate_in_kernel, A_log=o.A_log, dt_bias=o.dt_bias, lower_bound=o.lower_bound)
     group = HV // H
-    if initial_state is None:
+    if o.initial_state is None:
         h0 = torch.zeros(N, HV, K, V, dtype=dtype, device=q.device)
     else:
-        h0 = initial_state.to(dtype)
-        h0 = h0.transpose(-1, -2).contiguous() if state_v_first else h0.clone()
+        h0 = o.initial_state.to(dtype)
+        h0 = h0.transpose(-1, -2).contiguous() if o.state_v_first else h0.clone()
     return Prepared(
         q=(q * scale).repeat_interleave(group, dim=2),
         k=k.repeat_interleave(group, dim=2),
@@ -116,6 +90,6 @@ def prepare(
         beta=beta,
         h0=h0,
         bounds=bounds,
-        checkpoints=tuple((int(s), int(p)) for s, p in checkpoints),
-        state_v_first=state_v_first,
+        checkpoints=tuple((int(s), int(p)) for s, p in o.checkpoints),
+        state_v_first=o.state_v_first,
     )

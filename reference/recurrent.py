@@ -12,14 +12,12 @@ Everything runs in float64 on the inputs' device; nothing is lower precision.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kda_reference.prepared import Prepared, prepare, sequence_bounds
-
-__all__ = ["ReferenceResult", "kda_recurrent", "sequence_bounds"]
+from kda_cases.materialize import KDAOptions
+from kda_reference.prepared import Prepared, prepare
 
 
 @dataclass(frozen=True)
@@ -37,46 +35,16 @@ def kda_recurrent(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    *,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    lower_bound: float | None = None,
-    state_v_first: bool = False,
-    checkpoints: Sequence[tuple[int, int]] = (),
+    options: KDAOptions | None = None,
 ) -> ReferenceResult:
     """Run the KDA recurrence in float64 with chunk_kda's conventions.
 
     Shapes: ``q, k [B,T,H,K]``, ``v [B,T,HV,V]``, ``g [B,T,HV,K]``, ``beta [B,T,HV]``;
-    ``initial_state [N,HV,K,V]`` (``[N,HV,V,K]`` when ``state_v_first``).
-    ``checkpoints`` lists ``(sequence, tokens)`` pairs: the state of that sequence
+    ``options.initial_state [N,HV,K,V]`` (``[N,HV,V,K]`` when ``state_v_first``).
+    ``options.checkpoints`` lists ``(sequence, tokens)`` pairs: the state of that sequence
     after its first ``tokens`` tokens (0 gives its initial state).
     """
-    p = prepare(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        dtype=torch.float64,
-        scale=scale,
-        initial_state=initial_state,
-        cu_seqlens=cu_seqlens,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        state_v_first=state_v_first,
-        checkpoints=checkpoints,
-    )
-    return _token_loop(p)
+    return _token_loop(prepare(q, k, v, g, beta, options or KDAOptions(), torch.float64))
 
 
 def _token_loop(p: Prepared) -> ReferenceResult:

@@ -14,7 +14,7 @@ FORM_VARIABLE = "KDA_REFERENCE_FORM"
 # From this many tokens on, ``auto`` takes the chunked float64 form (tests hold it within 1e-10 of the
 # token loop): below it the loop's few steps cost less than the chunked form's fixed set of batched
 # operations. The crossover lies between 4 and 8 tokens on both the 2-core CPU and the H200
-# (`python -m kda_reference.benchmark --small`, docs/reference-speed.md).
+# (`kda-conformance benchmark --small`, docs/reference-speed.md).
 CHUNKED_FROM_TOKENS = 8
 
 
@@ -40,12 +40,4 @@ def reference_form(inputs: KDAInputs, form: str = "auto") -> str:
 def run_reference(inputs: KDAInputs, form: str = "auto") -> ReferenceResult:
     """Float64 truth for ``inputs``: outputs, final states and the case's checkpoint states."""
     run = kda_chunked if reference_form(inputs, form) == "chunked" else kda_recurrent
-    return run(
-        inputs.q,
-        inputs.k,
-        inputs.v,
-        inputs.g,
-        inputs.beta,
-        **inputs.kernel_kwargs(),
-        checkpoints=inputs.case.checkpoints,
-    )
+    return run(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.options)

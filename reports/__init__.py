@@ -1,5 +1,5 @@
-"""Record schema and run files: one row per case x backend x tensor."""
+"""Findings, the record schema, run files, the run store, regression detection and the dashboard: data in, files out."""
 
-from kda_conformance.layout import defer_if_shadowing
+from kda_cases.shadowing import defer_if_shadowing
 
 defer_if_shadowing(__name__, __file__, "kda_reports")

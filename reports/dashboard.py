@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import plotly.graph_objects as go
 
-from kda_reports.regressions import GROUP, find_regressions, longest, nightly_groups, worst_ratio
+from kda_reports.regressions import GROUP, find_regressions, longest, nightly_groups, record_worst
 from kda_reports.store import Store
 
 STYLE = """
@@ -131,7 +131,7 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
         env = last.iloc[0][[c for c in last.columns if c.startswith("env_")]]
         env_table = pd.DataFrame({"": [c.removeprefix("env_") for c in env.index], "value": [str(v) for v in env]})
         measured = last[last["verdict"].isin(["pass", "fail", "error"])].copy()
-        measured["worst"] = worst_ratio(measured)
+        measured["worst"] = record_worst(measured)
         worst = measured.sort_values("worst", ascending=False).head(15)
         worst_table = worst[["case_id", "label", "backend", "tensor", "verdict", "max_abs", "budget", "worst", "repro"]]
         parts += [

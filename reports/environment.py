@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from kda_kernels.protocol import gpu_arch
+from kda_cases.devices import gpu_arch
 
 _REPO = Path(__file__).resolve().parent.parent
 

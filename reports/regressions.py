@@ -16,6 +16,8 @@ import math
 
 import pandas as pd
 
+from kda_reports.findings import worst_ratio
+
 ENV_KEYS = {
     "env_torch": "torch",
     "env_triton": "triton",
@@ -35,9 +37,9 @@ def longest(records: pd.DataFrame) -> pd.Series:
     return records["case_seq_lens"].map(lambda lens: max(_lengths(lens), default=0))
 
 
-def worst_ratio(records: pd.DataFrame) -> pd.Series:
+def record_worst(records: pd.DataFrame) -> pd.Series:
     """Each record's error/limit: the larger of the max-abs and rel-RMS ratios; inf where the backend erred."""
-    ratio = records[["ratio", "rel_rms_ratio"]].astype(float).max(axis=1)
+    ratio = worst_ratio(records["ratio"].astype(float), records["rel_rms_ratio"].astype(float))
     return ratio.where(records["verdict"] != "error", math.inf)
 
 
@@ -60,7 +62,7 @@ def nightly_groups(records: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=["run_id", *GROUP, "cases", "failed", "worst", "repro", "case_id"])
     measured["family"] = family(measured)
     measured["tensor"] = measured["tensor"].fillna("").replace("", "(run)")
-    measured["worst"] = worst_ratio(measured)
+    measured["worst"] = record_worst(measured)
     measured["failed"] = measured["verdict"].isin(["fail", "error"])
     measured = measured.sort_values("worst", ascending=False)
     grouped = measured.groupby(["run_id", *GROUP], sort=False)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from kda_reports.findings import worst_ratio
+
 DEFAULT_OUT = Path("out")
 
 
@@ -25,34 +27,18 @@ def atomic_write(path: Path, write) -> None:  # type: ignore[no-untyped-def]
     os.replace(tmp, path)
 
 
-def _parquet_engine() -> bool:
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def write_run(records: pd.DataFrame, env: dict, out_dir: Path, run_id: str) -> dict[str, Path]:
-    """Write ``runs/<run_id>.parquet``, ``.env.json``, ``.summary.md`` and ``.csv`` under ``out_dir``.
-
-    Without pyarrow (a bare GPU box, say) the records go to ``<run_id>.records.jsonl``
-    instead, which ``read_run`` reads the same way.
-    """
+    """Write ``runs/<run_id>.parquet``, ``.env.json``, ``.summary.md`` and ``.csv`` under ``out_dir``."""
     runs = out_dir / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    parquet = _parquet_engine()
     paths = {
-        "records": runs / (f"{run_id}.parquet" if parquet else f"{run_id}.records.jsonl"),
+        "records": runs / f"{run_id}.parquet",
         "environment": runs / f"{run_id}.env.json",
         "summary_md": runs / f"{run_id}.summary.md",
         "summary_csv": runs / f"{run_id}.summary.csv",
     }
     atomic_write(paths["environment"], lambda p: p.write_text(json.dumps(env, indent=2, sort_keys=True)))
-    if parquet:
-        atomic_write(paths["records"], lambda p: records.to_parquet(p, index=False))
-    else:
-        atomic_write(paths["records"], lambda p: records.to_json(p, orient="records", lines=True))
+    atomic_write(paths["records"], lambda p: records.to_parquet(p, index=False))
     table = summary(records)
     atomic_write(paths["summary_csv"], lambda p: table.to_csv(p, index=False))
     atomic_write(paths["summary_md"], lambda p: p.write_text(summary_markdown(table, env, run_id)))
@@ -100,15 +86,8 @@ class RunRecorder:
         return frame, paths
 
 
-def record_run(rows: list[dict], env: dict, out_dir: Path) -> tuple[pd.DataFrame, dict[str, Path]]:
-    """Stamp ``rows`` with a new run id and the environment, and write the run files."""
-    recorder = RunRecorder(env, out_dir)
-    recorder.add(rows)
-    return recorder.finish()
-
-
 def read_run(path: Path) -> pd.DataFrame:
-    """The records of one run file (parquet, the JSON-lines fallback, or a killed run's ``.partial.jsonl``)."""
+    """The records of one run file (parquet, or a killed run's ``.partial.jsonl``)."""
     path = Path(path)
     if path.name.endswith(".jsonl"):
         return pd.read_json(path, orient="records", lines=True, dtype=False)
@@ -158,7 +137,7 @@ def summary_markdown(table: pd.DataFrame, env: dict, run_id: str) -> str:
         ]
     worst = []
     if {"ratio", "rel_rms_ratio"} <= set(table.columns) and len(table):
-        ranked = table.assign(worst=table[["ratio", "rel_rms_ratio"]].max(axis=1)).dropna(subset=["worst"])
+        ranked = table.assign(worst=worst_ratio(table["ratio"], table["rel_rms_ratio"])).dropna(subset=["worst"])
         top = ranked.sort_values("worst", ascending=False).head(WORST_SHOWN).drop(columns="worst")
         worst = ["## Worst cases (largest error / limit)", "", _formatted(top).to_markdown(index=False), ""]
     every = ["## Every record", "", _formatted(table).to_markdown(index=False), ""]

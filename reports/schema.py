@@ -1,4 +1,5 @@
-"""The record schema: one row per case x backend x tensor, every column named and explained here once.
+"""The record schema: one row per case x backend x tensor, every column named and explained here once,
+and the rows built from findings.
 
 docs/reports.md presents this table; a test holds the records, this schema and
 that page to the same column list.
@@ -7,8 +8,11 @@ that page to the same column list.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 
 from kda_cases.case import Case
+from kda_reports.findings import Finding
 
 CASE_COLUMNS = {f"case_{f.name}": f"the case's `{f.name}`" for f in dataclasses.fields(Case)} | {
     "case_total_tokens": "tokens over all sequences",
@@ -68,3 +72,65 @@ RECORD_COLUMNS: dict[str, str] = {
     "env_seed": "seed of a randomized profile's draw ('' when derandomized); rerun with it to get the same cases",
     "env_command": "the command line that produced the run (`kda-conformance ...` or `pytest ...`)",
 }
+
+
+def case_columns(case: Case) -> dict:
+    """The case's fields as flat ``case_*`` columns (lists joined, missing numbers as NaN)."""
+    data = case.to_dict()
+    data["seq_lens"] = ",".join(str(n) for n in case.seq_lens)
+    data["checkpoints"] = ";".join(f"{s}:{p}" for s, p in case.checkpoints)
+    data["tags"] = ",".join(case.tags)
+    data["lower_bound"] = math.nan if case.lower_bound is None else case.lower_bound
+    data["scale"] = math.nan if case.scale is None else case.scale
+    data["total_tokens"] = case.total_tokens
+    data["num_seqs"] = case.num_seqs
+    return {f"case_{k}": v for k, v in data.items()}
+
+
+def record_row(finding: Finding) -> dict:
+    """One finding as a record: the case, the backend, and for a judged tensor its errors and limits."""
+    case = finding.case
+    row = {
+        "case_id": case.id,
+        "label": case.label,
+        "backend": finding.backend,
+        "device": finding.device,
+        **case_columns(case),
+        "case_json": case.to_json(),
+        "seconds": finding.seconds,
+        "reason": finding.reason,
+        "repro": finding.repro,
+        "reference_form": finding.reference_form,
+        "reference_seconds": finding.reference_seconds,
+    }
+    errors, budget = finding.errors, finding.budget
+    if errors is None or budget is None:
+        return {**row, "tensor": finding.tensor, "verdict": finding.verdict}
+    return {
+        **row,
+        "tensor": finding.tensor,
+        "verdict": finding.verdict,
+        "budget": budget.max_abs.value,
+        "ratio": finding.ratio,
+        "budget_rel_rms": budget.rel_rms.value,
+        "rel_rms_ratio": finding.rel_rms_ratio,
+        "max_abs": errors.max_abs,
+        "rel_rms": errors.rel_rms,
+        "max_abs_over_ref_rms": errors.max_abs_over_ref_rms,
+        "nonfinite": errors.nonfinite,
+        "first_bad": "" if finding.first_bad is None else str(finding.first_bad),
+        "error_curve": ",".join(f"{x:.3g}" for x in errors.curve),
+        "budget_baseline": budget.max_abs.baseline,
+        "budget_floor": budget.max_abs.floor,
+        "budget_cap": budget.max_abs.cap,
+        "budget_binding": budget.max_abs.binding,
+        "baseline_rel_rms": budget.rel_rms.baseline,
+        "budget_rel_rms_binding": budget.rel_rms.binding,
+        "reason": "; ".join(finding.problems),
+    }
+
+
+def record_rows(findings: Sequence[Finding], test: str | None = None) -> list[dict]:
+    """The records of a check's findings; ``test`` (a pytest node id) goes into each row."""
+    rows = [record_row(f) for f in findings]
+    return rows if test is None else [{**row, "test": test} for row in rows]

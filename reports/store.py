@@ -1,7 +1,7 @@
 """The run store: a folder of runs, one immutable run file (plus its environment) per run.
 
 Every run, from pytest (``--kda-out DIR``) or ``kda-conformance run --out DIR``, writes
-``DIR/runs/<run_id>.parquet`` (or ``.records.jsonl``) and ``<run_id>.env.json``, each by an atomic rename,
+``DIR/runs/<run_id>.parquet`` and ``<run_id>.env.json``, each by an atomic rename,
 so a run killed midway leaves no half file and never touches an earlier run; rows measured before the
 kill survive in ``<run_id>.partial.jsonl``. Loading takes every run it can read, marks killed runs
 incomplete, and names every file it could not read (a torn line, a corrupt parquet) instead of stopping.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-RUN_SUFFIXES = (".parquet", ".records.jsonl", ".partial.jsonl")
+RUN_SUFFIXES = (".parquet", ".partial.jsonl")
 
 
 @dataclass

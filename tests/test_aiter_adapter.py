@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from kda_cases.case import Case
-from kda_conformance.repro import run_check
-from kda_conformance.sweep import case_truth, run_backend
+from kda_conformance.checks import get_check, run_check
+from kda_conformance.running.runner import run_backend
+from kda_conformance.running.truth import case_truth
 from kda_kernels import aiter as adapter
 from kda_kernels import registry
 
@@ -72,8 +73,8 @@ def test_missing_aiter_is_a_reason_not_a_crash(monkeypatch: pytest.MonkeyPatch) 
 def test_each_backend_runs_its_path_with_aiters_arguments(
     double: list[dict], backend: str, path: str, segment: str | None
 ) -> None:
-    outcome = run_backend(case_truth(FLASH_CASE, CPU), registry.get(backend))
-    assert outcome.status == "ran" and not outcome.failed, outcome.reason
+    findings = run_backend(case_truth(FLASH_CASE, CPU), registry.get(backend))
+    assert {f.verdict for f in findings} == {"pass"}, [f.message() for f in findings]
     call = double[-1]
     assert (call["path"], call["segment"]) == (path, segment)
     assert call["chunk_size"] is None and call["chunk"] == (32 if path == "flash_kda" else 64)
@@ -85,8 +86,8 @@ def test_each_backend_runs_its_path_with_aiters_arguments(
 
 def test_state_layout_bf16_pool_and_packing_are_translated(double: list[dict]) -> None:
     case = FLASH_CASE.replace(seq_lens=(30, 0, 17), packed=True, state_layout="v_first", state_dtype="bf16")
-    outcome = run_backend(case_truth(case, CPU), registry.get("aiter_flashkda"))
-    assert outcome.status == "ran" and not outcome.failed, [v.problems for v in outcome.failed]
+    findings = run_backend(case_truth(case, CPU), registry.get("aiter_flashkda"))
+    assert {f.verdict for f in findings} == {"pass"}, [f.message() for f in findings]
     assert double[-1]["state_v_first"] and double[-1]["cu_seqlens_dtype"] is not None
 
 
@@ -114,7 +115,7 @@ def test_paged_api_is_called_in_place_and_survives_poison(double: list[dict]) ->
     paged = registry.get("aiter_paged")
     assert paged.supports(case) and not paged.supports(case.replace(state_layout="k_first"))
     for poison in ("nan", "tenant"):
-        assert run_check(case, paged, CPU, poison, "poison") == []
+        assert not [f for f in run_check(get_check("poison"), case, paged, CPU, {"poison": poison}) if f.failed]
     assert double[-1]["paged"] and double[-1]["path"] == "flash_kda"
 
 

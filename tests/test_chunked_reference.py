@@ -31,9 +31,8 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def both(case: Case, chunk_size: int = 64, device: str = "cpu"):  # type: ignore[no-untyped-def]
     inputs = materialize(case, device)
-    kwargs = dict(**inputs.kernel_kwargs(), checkpoints=case.checkpoints)
-    loop = kda_recurrent(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, **kwargs)
-    chunked = kda_chunked(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, chunk_size=chunk_size, **kwargs)
+    loop = kda_recurrent(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.options)
+    chunked = kda_chunked(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.options, chunk_size=chunk_size)
     return loop, chunked
 
 
@@ -127,9 +126,8 @@ def test_gate_ranges_on_both_sides_of_the_factored_span(
     monkeypatch.setattr(
         chunked_module, "_pairwise", lambda q, *rest: built.append(q.shape[0]) or real_pairwise(q, *rest)
     )
-    kwargs = dict(**inputs.kernel_kwargs(), checkpoints=case.checkpoints)
-    loop = kda_recurrent(inputs.q, inputs.k, inputs.v, g, inputs.beta, **kwargs)
-    chunked = kda_chunked(inputs.q, inputs.k, inputs.v, g, inputs.beta, **kwargs)
+    loop = kda_recurrent(inputs.q, inputs.k, inputs.v, g, inputs.beta, inputs.options)
+    chunked = kda_chunked(inputs.q, inputs.k, inputs.v, g, inputs.beta, inputs.options)
     total_pairs = 5 * case.num_v_heads  # chunks of 150 and 90 tokens
     assert (0 < sum(built) < total_pairs) if pairwise else not built
     assert torch.isfinite(chunked.o).all()
@@ -143,9 +141,8 @@ def test_gate_as_strong_as_float64_allows_stays_finite() -> None:
     case = BASE.replace(gate="log", lower_bound=None, safe_gate=False, seq_lens=(128,))
     inputs = materialize(case, CPU)
     g = torch.full_like(inputs.g, -100.0)
-    kwargs = inputs.kernel_kwargs()
-    loop = kda_recurrent(inputs.q, inputs.k, inputs.v, g, inputs.beta, **kwargs)
-    chunked = kda_chunked(inputs.q, inputs.k, inputs.v, g, inputs.beta, **kwargs)
+    loop = kda_recurrent(inputs.q, inputs.k, inputs.v, g, inputs.beta, inputs.options)
+    chunked = kda_chunked(inputs.q, inputs.k, inputs.v, g, inputs.beta, inputs.options)
     assert torch.isfinite(chunked.o).all()
     assert relative(chunked.o, loop.o) <= 1e-10
 
@@ -184,7 +181,7 @@ def test_working_precision_baseline_errs_at_its_dtype_level(dtype: str, low: flo
     # the floor), not broken. The bounds bracket the unit roundoff of each dtype generously.
     case = BASE.replace(dtype=dtype, seq_lens=(130,), initial_state="random")
     inputs = materialize(case, CPU)
-    truth = kda_recurrent(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, **inputs.kernel_kwargs())
+    truth = kda_recurrent(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.options)
     out = TorchChunk().run(inputs)
     assert out.o.dtype == inputs.q.dtype and out.final_state.dtype == torch.float32
     error = float((out.o.double() - truth.o).abs().max())

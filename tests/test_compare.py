@@ -1,4 +1,4 @@
-"""Error metrics and first-bad-token location on synthetic results (verdicts: test_tolerance.py)."""
+"""Error metrics and first-bad-point location on synthetic results (verdicts: test_tolerance.py)."""
 
 from __future__ import annotations
 
@@ -7,28 +7,28 @@ import math
 import torch
 
 from kda_cases.case import Case
-from kda_conformance.compare import first_bad, tensor_error
+from kda_conformance.judging.metrics import locate, measure
 
 
 def test_nan_counts_as_infinite_error() -> None:
     want = torch.zeros(1, 4, 2, 3, dtype=torch.float64)
     got = want.clone().float()
     got[0, 2, 1, 0] = float("nan")
-    err = tensor_error("o", got, want)
+    err = measure("o", got, want).errors
     assert err.nonfinite == 1 and math.isinf(err.max_abs) and math.isinf(err.rel_rms)
 
 
 def test_wrong_shape_or_missing_tensor_is_flagged() -> None:
     want = torch.zeros(2, 2, 3, 4, dtype=torch.float64)
-    transposed = tensor_error("final_state", torch.zeros(2, 2, 4, 3), want)
+    transposed = measure("final_state", torch.zeros(2, 2, 4, 3), want).errors
     assert not transposed.shape_ok and "shape" in transposed.detail
-    assert not tensor_error("final_state", None, want).shape_ok
+    assert not measure("final_state", None, want).errors.shape_ok
 
 
 def test_metrics_by_hand() -> None:
     want = torch.tensor([1.0, -2.0, 2.0, 1.0], dtype=torch.float64).reshape(1, 1, 4, 1)
     got = want + torch.tensor([0.0, 0.5, 0.0, 0.0], dtype=torch.float64).reshape(1, 1, 4, 1)
-    err = tensor_error("o", got, want)
+    err = measure("o", got, want).errors
     ref_rms = math.sqrt((1 + 4 + 4 + 1) / 4)
     assert err.max_abs == 0.5
     assert math.isclose(err.rel_rms, math.sqrt(0.25 / 4) / ref_rms)
@@ -41,10 +41,10 @@ def test_first_bad_token_in_packed_sequences() -> None:
     got = want.clone()
     got[0, 5 + 66, 1, 3] = 1.0  # sequence 2, token 66, head 1
     got[0, 5 + 67, 0, 0] = 2.0
-    err = tensor_error("o", got, want)
-    assert first_bad(case, err, 0.5) == "seq 2 token 66 head 1"
-    assert first_bad(case, err, 5.0) == ""
-    assert err.curve == (0.0, 2.0)  # both hits lie in tokens 64..74 of the packed row
+    measured = measure("o", got, want)
+    assert str(locate(case, measured, 0.5)) == "seq 2 token 66 head 1"
+    assert locate(case, measured, 5.0) is None
+    assert measured.errors.curve == (0.0, 2.0)  # both hits lie in tokens 64..74 of the packed row
 
 
 def test_first_bad_state_names_sequence_and_head() -> None:
@@ -52,4 +52,4 @@ def test_first_bad_state_names_sequence_and_head() -> None:
     want = torch.zeros(2, 2, 4, 4, dtype=torch.float64)
     got = want.clone()
     got[1, 0, 2, 2] = 1.0
-    assert first_bad(case, tensor_error("final_state", got, want), 0.1) == "seq 1 head 0"
+    assert str(locate(case, measure("final_state", got, want), 0.1)) == "seq 1 head 0"

@@ -1,6 +1,6 @@
 """The suite catches every planted bug of the zoo in the ci profile, and passes the correct baseline.
 
-One detection run (conformance/detection.py: the properties and the corpus, one pytest process) over
+One detection run (`kda-conformance detection`: the checks and the corpus, one pytest process) over
 every backend of tests/plugins/kda_planted_bugs.py plus torch_chunk; docs/detection.md is the same
 table with FLA's kernels added.
 """
@@ -12,21 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from kda_conformance.detection import DetectionRun, run_detection
+from kda_conformance.cli.detection import DetectionRun, run_detection
+from kda_reports.findings import Finding
 
 PLUGINS = Path(__file__).with_name("plugins")
 
 
 @pytest.fixture(scope="module")
-def zoo() -> dict[str, tuple[str, str]]:
-    import sys
-
-    sys.path.insert(0, str(PLUGINS))
-    try:
-        import kda_planted_bugs
-    finally:
-        sys.path.remove(str(PLUGINS))
-    return kda_planted_bugs.ZOO
+def zoo(planted_zoo: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
+    return planted_zoo
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +65,12 @@ def test_each_property_catches_its_bug(detection: DetectionRun, backend: str) ->
     assert PROPERTY_FOR[backend] in caught_by, caught_by
 
 
-def test_failures_print_their_repro_command(detection: DetectionRun) -> None:
-    for entry in detection.checks.values():
+def test_failures_carry_the_repro_command_of_their_check(detection: DetectionRun) -> None:
+    for entry in detection.entries.values():
         if entry["failed_at"] is not None:
-            assert "repro: " in entry["message"] and f"--backend {entry['backend']}" in entry["message"], entry
+            findings = [Finding.from_dict(data) for data in entry["findings"]]
+            assert findings, entry
+            for finding in findings:
+                assert f"--backend {entry['backend']}" in finding.repro and "repro: " in finding.message(), finding
+                budget = entry["check"] in ("budget", "corpus")
+                assert ("kda-conformance run " if budget else f"--check {entry['check']}") in finding.repro

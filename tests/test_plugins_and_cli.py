@@ -54,7 +54,7 @@ def test_cli_run_with_a_plugin_backend_writes_a_report(example_plugin: str, tmp_
 
 def test_cli_rejects_bad_input_with_a_clear_message(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--backend", "no_such_backend", "--device", "cpu"]) == 2
-    assert "unknown backend 'no_such_backend'; known backends:" in capsys.readouterr().out
+    assert "--backend: ['no_such_backend'] unknown; known backends:" in capsys.readouterr().out
     assert main(["run", "--plugin", "no.such.module", "--device", "cpu"]) == 2
     assert "plugin module 'no.such.module' cannot be imported" in capsys.readouterr().out
     with pytest.raises(SystemExit):

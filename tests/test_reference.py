@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kda_cases.materialize import KDAOptions
 from kda_reference.preprocess import gate_activation, l2norm
 from kda_reference.recurrent import kda_recurrent
 
@@ -28,7 +29,7 @@ def inputs(T: int = 5, H: int = 2, HV: int = 2, K: int = 4, V: int = 3, B: int =
 
 def test_one_token_from_zero_state_is_beta_k_v() -> None:
     q, k, v, g, beta = inputs(T=1, H=1, HV=1)
-    res = kda_recurrent(q, k, v, g, beta, scale=1.0)
+    res = kda_recurrent(q, k, v, g, beta, KDAOptions(scale=1.0))
     # S = beta k v^T, o = q^T S = beta (q.k) v
     want = beta[0, 0, 0] * (q[0, 0, 0] @ k[0, 0, 0]) * v[0, 0, 0]
     torch.testing.assert_close(res.o[0, 0, 0], want, rtol=1e-14, atol=1e-14)
@@ -39,7 +40,7 @@ def test_three_tokens_by_hand_with_initial_state_and_scale() -> None:
     q, k, v, g, beta = inputs(T=3, H=1, HV=1)
     h0 = rand(1, 1, 4, 3, seed=9)
     scale = 0.37
-    res = kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=h0)
+    res = kda_recurrent(q, k, v, g, beta, KDAOptions(scale=scale, initial_state=h0))
     S = h0[0, 0].clone()
     for t in range(3):
         kt, vt, bt = k[0, t, 0], v[0, t, 0], beta[0, t, 0]
@@ -58,7 +59,7 @@ def test_two_tokens_closed_form() -> None:
     q = torch.ones(1, 2, 1, 2, dtype=f64)
     g = torch.zeros(1, 2, 1, 2, dtype=f64)
     beta = torch.ones(1, 2, 1, dtype=f64)
-    res = kda_recurrent(q, k, v, g, beta, scale=1.0)
+    res = kda_recurrent(q, k, v, g, beta, KDAOptions(scale=1.0))
     assert res.o[0, :, 0, 0].tolist() == [2.0, 5.0]
     assert res.final_state[0, 0, :, 0].tolist() == [2.0, 3.0]
 
@@ -66,8 +67,10 @@ def test_two_tokens_closed_form() -> None:
 def test_k_first_equals_v_first() -> None:
     q, k, v, g, beta = inputs(T=7)
     h0 = rand(1, 2, 4, 3, seed=5)
-    a = kda_recurrent(q, k, v, g, beta, initial_state=h0, checkpoints=[(0, 3)])
-    b = kda_recurrent(q, k, v, g, beta, initial_state=h0.transpose(-1, -2), state_v_first=True, checkpoints=[(0, 3)])
+    a = kda_recurrent(q, k, v, g, beta, KDAOptions(initial_state=h0, checkpoints=[(0, 3)]))
+    b = kda_recurrent(
+        q, k, v, g, beta, KDAOptions(initial_state=h0.transpose(-1, -2), state_v_first=True, checkpoints=[(0, 3)])
+    )
     torch.testing.assert_close(a.o, b.o, rtol=0, atol=0)
     torch.testing.assert_close(a.final_state, b.final_state.transpose(-1, -2), rtol=0, atol=0)
     torch.testing.assert_close(a.checkpoint_states, b.checkpoint_states.transpose(-1, -2), rtol=0, atol=0)
@@ -86,9 +89,10 @@ def test_packed_batch_equals_each_sequence_alone_with_zero_length_member() -> No
     q, k, v, g, beta = inputs(T=sum(lens))
     h0 = rand(len(lens), 2, 4, 3, seed=8)
     cu = torch.tensor([0, 5, 5, 8, 15])
-    packed = kda_recurrent(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
+    packed = kda_recurrent(q, k, v, g, beta, KDAOptions(initial_state=h0, cu_seqlens=cu))
     for n, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
-        alone = kda_recurrent(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], initial_state=h0[n : n + 1])
+        piece = (x[:, s:e] for x in (q, k, v, g, beta))
+        alone = kda_recurrent(*piece, KDAOptions(initial_state=h0[n : n + 1]))
         torch.testing.assert_close(packed.o[:, s:e], alone.o, rtol=0, atol=0)
         torch.testing.assert_close(packed.final_state[n], alone.final_state[0], rtol=0, atol=0)
     # A zero-length sequence's final state is its initial state.
@@ -99,7 +103,7 @@ def test_batch_rows_equal_packed_sequences() -> None:
     q, k, v, g, beta = inputs(T=6, B=3)
     batched = kda_recurrent(q, k, v, g, beta)
     flat = [x.reshape(1, 18, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    packed = kda_recurrent(*flat, cu_seqlens=[0, 6, 12, 18])
+    packed = kda_recurrent(*flat, KDAOptions(cu_seqlens=[0, 6, 12, 18]))
     torch.testing.assert_close(batched.o.reshape(1, 18, 2, 3), packed.o, rtol=0, atol=0)
     torch.testing.assert_close(batched.final_state, packed.final_state, rtol=0, atol=0)
 
@@ -108,9 +112,9 @@ def test_batch_rows_equal_packed_sequences() -> None:
 def test_prefix_then_resumed_suffix_equals_whole_run(split: int) -> None:
     q, k, v, g, beta = inputs(T=41, K=8, V=8, seed=3)
     h0 = rand(1, 2, 8, 8, seed=4)
-    whole = kda_recurrent(q, k, v, g, beta, initial_state=h0, checkpoints=[(0, split)])
-    pre = kda_recurrent(*(x[:, :split] for x in (q, k, v, g, beta)), initial_state=h0)
-    post = kda_recurrent(*(x[:, split:] for x in (q, k, v, g, beta)), initial_state=pre.final_state)
+    whole = kda_recurrent(q, k, v, g, beta, KDAOptions(initial_state=h0, checkpoints=[(0, split)]))
+    pre = kda_recurrent(*(x[:, :split] for x in (q, k, v, g, beta)), KDAOptions(initial_state=h0))
+    post = kda_recurrent(*(x[:, split:] for x in (q, k, v, g, beta)), KDAOptions(initial_state=pre.final_state))
     torch.testing.assert_close(torch.cat([pre.o, post.o], 1), whole.o, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(post.final_state, whole.final_state, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(whole.checkpoint_states[0], pre.final_state[0], rtol=0, atol=0)
@@ -119,7 +123,7 @@ def test_prefix_then_resumed_suffix_equals_whole_run(split: int) -> None:
 def test_checkpoint_zero_is_initial_state_and_end_is_final() -> None:
     q, k, v, g, beta = inputs(T=4)
     h0 = rand(1, 2, 4, 3, seed=2)
-    res = kda_recurrent(q, k, v, g, beta, initial_state=h0, checkpoints=[(0, 0), (0, 4)])
+    res = kda_recurrent(q, k, v, g, beta, KDAOptions(initial_state=h0, checkpoints=[(0, 0), (0, 4)]))
     torch.testing.assert_close(res.checkpoint_states[0], h0[0], rtol=0, atol=0)
     torch.testing.assert_close(res.checkpoint_states[1], res.final_state[0], rtol=0, atol=0)
 
@@ -128,18 +132,14 @@ def test_in_kernel_preprocessing_equals_preprocessed_inputs() -> None:
     q, k, v, g_raw, beta_raw = inputs(T=9)
     HV, K = 2, 4
     A_log, dt_bias = rand(HV, seed=11), rand(HV * K, seed=12)
-    fused = kda_recurrent(
-        q,
-        k,
-        v,
-        g_raw,
-        beta_raw,
+    options = KDAOptions(
         use_qk_l2norm_in_kernel=True,
         use_beta_sigmoid_in_kernel=True,
         use_gate_in_kernel=True,
         A_log=A_log,
         dt_bias=dt_bias,
     )
+    fused = kda_recurrent(q, k, v, g_raw, beta_raw, options)
     g = -torch.exp(A_log)[:, None] * F.softplus(g_raw + dt_bias.view(HV, K))
     plain = kda_recurrent(l2norm(q), l2norm(k), v, g, torch.sigmoid(beta_raw))
     torch.testing.assert_close(fused.o, plain.o, rtol=1e-14, atol=1e-14)
@@ -179,7 +179,7 @@ def test_agrees_with_fla_naive_recurrent_to_fp32_precision() -> None:
 
     q, k, v, g, beta = inputs(T=50, H=2, HV=4, K=16, V=8, seed=7)
     h0 = rand(1, 4, 16, 8, seed=1)
-    ours = kda_recurrent(q, k, v, g, beta, initial_state=h0)
+    ours = kda_recurrent(q, k, v, g, beta, KDAOptions(initial_state=h0))
     o, S = naive_recurrent_kda(
         *(x.float() for x in (q, k, v, g, beta)), initial_state=h0.float(), output_final_state=True
     )
@@ -199,7 +199,7 @@ def test_agrees_with_fla_naive_recurrent_to_fp32_precision() -> None:
 )
 def test_bad_arguments_name_the_argument(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        kda_recurrent(*inputs(T=5), **kwargs)
+        kda_recurrent(*inputs(T=5), KDAOptions(**kwargs))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from kda_cases.case import Case
-from kda_conformance.sweep import case_truth, outcome_records, run_backend
+from kda_conformance.running.runner import run_backend
+from kda_conformance.running.truth import case_truth
 from kda_kernels import registry
 from kda_reports.environment import environment
-from kda_reports.runfile import RunRecorder, read_run, record_run
-from kda_reports.schema import RECORD_COLUMNS
+from kda_reports.runfile import RunRecorder, read_run
+from kda_reports.schema import RECORD_COLUMNS, record_rows
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "reports.md"
 CPU = torch.device("cpu")
@@ -26,7 +27,13 @@ CPU = torch.device("cpu")
 def records() -> list[dict]:
     case = Case(seq_lens=(37,), checkpoints=((0, 5),))
     truth = case_truth(case, CPU)
-    return outcome_records(run_backend(truth, registry.get("torch_chunk")))
+    return record_rows(run_backend(truth, registry.get("torch_chunk")))
+
+
+def record_run(rows: list[dict], env: dict, out_dir: Path) -> tuple[pd.DataFrame, dict[str, Path]]:
+    recorder = RunRecorder(env, out_dir)
+    recorder.add(rows)
+    return recorder.finish()
 
 
 def test_every_column_is_in_the_schema_and_documented(records: list[dict], tmp_path: Path) -> None:
@@ -61,13 +68,14 @@ def test_stopped_cli_run_writes_what_it_measured(tmp_path: Path) -> None:
     # SIGTERM (what `timeout` sends) stops the sweep; the run files say it is incomplete.
     script = (
         "import os, signal, sys\n"
-        "from kda_conformance import cli, sweep\n"
-        "real = sweep.run_backend\n"
+        "from kda_conformance import cli\n"
+        "from kda_conformance.running import runner\n"
+        "real = runner.run_backend\n"
         "def stop_after_first(truth, backend, calls=[]):\n"
         "    calls.append(1)\n"
         "    if len(calls) == 2: os.kill(os.getpid(), signal.SIGTERM)\n"
         "    return real(truth, backend)\n"
-        "sweep.run_backend = stop_after_first\n"
+        "runner.run_backend = stop_after_first\n"
         f"sys.exit(cli.main(['run', '--device', 'cpu', '--backend', 'torch_chunk', '--out', {str(tmp_path)!r}]))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -75,3 +83,21 @@ def test_stopped_cli_run_writes_what_it_measured(tmp_path: Path) -> None:
     (path,) = (tmp_path / "runs").glob("*.parquet")
     frame = read_run(path)
     assert 1 <= frame["case_id"].nunique() < 17 and set(frame["env_complete"]) == {False}
+
+
+def test_diff_says_whether_two_runs_recorded_the_same(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kda_conformance.cli import main
+
+    args = ["run", "--device", "cpu", "--backend", "torch_chunk", "--lengths", "37", "--dtypes", "bf16"]
+    for name in ("a", "b"):
+        assert main([*args, "--out", str(tmp_path / name), "--no-dashboard"]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert "identical: 6 records" in capsys.readouterr().out  # (h0 none, random) x 2 tensors + the packed case
+    [changed] = (tmp_path / "b" / "runs").glob("*.parquet")
+    frame = read_run(changed)
+    frame.loc[0, "max_abs"] *= 1.0000001
+    frame.to_parquet(changed, index=False)
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    out = capsys.readouterr().out
+    assert "1 records only before" in out and "1 records only after" in out

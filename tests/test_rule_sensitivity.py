@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from kda_cases.case import Case
-from kda_conformance.compare import tensor_error
-from kda_conformance.sweep import case_truth, judge_result
-from kda_conformance.tolerance import judge
+from kda_conformance.judging.judge import judge_for
+from kda_conformance.running.truth import case_truth
 from kda_kernels import registry
 
 CASES = [
@@ -30,10 +29,10 @@ def test_fla_chunk_passes_and_its_doubled_error_is_caught(kda_device: torch.devi
     for case in CASES:
         truth = case_truth(case, kda_device)
         result = backend.run(truth.inputs)
-        failed = [v for v in judge_result(truth, result) if not v.passed]
-        assert not failed, [v.problems for v in failed]
+        judge = judge_for("budget", case, backend.name, kda_device)
+        failed = [f for f in judge.result(truth.reference, result, truth.budgets) if not f.passed]
+        assert not failed, [f.problems for f in failed]
         # Twice the error everywhere, stored in the kernel's own dtype.
         doubled = (2 * result.o.double() - truth.reference.o).to(result.o.dtype)
-        verdict = judge(case, tensor_error("o", doubled, truth.reference.o), truth.budgets["o"], doubled.dtype)
-        caught.append(not verdict.passed)
+        caught.append(not judge.tensor("o", doubled, truth.reference.o, truth.budgets["o"]).passed)
     assert all(caught), f"a kernel whose error doubled passed some cases: {caught}"

@@ -17,8 +17,8 @@ import torch
 
 from kda_cases.case import Case
 from kda_cases.materialize import materialize
+from kda_conformance.checks import get_check, run_check
 from kda_conformance.cli import main
-from kda_conformance.repro import run_check
 from kda_kernels import registry
 from kda_kernels.serving import (
     NULL_SLOT,
@@ -39,13 +39,7 @@ CASE = Case(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def planted() -> None:
-    sys.path.insert(0, str(PLUGINS))
-    try:
-        import kda_planted_bugs  # noqa: F401  (registers the zoo)
-    finally:
-        sys.path.remove(str(PLUGINS))
+pytestmark = pytest.mark.usefixtures("planted_zoo")
 
 
 def test_plan_keeps_slot_zero_free_and_names_each_slot_once() -> None:
@@ -98,14 +92,21 @@ def test_poisoned_scratch_fills_empty_with_nan_and_restores_the_flags() -> None:
     assert (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory) == before
 
 
+def failures(check: str, case: Case, backend: str, poison: str = "nan") -> list[str]:
+    """The messages of the failed findings of ``check`` (its poison mode where it takes one)."""
+    params = {"poison": poison} if check == "poison" else {}
+    findings = run_check(get_check(check), case, registry.get(backend), CPU, params)
+    return [f.message() for f in findings if f.failed]
+
+
 @pytest.mark.parametrize("poison", [m for m in POISON_MODES if m != "none"])
 def test_the_correct_baseline_survives_every_poison(poison: str) -> None:
-    assert run_check(CASE, registry.get("torch_chunk"), CPU, poison, "poison") == []
+    assert failures("poison", CASE, "torch_chunk", poison) == []
 
 
 @pytest.mark.parametrize("check", ["steps", "checkpoint", "cu_seqlens"])
 def test_the_correct_baseline_passes_the_step_checks(check: str) -> None:
-    assert run_check(CASE.replace(initial_state="random"), registry.get("torch_chunk"), CPU, "nan", check) == []
+    assert failures(check, CASE.replace(initial_state="random"), "torch_chunk") == []
 
 
 # planted bug -> (check, poison, what the findings must say)
@@ -124,7 +125,7 @@ def test_each_serving_bug_is_caught_and_localized(backend: str) -> None:
     check, poison, expected = LOCALIZED[backend]
     # Fresh sequences for the bug that reads their slots; resumed ones (nonzero states everywhere) otherwise.
     case = CASE if backend == "planted_pool_fresh_reads_slot" else CASE.replace(initial_state="random")
-    findings = run_check(case, registry.get(backend), CPU, poison, check)
+    findings = failures(check, case, backend, poison)
     plan, last = plan_pool(case), plan_pool(case).num_slots - 1
     # The last slot: a spare one shows as written, a sequence's as that sequence's wrong final state.
     owner = f"seq {plan.seq_slots.index(last)} head" if last in plan.seq_slots else f"slot {last}"
@@ -155,8 +156,10 @@ def test_repro_command_localizes_and_writes_a_failing_standalone_test(
     assert done.returncode == 1 and "slot 0 written" in done.stdout, done.stdout[-2000:]
 
 
-def test_repro_names_a_bad_case() -> None:
-    assert main(["repro", "--backend", "torch_chunk", "--device", "cpu", "--case", "kda-000000000000"]) == 2
+def test_repro_names_a_bad_case(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main(["repro", "--backend", "torch_chunk", "--device", "cpu", "--case", "kda-000000000000"])
+    assert stopped.value.code == 2 and "case id kda-000000000000 is not in the corpus" in capsys.readouterr().err
     assert main(["repro", "--backend", "torch_chunk", "--device", "cpu", "--case", CASE.to_json()]) == 0
 
 

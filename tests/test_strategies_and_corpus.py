@@ -13,7 +13,7 @@ from kda_cases.corpus import load_corpus, save_case
 from kda_cases.profiles import BOUNDARY_LENGTHS, PROFILES, get_profile
 from kda_cases.strategies import KERNEL_FIELDS, cases, draw_cases, with_kernel_pool
 from kda_conformance.cli import main
-from kda_reports.runfile import read_run, record_run
+from kda_reports.runfile import RunRecorder, read_run
 
 
 @pytest.mark.parametrize("name", list(PROFILES))
@@ -106,7 +106,9 @@ def test_corpus_add_pins_the_failing_cases_of_a_run(tmp_path: Path, capsys: pyte
         {"case_id": bad.id, "case_json": bad.to_json(), "backend": "k", "tensor": "o", "verdict": "fail"},
         {"case_id": good.id, "case_json": good.to_json(), "backend": "k", "tensor": "o", "verdict": "pass"},
     ]
-    _, paths = record_run(rows, {"device_type": "cpu"}, tmp_path / "out")
+    recorder = RunRecorder({"device_type": "cpu"}, tmp_path / "out")
+    recorder.add(rows)
+    _, paths = recorder.finish()
     assert main(["corpus", "add", "--from-run", str(paths["records"]), "--dir", str(tmp_path / "corpus")]) == 0
     assert [e.case for e in load_corpus(tmp_path / "corpus")] == [bad]
     assert "added" in capsys.readouterr().out

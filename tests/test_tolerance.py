@@ -8,19 +8,24 @@ import pytest
 import torch
 
 from kda_cases.case import Case
-from kda_conformance.compare import tensor_error
-from kda_conformance.tolerance import (
-    UNIT_ROUNDOFF,
-    Budget,
-    BudgetRule,
-    Limit,
-    derive_budget,
-    failure_message,
-    judge,
-)
+from kda_cases.dtypes import UNIT_ROUNDOFF
+from kda_conformance.judging.judge import Judge
+from kda_conformance.judging.metrics import measure
+from kda_conformance.judging.tolerance import BudgetRule, derive_budget
+from kda_reports.findings import Budget, Finding, Limit
 
 CASE = Case(seq_lens=(4,), num_heads=1, num_v_heads=1, head_k_dim=4, head_v_dim=2)
 F64 = torch.float64
+
+
+def judge(got: torch.Tensor, want: torch.Tensor, budget: Budget, dtype: torch.dtype | None = None) -> Finding:
+    """The budget check's verdict on ``got`` as the output of a kernel called my_kernel."""
+    judge = Judge("budget", CASE, "my_kernel", "cpu", "kda-conformance run --case X")
+    return judge.verdict(measure(budget.tensor, got, want), budget, dtype)
+
+
+def tensor_error(name: str, got: torch.Tensor, want: torch.Tensor):  # type: ignore[no-untyped-def]
+    return measure(name, got, want).errors
 
 
 def fixed_budget(max_abs: float, rel_rms: float = math.inf) -> Budget:
@@ -34,35 +39,33 @@ def fixed_budget(max_abs: float, rel_rms: float = math.inf) -> Budget:
 def test_budget_edges_on_max_abs() -> None:
     want = torch.zeros(1, 4, 1, 2, dtype=F64)
     budget = fixed_budget(1e-3)
-    assert judge(CASE, tensor_error("o", want + 0.99e-3, want), budget, None).passed
-    failed = judge(CASE, tensor_error("o", want + 1.01e-3, want), budget, None)
+    assert judge(want + 0.99e-3, want, budget).passed
+    failed = judge(want + 1.01e-3, want, budget)
     assert not failed.passed and "max_abs 1.010e-03 > limit 1.000e-03" in failed.problems[0]
 
 
 def test_budget_edges_on_rel_rms() -> None:
     want = torch.ones(1, 4, 1, 2, dtype=F64)
     budget = fixed_budget(1.0, rel_rms=1e-2)
-    assert judge(CASE, tensor_error("o", want * 1.0099, want), budget, None).passed
-    assert not judge(CASE, tensor_error("o", want * 1.0101, want), budget, None).passed
+    assert judge(want * 1.0099, want, budget).passed
+    assert not judge(want * 1.0101, want, budget).passed
 
 
 def test_nan_fails_even_with_an_unbounded_budget() -> None:
     want = torch.ones(1, 4, 1, 2, dtype=F64)
     got = want.clone()
     got[0, 2, 0, 1] = float("nan")
-    verdict = judge(CASE, tensor_error("o", got, want), fixed_budget(math.inf), None)
+    verdict = judge(got, want, fixed_budget(math.inf))
     assert not verdict.passed
     assert "1 non-finite values" in verdict.problems
-    assert verdict.first_bad == "seq 0 token 2 head 0"
+    assert str(verdict.first_bad) == "seq 0 token 2 head 0"
 
 
 def test_wrong_dtype_and_shape_fail() -> None:
     want = torch.ones(1, 4, 1, 2, dtype=F64)
-    err = tensor_error("o", want.to(torch.float32), want)
-    verdict = judge(CASE, err, fixed_budget(1.0, 1.0), torch.float32)  # the case's dtype is bf16
+    verdict = judge(want.to(torch.float32), want, fixed_budget(1.0, 1.0), torch.float32)  # the case's dtype is bf16
     assert not verdict.passed and verdict.problems == ("dtype float32 != expected bfloat16",)
-    misshapen = tensor_error("o", torch.ones(1, 4, 2, 1), want)
-    assert not judge(CASE, misshapen, fixed_budget(1.0, 1.0), torch.bfloat16).passed
+    assert not judge(torch.ones(1, 4, 2, 1), want, fixed_budget(1.0, 1.0), torch.bfloat16).passed
 
 
 def test_zero_baseline_error_still_gives_a_positive_budget() -> None:
@@ -104,8 +107,7 @@ def test_failure_message_names_everything_a_bug_report_needs() -> None:
     want = torch.zeros(1, 4, 1, 2, dtype=F64)
     got = want.clone()
     got[0, 3, 0, 0] = 0.5
-    verdict = judge(CASE, tensor_error("o", got, want), fixed_budget(0.1), torch.bfloat16)
-    message = failure_message(CASE, "my_kernel", verdict, "kda-conformance run --case X")
+    message = judge(got, want, fixed_budget(0.1), torch.bfloat16).message()
     for part in (
         CASE.id,
         CASE.label,

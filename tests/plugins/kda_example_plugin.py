@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from kda_cases.case import Case
-from kda_cases.materialize import TORCH_DTYPES, KDAInputs
+from kda_cases.dtypes import stored
+from kda_cases.materialize import KDAInputs
 from kda_kernels.protocol import Backend, BackendOutput, Support
 from kda_kernels.registry import register
 from kda_reference.run import run_reference
@@ -26,9 +27,8 @@ class RoundedReference(Backend):
         return Support.yes()
 
     def run(self, inputs: KDAInputs) -> BackendOutput:
-        truth = run_reference(inputs)
-        state_dtype = TORCH_DTYPES[inputs.case.state_dtype]
-        return BackendOutput(o=truth.o.to(inputs.v.dtype), final_state=truth.final_state.to(state_dtype))
+        truth, case = run_reference(inputs), inputs.case
+        return BackendOutput(o=stored(case, "o", truth.o), final_state=stored(case, "final_state", truth.final_state))
 
 
 register(RoundedReference.name, RoundedReference)

@@ -16,8 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-from kda_cases.materialize import TORCH_DTYPES, KDAInputs, materialize
-from kda_conformance.properties import token_slice
+from kda_cases.dtypes import stored_dtype
+from kda_cases.materialize import KDAInputs, cu_seqlens_tensor, materialize
+from kda_conformance.checks.derived import token_slice
 from kda_kernels.protocol import BackendOutput
 from kda_kernels.registry import register
 from kda_kernels.serving import gather_run_scatter
@@ -74,7 +75,7 @@ def run_in_pieces(
     """Run each sequence ``PIECE`` tokens at a time, handing ``carry(final, initial, piece)`` on as the
     next piece's initial state: the shape of a kernel whose bug sits at its chunk boundaries."""
     case = inputs.case
-    o = torch.zeros_like(inputs.v, dtype=TORCH_DTYPES[case.dtype])
+    o = torch.zeros_like(inputs.v, dtype=stored_dtype(case, "o"))
     if case.packed:
         groups = [(n, n + 1, start, end) for n, (_, start, end) in enumerate(case.row_spans)]
     else:
@@ -93,7 +94,7 @@ def run_in_pieces(
             o[:, a:b] = out.o
             h = carry(out.final_state, h, piece)
         if h is None:  # a zero-length sequence with no initial state
-            h = torch.zeros((hi - lo, *state_shape), dtype=TORCH_DTYPES[case.state_dtype], device=inputs.device)
+            h = torch.zeros((hi - lo, *state_shape), dtype=stored_dtype(case, "final_state"), device=inputs.device)
         finals.append(h)
     return BackendOutput(o=o, final_state=torch.cat(finals), checkpoint_states=None)
 
@@ -298,7 +299,7 @@ class ZeroLengthShiftsSequences(TorchChunk):
             return super().run(inputs)
         h0 = inputs.initial_state
         compact = case.replace(seq_lens=tuple(case.seq_lens[n] for n in kept), checkpoints=())
-        cu = torch.tensor(compact.offsets, dtype=inputs.cu_seqlens.dtype, device=inputs.device)
+        cu = cu_seqlens_tensor(compact, inputs.device, dtype=inputs.cu_seqlens.dtype)
         out = super().run(
             dataclasses.replace(
                 inputs, case=compact, cu_seqlens=cu, initial_state=None if h0 is None else h0[: len(kept)]
@@ -408,11 +409,13 @@ class UninitialisedOutputTail(PagedBaseline):
 class CuSeqlensIdentityCache(PagedBaseline):
     def __init__(self) -> None:
         super().__init__()
-        self.cached: dict[int, torch.Tensor] = {}
+        # Keyed on the tensor's identity, as FLA's and AITER's tensor_cache are; like theirs, the cache holds
+        # the tensor itself, so its id cannot pass to another tensor once it is freed.
+        self.cached: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:  # type: ignore[no-untyped-def]
         super().run_paged(batch, pool, state_indices, has_initial_state, out, checkpoint_slots)
-        cached = self.cached.setdefault(id(batch.cu_seqlens), batch.cu_seqlens.clone())
+        _, cached = self.cached.setdefault(id(batch.cu_seqlens), (batch.cu_seqlens, batch.cu_seqlens.clone()))
         if torch.equal(cached, batch.cu_seqlens):
             return
         # The outputs come from the first batch's sequence bounds (its states from the right ones).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from aiter.ops.triton._triton_kernels.kimi_delta_attn import chunk_fwd
+from kda_cases.materialize import KDAOptions
 from kda_reference.recurrent import kda_recurrent
 
 
@@ -80,12 +81,7 @@ def chunk_kimi_delta_attn(
         output_final_state=output_final_state,
         cu_seqlens_dtype=None if cu_seqlens is None else cu_seqlens.dtype,
     )
-    truth = kda_recurrent(
-        q,
-        k,
-        v,
-        g,
-        beta,
+    options = KDAOptions(
         scale=scale,
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,
@@ -97,6 +93,7 @@ def chunk_kimi_delta_attn(
         lower_bound=lower_bound,
         state_v_first=state_v_first,
     )
+    truth = kda_recurrent(q, k, v, g, beta, options)
     o = truth.o.to(q.dtype)
     if paged:
         out.copy_(o)

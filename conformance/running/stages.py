@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kda_cases.devices import synchronize
+
 STAGES = ("materialize", "reference", "baseline", "backend", "compare")
 
 
@@ -41,7 +43,7 @@ class StageClock:
         if name not in self.seconds:
             raise ValueError(f"stage {name!r} is not one of {', '.join(STAGES)}")
         lap = Lap()
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         finished = False
         try:
@@ -49,7 +51,7 @@ class StageClock:
             finished = True
         finally:
             if finished:  # a block that raised keeps its own exception, not a GPU error surfacing here
-                _synchronize(device)
+                synchronize(device)
             lap.seconds = time.perf_counter() - start
             self.seconds[name] += lap.seconds
             self.calls[name] += 1
@@ -106,8 +108,3 @@ def _peak_memory() -> dict[str, float]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         peak["gpu_max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return peak
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

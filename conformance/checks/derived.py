@@ -1,10 +1,5 @@
-"""Inputs derived from a case's inputs for the metamorphic properties, and their checks.
-
-- split equivalence: the prefix [0, p) then the suffix [p, T) resumed from the prefix's
-  final state must match the whole run (and the truth) within the case's budgets;
-- prefix invariance: changing tokens at and after p leaves outputs before p bitwise unchanged;
-- packing isolation: each sequence of a packed batch matches the same sequence run alone.
-"""
+"""Inputs derived from a case's inputs: a prefix and a suffix, later tokens changed, one sequence alone,
+the tokens of one serving step."""
 
 from __future__ import annotations
 
@@ -13,19 +8,9 @@ import dataclasses
 import torch
 
 from kda_cases.case import Case
-from kda_cases.materialize import KDAInputs, materialize
-from kda_conformance.compare import tensor_error
-from kda_conformance.stages import CLOCK
-from kda_conformance.tolerance import Budget, TensorVerdict, judge
-from kda_kernels.protocol import Backend, BackendOutput
+from kda_cases.materialize import KDAInputs, cu_seqlens_tensor, materialize
 
 TOKEN_TENSORS = ("q", "k", "v", "g", "beta")
-
-
-def run(backend: Backend, inputs: KDAInputs) -> BackendOutput:
-    """``backend.run(inputs)``, its time counted as the backend's (conformance.stages)."""
-    with CLOCK.stage("backend", inputs.device):
-        return backend.run(inputs)
 
 
 def token_slice(inputs: KDAInputs, start: int, end: int, initial_state: torch.Tensor | None, case: Case) -> KDAInputs:
@@ -69,6 +54,9 @@ def alone_inputs(inputs: KDAInputs, sequence: int) -> KDAInputs:
     return token_slice(inputs, start, end, h0, alone_case)
 
 
-def judged(case: Case, name: str, got: torch.Tensor | None, want: torch.Tensor, budget: Budget) -> TensorVerdict:
-    """Verdict on ``got`` against ``want`` (the truth, or another run) with the case's budget for ``name``."""
-    return judge(case, tensor_error(name, got, want.to(torch.float64)), budget, None if got is None else got.dtype)
+def step_inputs(inputs: KDAInputs, spans: list[tuple[int, int]]) -> KDAInputs:
+    """The tokens ``spans`` (packed row positions) of a packed batch, as a packed batch of their own."""
+    case = inputs.case
+    pieces = {name: torch.cat([getattr(inputs, name)[:, a:b] for a, b in spans], dim=1) for name in TOKEN_TENSORS}
+    step = case.replace(seq_lens=tuple(b - a for a, b in spans), checkpoints=())
+    return dataclasses.replace(inputs, case=step, cu_seqlens=cu_seqlens_tensor(step, inputs.device), **pieces)

@@ -1,12 +1,10 @@
-"""Calibration of the tolerance rule on real kernels: how close each backend comes to its budgets.
+"""The calibration table: how close each backend comes to its limits over a grid of cases.
 
-``kda-conformance calibrate`` runs a grid of cases (lengths x dtypes x gate
-regimes x with and without an initial state) through the selected backends,
-keeps the run file like any run, and summarizes per backend, dtype and tensor:
-the worst error/limit ratio (must stay below 1 with margin for a correct
-kernel) and what would happen to the same kernel with its error doubled (an
-error exactly twice as large everywhere: both metrics double), which the rule
-must catch.
+``kda-conformance calibrate`` runs the calibration grid (``cases/grids.py``: lengths x dtypes x gate
+regimes x with and without an initial state) through the selected backends, keeps the run file like any
+run, and summarizes per backend, dtype and tensor: the worst error/limit ratio (must stay below 1 with
+margin for a correct kernel) and what would happen to the same kernel with its error doubled (an error
+exactly twice as large everywhere: both metrics double), which the rule must catch.
 """
 
 from __future__ import annotations
@@ -16,30 +14,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from kda_cases.case import Case
-
-GATE_REGIMES = ("typical", "weak", "strong")
-INITIAL_STATES = ("none", "random")
-
-
-def calibration_cases(
-    lengths: Sequence[int],
-    dtypes: Sequence[str],
-    num_heads: int,
-    head_dim: int,
-    gate_regimes: Sequence[str] = GATE_REGIMES,
-    initial_states: Sequence[str] = INITIAL_STATES,
-    seed: int = 0,
-) -> list[Case]:
-    """The grid, shortest cases first so that a run cut short still covers every regime at small sizes."""
-    base = Case(num_heads=num_heads, num_v_heads=num_heads, head_k_dim=head_dim, head_v_dim=head_dim, seed=seed)
-    return [
-        base.replace(seq_lens=(T,), dtype=dtype, gate_regime=regime, initial_state=h0, tags=("calibration",))
-        for T in sorted(lengths)
-        for dtype in dtypes
-        for regime in gate_regimes
-        for h0 in initial_states
-    ]
+from kda_reports.findings import worst_ratio
 
 
 def calibration_table(records: pd.DataFrame) -> pd.DataFrame:
@@ -49,7 +24,7 @@ def calibration_table(records: pd.DataFrame) -> pd.DataFrame:
     ran = records[records["verdict"].isin(["pass", "fail"])].copy()
     if ran.empty:
         return pd.DataFrame()
-    ran["worst"] = ran[["ratio", "rel_rms_ratio"]].max(axis=1)
+    ran["worst"] = worst_ratio(ran["ratio"], ran["rel_rms_ratio"])
     # Doubling the error doubles both metrics; the hard checks do not change.
     ran["doubled_fails"] = (ran["verdict"] == "fail") | (2 * ran["worst"] > 1)
     grouped = ran.groupby(["backend", "case_dtype", "tensor"], sort=True)

@@ -12,14 +12,18 @@ from __future__ import annotations
 import multiprocessing
 import signal
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from multiprocessing.connection import Connection
 
 import torch
 
 from kda_cases.case import Case
-from kda_conformance.stages import CLOCK
-from kda_conformance.sweep import CaseTruth, Outcome, case_truth, run_backend
+from kda_conformance.judging.judge import judge_for
+from kda_conformance.judging.repro import BUDGET_CHECK
+from kda_conformance.running.runner import run_backend
+from kda_conformance.running.stages import CLOCK
+from kda_conformance.running.truth import CaseTruth, case_truth
+from kda_reports.findings import Finding
 
 DEFAULT_CASE_TIMEOUT = 900.0  # seconds for one case on one backend, its reference and compile included
 STARTUP_TIMEOUT = 600.0  # seconds for a fresh worker to import torch, the suite and the plugins
@@ -40,8 +44,8 @@ def _worker(conn: Connection, device: str, plugins: list[str]) -> None:
         case = Case.from_json(case_json)
         if truth is None or truth.case != case:  # one case's truth serves all its backends
             truth = case_truth(case, torch.device(device))
-        outcome = run_backend(truth, registry.get(backend_name))
-        conn.send((outcome, CLOCK.drain()))
+        findings = run_backend(truth, registry.get(backend_name))
+        conn.send((findings, CLOCK.drain()))
 
 
 class IsolatedRunner:
@@ -70,7 +74,7 @@ class IsolatedRunner:
             self.process.join(timeout=30)
         self.process, self.conn = None, None
 
-    def run(self, case: Case, backend: str) -> Outcome:
+    def run(self, case: Case, backend: str) -> list[Finding]:
         if self.process is None:
             self._start()
         assert self.conn is not None and self.process is not None
@@ -79,16 +83,17 @@ class IsolatedRunner:
         reason = ""
         if self.conn.poll(self.case_timeout):
             try:
-                outcome, stages = self.conn.recv()
+                findings, stages = self.conn.recv()
                 CLOCK.absorb(stages)
-                return outcome
+                return findings
             except (EOFError, ConnectionError):
                 self.process.join(timeout=30)
                 reason = f"the backend's process died ({_exit_status(self.process.exitcode)}); the night went on"
         else:
             reason = f"no result within {self.case_timeout:g} s (hung or too slow): its process was killed"
         self._discard()
-        return Outcome(case, backend, self.device, "error", reason, time.perf_counter() - start)
+        judge = judge_for(BUDGET_CHECK, case, backend, self.device)
+        return [judge.outcome("error", reason, time.perf_counter() - start)]
 
     def close(self) -> None:
         if self.conn is not None and self.process is not None and self.process.is_alive():
@@ -117,18 +122,12 @@ def run_cases_isolated(
     device: torch.device,
     plugins: Sequence[str] = (),
     case_timeout: float = DEFAULT_CASE_TIMEOUT,
-    on_outcome: Callable[[Outcome], None] | None = None,
-) -> list[Outcome]:
+) -> Iterator[list[Finding]]:
     """``run_cases`` with every case run in a worker process (see the module's docstring)."""
     runner = IsolatedRunner(device, plugins, case_timeout)
-    outcomes = []
     try:
         for case in cases:
             for backend in backends:
-                outcome = runner.run(case, backend)
-                outcomes.append(outcome)
-                if on_outcome is not None:
-                    on_outcome(outcome)
+                yield runner.run(case, backend)
     finally:
         runner.close()
-    return outcomes

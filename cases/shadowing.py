@@ -8,6 +8,9 @@ find our folder before, say, the PyPI package ``kernels``. Each folder's
 next package of that name on ``sys.path``. When there is none, nothing is
 shadowed and the import goes ahead (pytest imports the suite's test files under
 the folder's bare name).
+
+It lives in the bottom layer (``kda_cases``) so that every folder can call it
+without importing a layer above its own.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""``kda-conformance repro``: rebuild one served case exactly, say where it goes wrong, write a standalone test.
+"""A served case as a standalone pytest file (``kda-conformance repro --write-test``), and its pool plan.
 
-The standalone test (``--write-test FILE``) holds the inputs, the poisoned pool and output buffer, the
+The standalone test holds the inputs, the poisoned pool and output buffer, the
 float64 truth and the limits in ``FILE`` with a ``.pt`` suffix beside it, and checks what the serving
 checks check. For a backend that gives ``standalone_source()`` (FLA's kernels) it needs only torch and the
 backend's package, to attach to an upstream report; for any other it imports this suite to run it.
@@ -14,28 +14,11 @@ from pathlib import Path
 import torch
 
 from kda_cases.case import Case
-from kda_cases.corpus import load_corpus
-from kda_conformance.serving import SERVING_CHECKS, serving_case
-from kda_conformance.sweep import case_truth
+from kda_cases.materialize import cu_seqlens_tensor
+from kda_conformance.checks.served import serving_case
+from kda_conformance.running.truth import case_truth
 from kda_kernels.protocol import Backend
 from kda_kernels.serving import NULL_SLOT, plan_pool, run_serving
-
-
-def resolve_case(text: str) -> Case:
-    """A case from JSON text, a .json file, or the id of a pinned corpus case."""
-    stripped = text.strip()
-    if stripped.startswith("kda-") and "{" not in stripped and not Path(stripped).is_file():
-        for entry in load_corpus():
-            if entry.case.id == stripped:
-                return entry.case
-        raise ValueError(
-            f"case id {stripped} is not in the corpus; pass the case JSON instead (every failure prints it)"
-        )
-    source = Path(stripped).read_text() if not stripped.startswith("{") and Path(stripped).is_file() else stripped
-    try:
-        return Case.from_json(source)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ValueError(f"--case: not a case id, case JSON or a .json file holding one: {exc}") from None
 
 
 def plan_lines(case: Case) -> list[str]:
@@ -53,13 +36,6 @@ def plan_lines(case: Case) -> list[str]:
     return lines
 
 
-def run_check(case: Case, backend: Backend, device: torch.device, poison: str, check: str) -> list[str]:
-    """The findings of one serving check on ``case`` (made a served case for ``backend``)."""
-    if check not in SERVING_CHECKS:
-        raise ValueError(f"--check {check!r} unknown; choose from {', '.join(SERVING_CHECKS)}")
-    return SERVING_CHECKS[check](case_truth(serving_case(case, backend), device), backend, poison)
-
-
 def write_standalone(case: Case, backend: Backend, device: torch.device, poison: str, path: Path) -> tuple[Path, Path]:
     """Write ``path`` (a pytest file) and its data beside it: the poisoned served run of ``case``."""
     served = serving_case(case, backend)
@@ -75,7 +51,7 @@ def write_standalone(case: Case, backend: Backend, device: torch.device, poison:
         "poison": poison,
         **{name: getattr(x, name).cpu() for name in ("q", "k", "v", "g", "beta")},
         "kwargs": {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
-        "cu_seqlens": torch.tensor((*served.offsets, *(T,) * plan.padding), dtype=torch.int32),
+        "cu_seqlens": cu_seqlens_tensor(served, "cpu", plan.padding),
         "state_indices": torch.tensor(plan.state_indices, dtype=torch.int32),
         "has_initial_state": torch.tensor([served.has_initial_state] * n + [False] * plan.padding),
         "num_seqs": n,

@@ -1,6 +1,7 @@
-"""Time the exact reference forms beside FLA's float32 loop and the kernels under test, in one run.
+"""``kda-conformance benchmark``: the exact reference forms timed beside FLA's float32 loop and the kernels
+under test, in one run.
 
-    python -m kda_reference.benchmark --device cuda --table docs/reference-speed.md
+    kda-conformance benchmark --device cuda --backends fla_chunk,fla_recurrent,torch_chunk
 
 For each length (one sequence, ``--heads`` heads, K = V = ``--head-dim``, bf16
 inputs, a random initial state) it times, on the same inputs in the same
@@ -23,17 +24,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from rich.console import Console
 
 from kda_cases.case import Case
+from kda_cases.devices import synchronize
 from kda_cases.materialize import KDAInputs, materialize
+from kda_kernels import registry
 from kda_reference.chunked import DEFAULT_CHUNK, kda_chunked
 from kda_reference.recurrent import kda_recurrent
+
+NAME = "benchmark"
+HELP = "time the float64 reference forms beside FLA's float32 loop and the kernels, with peak memory"
 
 LOOP_WARMUP_TOKENS = 64
 
@@ -62,11 +68,6 @@ def chunked_flops(T: int, heads: int, K: int, V: int, C: int = DEFAULT_CHUNK) ->
     return float(T) * heads * (4 * C * K + C * (V + K) + 6 * K * V + 2 * C * V)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(call: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, float, float]:
     """Median seconds, peak GiB of the calls, GiB allocated per call (GPU; NaN on the CPU)."""
     seconds = []
@@ -75,10 +76,10 @@ def _timed(call: Callable[[], object], device: torch.device, repeats: int) -> tu
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_stats(device).get("allocated_bytes.all.allocated", 0)
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         call()
-        _sync(device)
+        synchronize(device)
         seconds.append(time.perf_counter() - start)
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device) / 2**30
@@ -102,10 +103,9 @@ def device_ceilings(device: torch.device) -> tuple[float, float]:
 
 
 def _forms(x: KDAInputs) -> dict[str, Callable[[], object]]:
-    kwargs = x.kernel_kwargs()
     return {
-        "loop": lambda: kda_recurrent(x.q, x.k, x.v, x.g, x.beta, **kwargs),
-        "chunked": lambda: kda_chunked(x.q, x.k, x.v, x.g, x.beta, **kwargs),
+        "loop": lambda: kda_recurrent(x.q, x.k, x.v, x.g, x.beta, x.options),
+        "chunked": lambda: kda_chunked(x.q, x.k, x.v, x.g, x.beta, x.options),
     }
 
 
@@ -120,11 +120,7 @@ def _fla_naive(x: KDAInputs) -> Callable[[], object] | None:
 
 def run_benchmark(args: argparse.Namespace) -> list[str]:
     device = torch.device(args.device)
-    backends = []
-    if args.backends:
-        from kda_kernels import registry
-
-        backends = [registry.get(name) for name in args.backends.split(",")]
+    backends = [registry.get(name) for name in args.backends.split(",")] if args.backends else []
     rate, bandwidth = device_ceilings(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [
@@ -201,25 +197,20 @@ def run_small(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     parser.add_argument("--lengths", default="2048,8192,32768,131072", help="comma-separated sequence lengths")
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=16, help="heads (= value heads) of every case (default: 16)")
+    parser.add_argument("--head-dim", type=int, default=128, help="K = V of every case (default: 128)")
     parser.add_argument("--backends", default="", help="registered backends to time too, e.g. fla_chunk,fla_recurrent")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per fast contender (median)")
     parser.add_argument("--loop-up-to", type=int, default=0, help="skip the token loops above this length (0: never)")
     parser.add_argument("--small", action="store_true", help="only the short-length comparison of the exact forms")
     parser.add_argument("--table", type=Path, default=None, help="also write the table (markdown) to this file")
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
+
+
+def execute(args: argparse.Namespace, console: Console) -> int:
     lines = run_small(args) if args.small else run_benchmark(args)
     if args.table is not None:
-        shown = [a for i, a in enumerate(argv) if a != "--table" and (i == 0 or argv[i - 1] != "--table")]
-        command = "python -m kda_reference.benchmark " + " ".join(shown)
-        args.table.write_text(f"Produced by `{command}`\n\n" + "\n".join(lines) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+        args.table.write_text(f"Produced by `{args.command_line}`\n\n" + "\n".join(lines) + "\n")
+    return 0

@@ -1,0 +1,69 @@
+"""pytest tests made from the check registry: one Hypothesis test per registered check, run for every
+selected backend. ``conformance/test_properties.py`` and ``test_serving.py`` hold the tests of their suite."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given, target
+from hypothesis import strategies as st
+
+from kda_conformance.checks import CHECKS, Check
+from kda_conformance.running.session import Run
+from kda_kernels.protocol import Backend
+from kda_reports.findings import Finding, failure_report
+
+
+def check_report(check: Check, findings: list[Finding], params: dict) -> str | None:
+    """The failure message of one example of ``check`` (None when it passed). The backend took the case
+    (the draw made sure), so a skip here means it raised Unsupported anyway: a failure."""
+    bad = [f for f in findings if f.failed or f.verdict == "skip"]
+    if not bad:
+        return None
+    case, backend = bad[0].case, bad[0].backend
+    drawn = "".join(f", {name} {value}" for name, value in params.items())
+    header = f"{check.title}{drawn}: {case.id} ({case.label}) backend {backend}"
+    return failure_report([f if f.failed else _as_failure(f) for f in bad], header)
+
+
+def _as_failure(skipped: Finding) -> Finding:
+    return dataclasses.replace(skipped, verdict="error", reason=f"raised Unsupported: {skipped.reason}")
+
+
+def check_test(check: Check) -> Callable[..., None]:
+    """The pytest test of ``check``: draw a case for the backend, run the check on its truth, fail with the
+    findings' message and repro line."""
+
+    @given(data=st.data())
+    def test(kda_backend: Backend, kda_run: Run, kda_record: Callable, request: pytest.FixtureRequest, data) -> None:  # type: ignore[no-untyped-def]
+        reason = check.requires(kda_backend)
+        if reason:
+            pytest.skip(reason)
+        nodeid = request.node.nodeid
+        kda_run.examples.open(nodeid, check.name, kda_backend.name)
+        profile = kda_run.config.profile
+        assert profile is not None
+        drawn = check.draw(data, profile, kda_backend)
+        findings = check.run(kda_run.truth(drawn.case), kda_backend, drawn.params)
+        if check.records:
+            kda_record(findings)
+            measured = [f.worst for f in findings if f.errors is not None]
+            if profile.targeted and measured:
+                # Climb toward the worst inputs: the largest error/limit ratio this backend shows.
+                target(max(measured), label=kda_backend.name)
+        report = check_report(check, findings, dict(drawn.params))
+        if report:
+            kda_run.examples.keep_failure(nodeid, [f.to_dict() for f in findings if not f.passed])
+            raise AssertionError(report)
+
+    test.__name__ = test.__qualname__ = check.test_name
+    test.__doc__ = check.summary
+    test.kda_check = check  # type: ignore[attr-defined]
+    return test
+
+
+def suite_tests(suite: str) -> dict[str, Callable[..., None]]:
+    """The tests of every registered check of ``suite``, by test name (for a test module's namespace)."""
+    return {check.test_name: check_test(check) for check in CHECKS.values() if check.suite == suite}

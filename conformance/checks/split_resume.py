@@ -1,0 +1,78 @@
+"""Split and resume: the prefix [0, p), then the suffix [p, T) resumed from the prefix's returned final
+state, must give the whole run's answer (the truth, and the backend's own whole run) within budget."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from hypothesis import strategies as st
+
+from kda_cases.case import Case
+from kda_cases.profiles import Profile
+from kda_cases.strategies import CHECKPOINT_GRIDS
+from kda_conformance.checks.derived import split_inputs, token_slice
+from kda_conformance.checks.registry import Check, Drawn, Param, draw_case, supported
+from kda_conformance.judging.judge import judge_for
+from kda_conformance.running.runner import call_backend
+from kda_conformance.running.truth import CaseTruth
+from kda_kernels.protocol import Backend
+from kda_reports.findings import Finding
+
+NAME = "split_resume"
+
+
+def splittable(case: Case, backend: Backend) -> Case:
+    """The case as [B, T] rows of at least 2 tokens with an fp32 state (a bf16 pool rounds the state at
+    every resume: that is the paged-pool checks' business) and no checkpoints."""
+    rows = 1 if case.packed else case.num_seqs
+    T = max(2, case.max_len)
+    return case.replace(seq_lens=(T,) * rows, packed=False, state_dtype="fp32", checkpoints=())
+
+
+def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
+    case = draw_case(data, profile, backend, splittable)
+    T = case.seq_lens[0]
+    grid = st.sampled_from(CHECKPOINT_GRIDS).flatmap(
+        lambda g: st.integers(min_value=1, max_value=max(1, (T - 1) // g)).map(lambda k: k * g)
+    )
+    p = data.draw(st.one_of(grid.filter(lambda x: x < T), st.integers(min_value=1, max_value=T - 1)), label="p")
+    supported(backend, case)
+    return Drawn(case, {"at": p})
+
+
+def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> list[Finding]:
+    case, inputs, p = truth.case, truth.inputs, int(params["at"])  # type: ignore[call-overload]
+    judge = judge_for(NAME, case, backend.name, inputs.device, params)
+    T = case.seq_lens[0]
+    prefix_inputs, suffix_case = split_inputs(inputs, p)
+    prefix = call_backend(backend, prefix_inputs)
+    suffix = call_backend(backend, token_slice(inputs, p, T, prefix.final_state, suffix_case))
+    whole = call_backend(backend, inputs)
+    resumed = torch.cat([prefix.o, suffix.o], dim=1)
+    reference, budgets = truth.reference, truth.budgets
+    return [
+        judge.tensor("o", resumed, reference.o, budgets["o"], "o against the truth"),
+        judge.tensor(
+            "final_state",
+            suffix.final_state,
+            reference.final_state,
+            budgets["final_state"],
+            "final state against the truth",
+        ),
+        judge.tensor("o", resumed, whole.o, budgets["o"], "o against the whole run"),
+    ]
+
+
+CHECK = Check(
+    name=NAME,
+    title="split resume",
+    suite="properties",
+    test_name="test_split_resume_equals_whole_run",
+    summary="Prefix [0, p) then suffix [p, T) resumed from the prefix's final state: the whole run, within budget.",
+    draw=draw,
+    run=run,
+    ci_seed=0x797C97F4E3BD6B3A20F426E7812F760362242E18F5A294CE743306EFE174A281DB24DEBC343FC1F2131C292241EE61D2,
+    prepare=splittable,
+    params=(Param("at", int, "the split point p of split_resume and prefix checks (tokens)"),),
+)

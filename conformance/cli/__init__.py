@@ -1,0 +1,67 @@
+"""``kda-conformance``: the suite outside pytest, one module per command."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+from types import ModuleType
+
+from rich.console import Console
+
+from kda_conformance.cli import benchmark, calibrate, checks, corpus, dashboard, detection, diff, nightly, repro, run
+
+COMMANDS: tuple[ModuleType, ...] = (
+    run,
+    nightly,
+    dashboard,
+    corpus,
+    repro,
+    detection,
+    calibrate,
+    checks,
+    diff,
+    benchmark,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kda-conformance",
+        description="How far is a KDA prefill kernel from the exact result? Sweeps, reports, dashboards, repros.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.add_arguments(sub.add_parser(command.NAME, help=command.HELP, description=command.HELP))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    args.command_line = "kda-conformance " + " ".join(shlex.quote(a) for a in _without_output_paths(argv))
+    console = Console()
+    # A time limit's SIGTERM stops a sweep like Ctrl-C does, so the records so far are kept.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return {command.NAME: command for command in COMMANDS}[args.command].execute(args, console)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _without_output_paths(argv: list[str]) -> list[str]:
+    # A table names the command that produced it; where it was written is not part of that.
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--table", "--out"):
+            skip = True
+        elif not arg.startswith(("--table=", "--out=")):
+            out.append(arg)
+    return out

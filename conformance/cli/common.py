@@ -1,0 +1,166 @@
+"""What several commands share: option groups, the case argument, and turning options into a RunConfig."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+
+from kda_cases.case import Case
+from kda_cases.corpus import load_corpus
+from kda_conformance.running.config import (
+    ConfigError,
+    Grid,
+    RunConfig,
+    build_config,
+    parse_choices,
+    parse_dtypes,
+    parse_lengths,
+)
+from kda_conformance.running.isolation import DEFAULT_CASE_TIMEOUT
+from kda_reference.run import FORMS
+from kda_reports.runfile import DEFAULT_OUT
+
+CLI_DEFAULT_BACKENDS = ("fla_chunk", "fla_recurrent")
+
+
+def typed(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """``parse`` as an argparse type: its ValueError becomes argparse's message naming the option."""
+
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def choices(what: str, allowed: tuple[str, ...]) -> Callable[[str], object]:
+    return typed(lambda text: parse_choices(what, text, allowed))
+
+
+def parse_case(text: str) -> Case:
+    """A case from JSON text, a .json file holding it, or the id of a pinned corpus case."""
+    stripped = text.strip()
+    if stripped.startswith("kda-") and "{" not in stripped and not Path(stripped).is_file():
+        for entry in load_corpus():
+            if entry.case.id == stripped:
+                return entry.case
+        raise ValueError(
+            f"case id {stripped} is not in the corpus; pass the case JSON instead (every failure prints it)"
+        )
+    source = stripped
+    if not stripped.startswith("{"):
+        if not Path(stripped).is_file():
+            raise ValueError(f"--case takes case JSON, a .json file or a corpus id; {text!r} is none of them")
+        source = Path(stripped).read_text()
+    try:
+        return Case.from_json(source)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"--case: not a valid case: {exc}") from None
+
+
+def add_device(parser: argparse.ArgumentParser, default: str = "auto") -> None:
+    parser.add_argument("--device", default=default, help=f"auto, cpu, cuda or cuda:N (default: {default})")
+
+
+def add_backends(parser: argparse.ArgumentParser, default: str = "fla_chunk and fla_recurrent") -> None:
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE, which registers more backends (repeatable)",
+    )
+    parser.add_argument(
+        "--backend",
+        action="append",
+        dest="backends",
+        metavar="NAME",
+        help=f"backend to test, repeatable (default: {default})",
+    )
+
+
+def add_out(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: ./out)")
+
+
+def add_grid(parser: argparse.ArgumentParser, default_dtypes: tuple[str, ...]) -> None:
+    parser.add_argument(
+        "--lengths", type=typed(parse_lengths), default=None, help="sequence lengths, e.g. 37,64,65,130"
+    )
+    parser.add_argument(
+        "--dtypes",
+        type=typed(parse_dtypes),
+        default=default_dtypes,
+        help=f"input dtypes (default: {','.join(default_dtypes)})",
+    )
+    parser.add_argument("--heads", type=int, default=2, help="query/key heads (= value heads) per case")
+    parser.add_argument("--head-dim", type=int, default=64, help="K = V head dimension")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("-v", "--verbose", action="store_true", help="print each record as it is measured")
+
+
+def add_regressions(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--window", type=int, default=5, help="earlier runs a run is compared with (default: 5)")
+    parser.add_argument(
+        "--growth", type=float, default=1.5, help="flag a worst error/limit grown past this times the median"
+    )
+
+
+def add_reference_form(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--reference-form",
+        choices=FORMS,
+        default=None,
+        help="exact form of the float64 truth: auto (default: the chunked form from a few tokens on), "
+        "loop (the token-by-token definition) or chunked",
+    )
+
+
+def add_isolation(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run each case in a worker process, so a crash or a hang costs that case only "
+        "(default: on for GPUs, off on the CPU)",
+    )
+    parser.add_argument(
+        "--case-timeout",
+        type=float,
+        default=DEFAULT_CASE_TIMEOUT,
+        metavar="S",
+        help=f"with --isolate: seconds one case may take on one backend (default: {DEFAULT_CASE_TIMEOUT:g})",
+    )
+
+
+def config_from_args(args: argparse.Namespace, console: Console) -> RunConfig | None:
+    """The run's configuration from a command's options; an option that is not allowed is printed (None)."""
+    grid = None
+    if hasattr(args, "dtypes"):
+        lengths = {"lengths": tuple(args.lengths)} if args.lengths else {}
+        seed = args.seed or 0
+        grid = Grid(**lengths, dtypes=tuple(args.dtypes), heads=args.heads, head_dim=args.head_dim, seed=seed)
+    try:
+        return build_config(
+            device=args.device,
+            backends=args.backends,
+            default_backends=CLI_DEFAULT_BACKENDS,
+            plugins=args.plugin,
+            profile=getattr(args, "profile", None),
+            examples=getattr(args, "examples", None),
+            seed=getattr(args, "seed", None) or None,
+            grid=grid,
+            out=getattr(args, "out", DEFAULT_OUT),
+            reference_form=getattr(args, "reference_form", None),
+            isolate=getattr(args, "isolate", None),
+            case_timeout=getattr(args, "case_timeout", DEFAULT_CASE_TIMEOUT),
+            command=args.command_line,
+        )
+    except ConfigError as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False)
+        return None

@@ -1,0 +1,112 @@
+"""``kda-conformance detection``: run the checks and the corpus for some backends (say, planted bugs) in one
+pytest process and tabulate what caught each (reports/detection.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+from rich.console import Console
+
+from kda_cases.profiles import PROFILES
+from kda_conformance.checks import CHECKS
+from kda_kernels import registry
+from kda_reports.detection import detection_markdown, detection_table
+from kda_reports.runfile import DEFAULT_OUT
+
+NAME = "detection"
+HELP = "run the properties and the corpus for some backends (say, planted bugs) and tabulate what caught each"
+CONFORMANCE = Path(__file__).resolve().parent.parent
+SUITES = ("test_properties.py", "test_serving.py", "test_corpus.py")
+
+
+@dataclass(frozen=True)
+class DetectionRun:
+    table: pd.DataFrame  # one row per backend
+    entries: dict[str, dict]  # pytest node id -> check, backend, examples, failed_at, findings
+    returncode: int
+    output: str
+    command: list[str]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--plugin", action="append", default=[], metavar="MODULE", help="module that registers backends (repeatable)"
+    )
+    parser.add_argument(
+        "--backend",
+        action="append",
+        dest="backends",
+        metavar="NAME",
+        help="backend to run, repeatable (default: every backend the plugins register)",
+    )
+    parser.add_argument(
+        "--plugin-backends", action="store_true", help="with --backend: also every backend the plugins register"
+    )
+    parser.add_argument("--profile", choices=list(PROFILES), default="ci", help="sweep profile (default: ci)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of a randomized profile")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: ./out)")
+    parser.add_argument("--table", type=Path, default=None, help="also write the markdown table to this file")
+
+
+def pytest_command(
+    backends: list[str], plugins: list[str], profile: str, device: str, out: Path, seed: int | None = None
+) -> list[str]:
+    """The pytest command line the detection run uses (the plugin loads itself through ``-p``)."""
+    command = [sys.executable, "-m", "pytest", *(str(CONFORMANCE / name) for name in SUITES)]
+    command += ["-q", "-p", "kda_conformance.plugin", "-p", "no:cacheprovider", "--import-mode=importlib"]
+    command += ["--kda-device", device, "--kda-profile", profile, "--kda-out", str(out)]
+    command += [arg for module in plugins for arg in ("--kda-plugin", module)]
+    command += [arg for name in backends for arg in ("--kda-backend", name)]
+    if seed is not None:
+        command += ["--kda-seed", str(seed)]
+    return command
+
+
+def run_detection(
+    backends: list[str],
+    plugins: list[str],
+    out: Path,
+    profile: str = "ci",
+    device: str = "cpu",
+    seed: int | None = None,
+    env: dict[str, str] | None = None,
+) -> DetectionRun:
+    """Run the checks and the corpus for ``backends`` and tabulate what caught each."""
+    command = pytest_command(backends, plugins, profile, device, out, seed)
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    files = sorted((Path(out) / "runs").glob("*.checks.json"))
+    if not files:
+        raise RuntimeError(f"the detection run wrote no checks file (exit {done.returncode}):\n{done.stdout[-3000:]}")
+    entries = json.loads(files[-1].read_text())
+    titles = {name: check.title for name, check in CHECKS.items()}
+    return DetectionRun(detection_table(entries, backends, titles), entries, done.returncode, done.stdout, command)
+
+
+def execute(args: argparse.Namespace, console: Console) -> int:
+    try:
+        before = set(registry.names())
+        for module in args.plugin:
+            registry.load_plugin(module)
+        from_plugins = sorted(set(registry.names()) - before)
+        names = [*args.backends, *(from_plugins if args.plugin_backends else [])] if args.backends else from_plugins
+        backends = {name: registry.get(name) for name in names}
+    except (KeyError, registry.PluginError) as exc:
+        console.print(f"[red]error:[/] {exc.args[0]}")
+        return 2
+    if not names:
+        console.print("[red]error:[/] no backends: name them with --backend, or load a plugin that registers some")
+        return 2
+    console.print(f"detection: {len(names)} backends, profile {args.profile}, device {args.device}")
+    run = run_detection(names, args.plugin, args.out, args.profile, args.device, args.seed)
+    markdown = detection_markdown(run.table, {n: b.description for n, b in backends.items()}, args.command_line)
+    console.print(markdown, markup=False, highlight=False, soft_wrap=True)
+    if args.table is not None:
+        args.table.write_text(markdown)
+    return 0

@@ -1,0 +1,94 @@
+"""``kda-conformance repro``: rerun one check on one case, say where it goes wrong, write a standalone test.
+
+Every failure prints such a line: the budget check's through ``kda-conformance run --case``, every other
+check's through this command with the parameters it drew (``--at`` a split point, ``--poison`` a mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+
+from kda_conformance.checks import CHECKS, get_check, run_check
+from kda_conformance.checks.standalone import plan_lines, write_standalone
+from kda_conformance.cli.common import add_device, config_from_args, parse_case, typed
+from kda_kernels import registry
+
+NAME = "repro"
+HELP = "rerun one check on one case, say where it goes wrong, and write a standalone test"
+DEFAULT_POISON = "nan"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--case",
+        required=True,
+        type=typed(parse_case),
+        metavar="JSON_FILE_OR_ID",
+        help="case JSON, a .json file, or a corpus id",
+    )
+    parser.add_argument("--backend", required=True, metavar="NAME", help="the registered backend to run")
+    parser.add_argument(
+        "--plugin", action="append", default=[], metavar="MODULE", help="module that registers backends"
+    )
+    add_device(parser)
+    parser.add_argument("--check", default="poison", choices=list(CHECKS), help="which check (default: poison)")
+    # Every parameter a registered check draws is an option here, so every repro line can be rerun.
+    for param in {p.name: p for check in CHECKS.values() for p in check.params}.values():
+        parser.add_argument(
+            f"--{param.name}", type=typed(param.parse), choices=param.choices, default=None, help=param.help
+        )
+    parser.add_argument(
+        "--write-test",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write a standalone pytest file (served case, poisoned)",
+    )
+
+
+def execute(args: argparse.Namespace, console: Console) -> int:
+    check = get_check(args.check)
+    args.backends = [args.backend]
+    config = config_from_args(args, console)
+    if config is None:
+        return 2
+    device, backend = config.device, registry.get(args.backend)
+    available = backend.availability(device)
+    if not available:
+        console.print(f"[red]error:[/] {backend.name} cannot run on {device}: {available.reason}")
+        return 2
+    params = {p.name: getattr(args, p.name) for p in check.params}
+    if check.name == "poison" and params["poison"] is None:
+        params["poison"] = DEFAULT_POISON
+    missing = [name for name, value in params.items() if value is None]
+    if missing:
+        console.print(f"[red]error:[/] check {check.name} needs " + ", ".join(f"--{name}" for name in missing))
+        return 2
+    case = check.prepare(args.case, backend)
+    shown = "".join(f", {name} {value}" for name, value in params.items())
+    console.print(
+        f"{case.id} ({case.label}) on {backend.name}, {device}, check {check.name}{shown}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    if check.suite == "serving":
+        for line in plan_lines(case):
+            console.print(line, highlight=False)
+    try:
+        findings = run_check(check, case, backend, device, params)
+    except ValueError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 2
+    failed = [f for f in findings if f.failed]
+    for finding in failed:
+        console.print(f"[red]FAIL[/] {finding.message(repro=False)}", highlight=False, soft_wrap=True)
+    if not failed:
+        console.print(f"[green]no finding[/]: check {check.name} passes on this case")
+    if args.write_test is not None:
+        poison = args.poison or DEFAULT_POISON
+        test, data = write_standalone(args.case, backend, device, poison, args.write_test)
+        console.print(f"standalone test: {test} (data {data}); run it with: pytest {test}")
+    return 1 if failed else 0

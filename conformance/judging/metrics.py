@@ -1,0 +1,95 @@
+"""Errors of a returned tensor against the float64 truth (or another run), and where they first pass a limit."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kda_cases.case import Case
+from kda_cases.dtypes import CHECKED_TENSORS
+from kda_reports.findings import Errors, Location
+
+CURVE_CHUNK = 64
+
+
+class Tensors(Protocol):
+    """Anything holding the checked tensors by name: a backend's output or the float64 truth."""
+
+    o: torch.Tensor
+    final_state: torch.Tensor | None
+    checkpoint_states: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One tensor's errors, and its largest error per leading index (``[B, T, HV]`` for outputs, token by
+    head; ``[N, HV]`` for states), kept to locate the first point past a limit once the limit is known."""
+
+    tensor: str
+    errors: Errors
+    per_index: torch.Tensor | None = None
+
+
+def measure(name: str, got: torch.Tensor | None, want: torch.Tensor) -> Measurement:
+    """Error metrics of ``got`` against the float64 ``want``; a missing or misshapen tensor is flagged."""
+    if got is None:
+        return Measurement(name, Errors(math.inf, math.inf, math.inf, 0, False, "backend returned no tensor"))
+    if tuple(got.shape) != tuple(want.shape):
+        detail = f"shape {list(got.shape)} != expected {list(want.shape)}"
+        return Measurement(name, Errors(math.inf, math.inf, math.inf, 0, False, detail))
+    got64 = got.detach().to(device=want.device, dtype=torch.float64)
+    nonfinite = int((~torch.isfinite(got64)).sum())
+    raw = (got64 - want).abs()
+    finite = torch.isfinite(raw)
+    # NaN must never slip through a comparison: non-finite entries count as infinite error.
+    diff = torch.where(finite, raw, torch.full_like(raw, math.inf))
+    ref_rms = float(want.pow(2).mean().sqrt()) if want.numel() else 0.0
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    err_rms = float(diff.pow(2).mean().sqrt()) if diff.numel() else 0.0
+    tiny = torch.finfo(torch.float64).tiny
+    # Per index, a non-finite value stays NaN so that it is "bad" against any limit, infinite ones included.
+    located = torch.where(finite, raw, torch.full_like(raw, math.nan))
+    per_index = located.amax(dim=-1) if name == "o" else located.flatten(2).amax(dim=-1)
+    curve: tuple[float, ...] = ()
+    if name == "o" and diff.numel():
+        per_token = per_index.amax(dim=-1).flatten()  # batch rows laid end to end
+        pad = (-per_token.numel()) % CURVE_CHUNK
+        padded = torch.cat([per_token, per_token.new_zeros(pad)])
+        curve = tuple(padded.view(-1, CURVE_CHUNK).nan_to_num(nan=math.inf).amax(dim=-1).tolist())
+    errors = Errors(
+        max_abs=max_abs,
+        rel_rms=err_rms / max(ref_rms, tiny),
+        max_abs_over_ref_rms=max_abs / max(ref_rms, tiny),
+        nonfinite=nonfinite,
+        shape_ok=True,
+        curve=curve,
+    )
+    return Measurement(name, errors, per_index.cpu())
+
+
+def measure_result(case: Case, truth: Tensors, result: Tensors) -> list[Measurement]:
+    """Errors of every tensor the case defines: the output and the final state (checkpoints when returned)."""
+    return [
+        measure(name, getattr(result, name), getattr(truth, name))
+        for name in CHECKED_TENSORS
+        if name != "checkpoint_states" or (case.checkpoints and result.checkpoint_states is not None)
+    ]
+
+
+def locate(case: Case, measurement: Measurement, limit: float) -> Location | None:
+    """Where the error first exceeds ``limit``: a token and head of a sequence (outputs) or a sequence and
+    head (states); sequences in order, then tokens in order within a sequence; None when nothing does."""
+    if measurement.per_index is None:
+        return None
+    bad = ~(measurement.per_index <= limit)  # NaN marks a non-finite value: bad whatever the limit
+    if measurement.tensor != "o":
+        hits = bad.nonzero()
+        return Location(sequence=int(hits[0, 0]), head=int(hits[0, 1])) if len(hits) else None
+    for seq, (row, start, end) in enumerate(case.row_spans):
+        hits = bad[row, start:end].nonzero()
+        if len(hits):
+            return Location(sequence=seq, token=int(hits[0, 0]), head=int(hits[0, 1]))
+    return None

@@ -1,0 +1,31 @@
+"""The one builder of repro lines: the shell command that reruns a check on one case, backend and device.
+
+The budget check reruns through ``kda-conformance run --case``; every other check through
+``kda-conformance repro --check NAME`` with the parameters it drew (a split point, a poison mode), so the
+line reruns the check that failed, not only the budget.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping
+
+import torch
+
+from kda_cases.case import Case
+
+BUDGET_CHECK = "budget"
+
+
+def repro_line(
+    check: str, case: Case, backend: str, device: torch.device | str, params: Mapping[str, object] | None = None
+) -> str:
+    """One shell line that reruns ``check`` on exactly this case, backend and device type."""
+    device_type = torch.device(device).type
+    if check == BUDGET_CHECK:
+        head = f"kda-conformance run --device {device_type} --backend {shlex.quote(backend)}"
+    else:
+        head = f"kda-conformance repro --device {device_type} --backend {shlex.quote(backend)}"
+        head += "".join(f" --{name} {shlex.quote(str(value))}" for name, value in (params or {}).items())
+        head += f" --check {check}"
+    return f"{head} --case {shlex.quote(case.to_json())}"

@@ -1,0 +1,111 @@
+"""The tolerance policy: the limits each checked tensor is held to, derived from a stated rule.
+
+Each tensor (output, final state, checkpoint states) gets two limits, one per
+budgeted metric, by one rule (docs/tolerance.md gives the reasons and the
+calibration behind it)::
+
+    limit    = min(cap, max(factor * baseline, floor))
+    baseline = the metric of the same-precision PyTorch baseline (backend ``torch_chunk``) on the case
+    floor    = u(stored dtype) + 5 sqrt(n) u(fp32)   for rel-RMS
+               (u(stored dtype) + sqrt(25 + 2 ln N) sqrt(n) u(fp32)) max|reference|   for max-abs
+    cap      = sqrt(u(working dtype))               (times max|reference| for max-abs)
+
+``u`` is the unit roundoff (2^-8 for bf16, 2^-11 for fp16, 2^-24 for fp32) and
+``n`` the longest sequence of the case. The floor's first term is what storing
+the exact answer in the tensor's own dtype may cost, so an exact baseline
+still leaves a positive budget; its second is Higham and Mary's probabilistic
+bound lambda sqrt(n) u on the rounding error of ``n`` float32 steps, with
+lambda = 5 (it holds with probability 1 - 2 exp(-lambda^2 / 2) = 1 - 7e-6): the
+accumulation every kernel does in float32 whatever the order of its
+arithmetic. A token-serial kernel rounds its state once per token and a
+chunked one once per chunk, so a float32 baseline of one order does not bound
+the other (FLA's recurrent kernel with weak gates and repeated keys carries an
+fp32 error 7 times the chunked baseline's). Max-abs is the largest of ``N``
+elements' errors, so its floor widens lambda to sqrt(lambda^2 + 2 ln N), at which
+the maximum stays below it with the same probability (a union bound over the
+elements). The cap (half the working precision's digits) keeps a baseline that
+itself breaks down from excusing a kernel that breaks down with it. Max-abs is
+the headline metric; its factor is larger because a maximum over millions of
+elements is a noisy statistic, while rel-RMS, an average, tracks a kernel's
+error level closely, so its tighter factor is what catches a kernel whose error
+has merely doubled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kda_cases.case import Case
+from kda_cases.dtypes import UNIT_ROUNDOFF, stored_dtype_name
+from kda_conformance.judging.metrics import Measurement, Tensors
+from kda_reports.findings import Budget, Errors, Limit
+
+
+@dataclass(frozen=True)
+class BudgetRule:
+    """The constants of the rule; DEFAULT_RULE is the one the suite's verdicts use."""
+
+    max_abs_factor: float = 4.0
+    rel_rms_factor: float = 2.0
+    floor_ulps: float = 1.0
+    floor_lambda: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_abs_factor", "rel_rms_factor", "floor_ulps", "floor_lambda"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"BudgetRule.{name} must be a positive finite number, got {value!r}")
+
+
+DEFAULT_RULE = BudgetRule()
+
+
+def _limit(metric: str, factor: float, baseline: float, floor: float, cap: float) -> Limit:
+    cap = max(cap, floor)
+    # A non-finite baseline means the baseline broke down: unbounded, so the cap decides.
+    scaled = factor * baseline if math.isfinite(baseline) else math.inf
+    if scaled >= cap:
+        return Limit(metric, cap, baseline, floor, cap, "cap")
+    if scaled >= floor:
+        return Limit(metric, scaled, baseline, floor, cap, "baseline")
+    return Limit(metric, floor, baseline, floor, cap, "floor")
+
+
+def derive_budget(
+    case: Case,
+    tensor: str,
+    baseline: Errors,
+    reference_max_abs: float,
+    rule: BudgetRule = DEFAULT_RULE,
+    elements: int = 1,
+) -> Budget:
+    """Apply the rule to one tensor, given the baseline's errors on it, the reference's largest magnitude
+    and the tensor's number of elements (the max-abs floor covers the largest of that many errors)."""
+    stored = UNIT_ROUNDOFF[stored_dtype_name(case, tensor)]
+    working = max(UNIT_ROUNDOFF[case.dtype], stored)
+    growth = math.sqrt(max(case.seq_lens)) * UNIT_ROUNDOFF["fp32"]
+    floor_rel_rms = rule.floor_ulps * stored + rule.floor_lambda * growth
+    lambda_max = math.sqrt(rule.floor_lambda**2 + 2 * math.log(max(elements, 1)))
+    floor_max_abs = (rule.floor_ulps * stored + lambda_max * growth) * reference_max_abs
+    cap = math.sqrt(working)
+    return Budget(
+        tensor,
+        _limit("max_abs", rule.max_abs_factor, baseline.max_abs, floor_max_abs, cap * reference_max_abs),
+        _limit("rel_rms", rule.rel_rms_factor, baseline.rel_rms, floor_rel_rms, cap),
+    )
+
+
+def case_budgets(
+    case: Case, truth: Tensors, baseline: Iterable[Measurement], rule: BudgetRule = DEFAULT_RULE
+) -> dict[str, Budget]:
+    """Budgets for every tensor the baseline was measured on, keyed by tensor name."""
+    budgets = {}
+    for measured in baseline:
+        ref = getattr(truth, measured.tensor)
+        ref_max = float(ref.abs().max()) if ref.numel() else 0.0
+        budgets[measured.tensor] = derive_budget(
+            case, measured.tensor, measured.errors, ref_max, rule, elements=ref.numel()
+        )
+    return budgets

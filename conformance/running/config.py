@@ -1,0 +1,203 @@
+"""One run's configuration, shared by the command line and the pytest plugin.
+
+Both front ends turn their options into a :class:`RunConfig` through :func:`build_config`, which checks
+every value (an error names the option and the allowed values), loads plugins, picks the profile and the
+seed, and draws the run's kernel configurations. Whatever a run does afterwards reads this object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kda_cases.case import DTYPES, Case
+from kda_cases.devices import resolve_device
+from kda_cases.grids import FIRST_SWEEP_DTYPES, FIRST_SWEEP_LENGTHS, first_sweep_cases
+from kda_cases.profiles import Profile, get_profile
+from kda_cases.strategies import kernel_pool_lines, with_kernel_pool
+from kda_conformance.running.isolation import DEFAULT_CASE_TIMEOUT
+from kda_kernels import registry
+from kda_reference.run import FORM_VARIABLE, FORMS
+from kda_reports.environment import environment
+from kda_reports.runfile import DEFAULT_OUT
+
+STRICT_VARIABLE = "KDA_STRICT"
+PROFILE_VARIABLE = "KDA_PROFILE"
+
+
+class ConfigError(ValueError):
+    """An option's value is not allowed. ``option`` is its name without dashes (``device``, ``backend``):
+    each front end shows it under its own spelling (``--device``, ``--kda-device``)."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(f"--{option}: {message}")
+        self.option, self.message = option, message
+
+    def shown_as(self, prefix: str) -> str:
+        """The message with the option spelled ``--{prefix}{option}``."""
+        return f"--{prefix}{self.option}: {self.message}"
+
+
+def parse_lengths(text: str) -> tuple[int, ...]:
+    """``"37,2048"`` -> ``(37, 2048)``; every length must be a positive integer."""
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"lengths must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"lengths must be positive integers, got {text!r}")
+    return values
+
+
+def parse_choices(what: str, text: str, allowed: Sequence[str]) -> tuple[str, ...]:
+    """``"a,b"`` -> ``("a", "b")``, each one of ``allowed``; the error names ``what`` and the allowed values."""
+    values = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in values if x not in allowed]
+    if bad or not values:
+        raise ValueError(f"{what} {bad or text!r} not allowed; choose from {', '.join(allowed)}")
+    return values
+
+
+def parse_dtypes(text: str) -> tuple[str, ...]:
+    """``"bf16,fp32"`` -> ``("bf16", "fp32")``, each one of the case dtypes."""
+    return parse_choices("dtypes", text, DTYPES)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The first sweep's fixed grid: lengths x dtypes x (no initial state, random), plus one packed batch."""
+
+    lengths: tuple[int, ...] = FIRST_SWEEP_LENGTHS
+    dtypes: tuple[str, ...] = FIRST_SWEEP_DTYPES
+    heads: int = 2
+    head_dim: int = 64
+    seed: int = 0
+
+    def cases(self) -> list[Case]:
+        return first_sweep_cases(self.lengths, self.dtypes, self.heads, self.head_dim, self.seed)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that decides what a run runs and where its report goes."""
+
+    device: torch.device
+    backends: tuple[str, ...]
+    profile: Profile | None = None  # the profile of generated cases, its kernel pool drawn for the seed
+    seed: int | None = None  # a randomized profile's seed; None when derandomized (or no profile)
+    grid: Grid = field(default_factory=Grid)
+    out: Path = DEFAULT_OUT
+    plugins: tuple[str, ...] = ()
+    strict: bool = False  # a selected backend that cannot run fails instead of skipping
+    reference_form: str | None = None
+    isolate: bool = False  # each case in a worker process (a crash or a hang costs that case only)
+    case_timeout: float = DEFAULT_CASE_TIMEOUT
+    command: str = ""  # the command line, as the run's environment records it
+
+    def export(self) -> None:
+        """Set what worker processes (pytest-xdist, isolated cases) must inherit through the environment."""
+        if self.reference_form:
+            os.environ[FORM_VARIABLE] = self.reference_form
+
+    def environment(self) -> dict:
+        """The environment record of the run: machine, libraries, command, and the profile and seed."""
+        env = {**environment(self.device), "command": self.command}
+        if self.profile is not None:
+            env["profile"] = self.profile.name
+            env["seed"] = "" if self.seed is None else self.seed
+        return env
+
+    def seed_line(self) -> str:
+        assert self.profile is not None
+        if self.seed is None:
+            return "derandomized"
+        return f"seed {self.seed}"
+
+    def kernel_pool_lines(self) -> list[str]:
+        return [] if self.profile is None else kernel_pool_lines(self.profile)
+
+
+def default_profile_name(device: torch.device) -> str:
+    """``KDA_PROFILE``, else ``ci`` on a CPU and ``nightly`` on a GPU."""
+    return os.environ.get(PROFILE_VARIABLE) or ("ci" if device.type == "cpu" else "nightly")
+
+
+def strict_from_environment() -> bool:
+    return os.environ.get(STRICT_VARIABLE, "") not in ("", "0")
+
+
+def build_config(
+    *,
+    device: str = "auto",
+    backends: Sequence[str] | None = None,
+    default_backends: Sequence[str] | None = None,
+    plugins: Sequence[str] = (),
+    profile: str | None = None,
+    default_profile: bool = False,
+    examples: int | None = None,
+    seed: int | None = None,
+    grid: Grid | None = None,
+    out: Path | str = DEFAULT_OUT,
+    strict: bool | None = None,
+    reference_form: str | None = None,
+    isolate: bool | None = None,
+    case_timeout: float = DEFAULT_CASE_TIMEOUT,
+    command: str = "",
+) -> RunConfig:
+    """Check every option and make the run's configuration. ``backends`` None takes ``default_backends``
+    (None: every registered backend); ``profile`` None with ``default_profile`` takes the device's default
+    profile; a randomized profile without ``seed`` gets a fresh one."""
+    try:
+        resolved = resolve_device(device)
+    except ValueError as exc:
+        raise ConfigError("device", str(exc)) from None
+    for module in plugins:
+        try:
+            registry.load_plugin(module)
+        except registry.PluginError as exc:
+            raise ConfigError("plugin", str(exc)) from None
+    known = registry.names()
+    chosen = tuple(backends or default_backends or known)
+    unknown = [name for name in chosen if name not in known]
+    if unknown:
+        raise ConfigError("backend", f"{unknown} unknown; known backends: {', '.join(known)}")
+    chosen_profile = None
+    run_seed = None
+    if profile is None and default_profile:
+        profile = default_profile_name(resolved)
+    if profile is not None:
+        try:
+            chosen_profile = get_profile(profile)
+        except ValueError as exc:
+            raise ConfigError("profile", str(exc)) from None
+        if examples is not None:
+            if examples < 1:
+                raise ConfigError("examples", f"{examples} must be a positive number of cases")
+            chosen_profile = dataclasses.replace(chosen_profile, max_examples=examples)
+        if not chosen_profile.derandomize:
+            run_seed = seed if seed is not None else secrets.randbelow(2**31)
+        chosen_profile = with_kernel_pool(chosen_profile, run_seed)
+    if reference_form is not None and reference_form not in FORMS:
+        raise ConfigError("reference-form", f"{reference_form!r} not allowed; choose from {', '.join(FORMS)}")
+    if case_timeout <= 0:
+        raise ConfigError("case-timeout", f"{case_timeout} must be a positive number of seconds")
+    return RunConfig(
+        device=resolved,
+        backends=chosen,
+        profile=chosen_profile,
+        seed=run_seed,
+        grid=grid or Grid(),
+        out=Path(out),
+        plugins=tuple(plugins),
+        strict=strict_from_environment() if strict is None else strict,
+        reference_form=reference_form,
+        isolate=resolved.type != "cpu" if isolate is None else isolate,
+        case_timeout=case_timeout,
+        command=command,
+    )

@@ -1,0 +1,78 @@
+"""The detection table: which check caught which backend's bug, after how many cases, and where.
+
+It is built from a run's example log (``<run_id>.checks.json``: per pytest test, its check and backend,
+the examples Hypothesis ran until the first failure, and that failure's findings), which the pytest
+plugin writes. Pointed at the planted-bug zoo it measures the suite's sensitivity; pointed at correct
+backends, its specificity (docs/detection.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pandas as pd
+
+from kda_reports.findings import Finding
+
+CORPUS = "corpus"  # the log's name for the pinned-case tests (the budget check on every corpus case)
+COLUMNS = ["backend", "caught by", "cases run", "first bad"]
+
+
+def first_location(entry: dict) -> str:
+    """The first bad point of an entry's first failure: the first failed finding that has one."""
+    for data in entry.get("findings", []):
+        finding = Finding.from_dict(data)
+        if finding.failed and finding.first_bad is not None:
+            return str(finding.first_bad)
+    return ""
+
+
+def _first_line(entries: list[dict]) -> str:
+    for entry in entries:
+        if entry["failed_at"] is not None and entry.get("findings"):
+            return Finding.from_dict(entry["findings"][0]).message(repro=False).splitlines()[0][:80]
+    return "no finding"
+
+
+def detection_table(entries: Mapping[str, dict], backends: list[str], titles: Mapping[str, str]) -> pd.DataFrame:
+    """Per backend: the checks that flagged it (``titles``: check name -> title, in table order) with the
+    case at which each first failed, the cases run, and the first bad point of the first check that failed."""
+    order = list(titles)
+    rows = []
+    for backend in backends:
+        mine = [e for e in entries.values() if e["backend"] == backend]
+        corpus = [e for e in mine if e["check"] == CORPUS and e["examples"]]  # not the skipped ones
+        checks = sorted((e for e in mine if e["check"] in titles), key=lambda e: order.index(e["check"]))
+        caught, first_bad, cases_run = [], "", 0
+        for entry in checks:
+            cases_run += entry["examples"]
+            if entry["failed_at"] is not None:
+                caught.append(f"{titles[entry['check']]} (case {entry['failed_at']})")
+                first_bad = first_bad or first_location(entry)
+        corpus_failed = [e for e in corpus if e["failed_at"] is not None]
+        if corpus_failed:
+            caught.append(f"corpus ({len(corpus_failed)} of {len(corpus)} cases)")
+            first_bad = first_bad or first_location(corpus_failed[0])
+        rows.append(
+            {
+                "backend": backend,
+                "caught by": ", ".join(caught) or "nothing",
+                "cases run": cases_run + len(corpus),
+                "first bad": first_bad or ("-" if not caught else f"(no position: {_first_line(mine)})"),
+            }
+        )
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def detection_markdown(table: pd.DataFrame, descriptions: Mapping[str, str], shown_command: str) -> str:
+    table = table.copy()
+    table.insert(1, "models", [descriptions.get(name, "") for name in table["backend"]])
+    return (
+        "# Detection table\n\n"
+        f"Produced by `{shown_command}`.\n\n"
+        "*caught by*: the tests that flagged the backend, with the drawn case (1-based, in the profile's order) "
+        "at which each first failed; for the corpus, how many pinned cases failed. *cases run*: property "
+        "examples checked plus corpus cases run. *first bad*: the first point past its limit in the first "
+        "failure (`seq S token T head H` for outputs, `seq S head H` for states, `row R token T head H` where "
+        "outputs before a change point moved).\n\n" + table.to_markdown(index=False) + "\n"
+    )

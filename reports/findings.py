@@ -1,0 +1,215 @@
+"""Verdicts as data: the one finding type every check produces and every consumer reads.
+
+A check (the budget check, a metamorphic property, a serving check) returns findings; pytest's messages,
+the CLI's tables, the detection table, the run records and the dashboard all read them, and nothing
+parses a message back. A finding says which check, case, backend and tensor it is about, the verdict,
+the measured errors and the limits they were held to (with the terms each limit came from), the first
+bad point, and the command that reproduces it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kda_cases.case import Case
+
+VERDICTS = ("pass", "fail", "skip", "error")
+
+
+@dataclass(frozen=True)
+class Errors:
+    """How far one tensor is from what it is checked against (the truth, or another run of the backend)."""
+
+    max_abs: float
+    rel_rms: float
+    max_abs_over_ref_rms: float
+    nonfinite: int
+    shape_ok: bool
+    detail: str = ""
+    curve: tuple[float, ...] = ()  # outputs: max error per 64 tokens, in token order
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One metric's limit and the terms it came from; ``binding`` names the term that set it."""
+
+    metric: str  # "max_abs" or "rel_rms"
+    value: float
+    baseline: float
+    floor: float
+    cap: float
+    binding: str  # "baseline", "floor" or "cap"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The two limits of one tensor on one case."""
+
+    tensor: str
+    max_abs: Limit
+    rel_rms: Limit
+
+    @property
+    def limits(self) -> tuple[Limit, Limit]:
+        return self.max_abs, self.rel_rms
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a check first saw something wrong: a token of a sequence (or of a batch row), a state, a pool
+    slot, or a row of the caller's output buffer past the tokens."""
+
+    sequence: int | None = None
+    token: int | None = None
+    head: int | None = None
+    row: int | None = None  # a batch row, where the check compares rows rather than sequences
+    slot: int | None = None
+    position: int | None = None  # packed row position past the last token
+
+    def __str__(self) -> str:
+        if self.slot is not None:
+            return f"slot {self.slot}"
+        if self.position is not None:
+            return f"row position {self.position}"
+        if self.row is not None:
+            return f"row {self.row} token {self.token} head {self.head}"
+        if self.token is not None:
+            return f"seq {self.sequence} token {self.token} head {self.head}"
+        return f"seq {self.sequence} head {self.head}"
+
+
+def ratio(value: float, limit: float) -> float:
+    """``value / limit``; a zero limit gives 0 for a zero value and infinity otherwise."""
+    if limit > 0:
+        return value / limit
+    return 0.0 if value == 0 else math.inf
+
+
+def worst_ratio(max_abs_ratio: Any, rel_rms_ratio: Any) -> Any:
+    """Error over limit, the larger of the two metrics' (1 is the limit). Takes floats or pandas columns
+    alike and ignores a missing one (NaN), as a row with one metric measured still has a worst ratio."""
+    worst = np.fmax(max_abs_ratio, rel_rms_ratio)
+    return float(worst) if np.ndim(worst) == 0 else worst
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One check's verdict on one tensor (or on the whole call, for a skip, an error or a finding about
+    memory rather than a tensor) of one backend on one case."""
+
+    check: str  # the registered check that produced it
+    case: Case
+    backend: str
+    device: str
+    verdict: str  # one of VERDICTS
+    tensor: str = ""  # "o", "final_state", "checkpoint_states"; "" for the call as a whole
+    subject: str = ""  # what the check compared or inspected, e.g. "o against the whole run", "slot 3"
+    errors: Errors | None = None
+    budget: Budget | None = None
+    problems: tuple[str, ...] = ()  # why it failed, one sentence each; empty on a pass
+    first_bad: Location | None = None
+    repro: str = ""
+    reason: str = ""  # why it was skipped or raised
+    seconds: float = 0.0  # the backend call's wall time
+    reference_form: str = ""  # exact form of the float64 truth: "loop" or "chunked"
+    reference_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict {self.verdict!r} is not one of {', '.join(VERDICTS)}")
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "pass"
+
+    @property
+    def failed(self) -> bool:
+        """A failure of the backend: a tensor out of bounds, or a call that raised."""
+        return self.verdict in ("fail", "error")
+
+    @property
+    def ratio(self) -> float:
+        """max-abs / its limit (NaN where the finding holds no measurement)."""
+        if self.errors is None or self.budget is None:
+            return math.nan
+        return ratio(self.errors.max_abs, self.budget.max_abs.value)
+
+    @property
+    def rel_rms_ratio(self) -> float:
+        """rel-RMS / its limit (NaN where the finding holds no measurement)."""
+        if self.errors is None or self.budget is None:
+            return math.nan
+        return ratio(self.errors.rel_rms, self.budget.rel_rms.value)
+
+    @property
+    def worst(self) -> float:
+        return worst_ratio(self.ratio, self.rel_rms_ratio)
+
+    @property
+    def title(self) -> str:
+        """``kda-... (label) backend NAME`` and the tensor: how every message starts."""
+        head = f"{self.case.id} ({self.case.label}) backend {self.backend}"
+        return f"{head} tensor {self.tensor}" if self.tensor else head
+
+    def message(self, repro: bool = True, title: bool = True) -> str:
+        """Everything a kernel engineer needs from this finding, on a few lines (``title``: naming the case
+        and the backend, which a report of several findings of one case says once)."""
+        who = self.title if title else (f"tensor {self.tensor}" if self.tensor else "")
+        head = ": ".join(part for part in (self.subject, who) if part)
+        if self.verdict in ("skip", "error"):
+            lines = [f"{head}: {self.verdict}: {self.reason}"]
+        else:
+            lines = [f"{head}: " + ("; ".join(self.problems) or "passed")]
+            if self.errors is not None and self.budget is not None:
+                for limit in self.budget.limits:
+                    lines.append(
+                        f"  {limit.metric} = {getattr(self.errors, limit.metric):.3e}, limit {limit.value:.3e} "
+                        f"(baseline {limit.baseline:.3e}, floor {limit.floor:.3e}, cap {limit.cap:.3e})"
+                    )
+                lines.append(f"  first bad: {self.first_bad or '-'} (first point past the max-abs limit)")
+            elif self.first_bad is not None:
+                lines.append(f"  first bad: {self.first_bad}")
+        if repro and self.repro:
+            lines.append(f"  repro: {self.repro}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able form (the run's checks file); :meth:`from_dict` reads it back."""
+        data = dataclasses.asdict(self)
+        data["case"] = self.case.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Finding:
+        data = dict(data)
+        data["case"] = Case.from_dict(data["case"])
+        if data.get("errors") is not None:
+            data["errors"] = Errors(**{**data["errors"], "curve": tuple(data["errors"]["curve"])})
+        if data.get("budget") is not None:
+            budget = data["budget"]
+            data["budget"] = Budget(budget["tensor"], Limit(**budget["max_abs"]), Limit(**budget["rel_rms"]))
+        if data.get("first_bad") is not None:
+            data["first_bad"] = Location(**data["first_bad"])
+        data["problems"] = tuple(data.get("problems", ()))
+        return cls(**data)
+
+
+def failure_report(findings: list[Finding], header: str = "") -> str | None:
+    """The message of a check's failed findings (None when none failed): ``header`` (or the first
+    failure's case and backend), each failure, and the repro line once where the failures share it."""
+    failed = [f for f in findings if f.failed]
+    if not failed:
+        return None
+    repros = list(dict.fromkeys(f.repro for f in failed if f.repro))
+    shared = len(repros) == 1
+    lines = [header or failed[0].title]
+    for finding in failed:
+        lines += ["  " + line for line in finding.message(repro=not shared, title=False).splitlines()]
+    if shared:
+        lines.append(f"  repro: {repros[0]}")
+    return "\n".join(lines)
