@@ -37,22 +37,29 @@ def check_test(check: Check) -> Callable[..., None]:
     findings' message and repro line."""
 
     @given(data=st.data())
-    def test(kda_backend: Backend, kda_run: Run, kda_record: Callable, request: pytest.FixtureRequest, data) -> None:  # type: ignore[no-untyped-def]
-        reason = check.requires(kda_backend)
+    def test(kda_backend: Backend, kda_run: Run, kda_checked: Callable, request: pytest.FixtureRequest, data) -> None:  # type: ignore[no-untyped-def]
+        backend = kda_backend
+        reason = check.requires(backend)
         if reason:
             pytest.skip(reason)
         nodeid = request.node.nodeid
-        kda_run.examples.open(nodeid, check.name, kda_backend.name)
+        kda_run.examples.open(nodeid, check.name, backend.name)
         profile = kda_run.config.profile
         assert profile is not None
-        drawn = check.draw(data, profile, kda_backend)
-        findings = check.run(kda_run.truth(drawn.case), kda_backend, drawn.params)
-        if check.records:
-            kda_record(findings)
-            measured = [f.worst for f in findings if f.errors is not None]
-            if profile.targeted and measured:
-                # Climb toward the worst inputs: the largest error/limit ratio this backend shows.
-                target(max(measured), label=kda_backend.name)
+        drawn = check.draw(data, profile, backend)
+        findings = kda_checked(
+            check.name,
+            drawn.case,
+            backend,
+            drawn.params,
+            lambda truth: check.run(truth, backend, drawn.params),
+            record_all=check.records,
+        )
+        measured = [f.worst for f in findings if f.errors is not None]
+        if check.records and profile.targeted and measured:
+            # Climb toward the worst inputs: the largest error/limit ratio this backend shows.
+            target(max(measured), label=backend.name)
+        # A case that did not fit the device's memory, even alone, is recorded as such: not the kernel's fault.
         report = check_report(check, findings, dict(drawn.params))
         if report:
             kda_run.examples.keep_failure(nodeid, [f.to_dict() for f in findings if not f.passed])

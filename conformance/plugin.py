@@ -7,14 +7,21 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from collections.abc import Callable
+import sys
+import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import torch
 
+from kda_cases.case import Case
 from kda_cases.profiles import Profile
+from kda_conformance.judging.judge import judge_for
 from kda_conformance.running.config import ConfigError, Grid, build_config, parse_dtypes, parse_lengths
+from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost
+from kda_conformance.running.memory import visible_device, visible_gpus
 from kda_conformance.running.search import (
     check_seed,
     configure_hypothesis,
@@ -24,6 +31,7 @@ from kda_conformance.running.search import (
 )
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
+from kda_conformance.running.truth import CaseTruth
 from kda_kernels import registry, triton_interpret
 from kda_kernels.protocol import Backend
 from kda_reference.run import FORMS
@@ -83,6 +91,31 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "(the token-by-token definition) or chunked (also KDA_REFERENCE_FORM)",
     )
     group.addoption(
+        "--kda-run-id",
+        default=None,
+        help="the run's id (default: a new one; also KDA_RUN_ID): hosts running shards of one night give one id",
+    )
+    group.addoption(
+        "--kda-shard",
+        default=None,
+        metavar="I/N",
+        help="run the I-th of N shares of the tests, split by a stable hash of their names (also KDA_SHARD)",
+    )
+    group.addoption(
+        "--kda-gpus",
+        default=None,
+        metavar="LIST",
+        help="with pytest-xdist: the GPUs the workers spread over, e.g. 0,1 (default: every visible GPU)",
+    )
+    group.addoption(
+        "--kda-case-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds one check of one case may take; past it the case is recorded as an error (hung) and the "
+        "process ends, which pytest-xdist replaces (default: no limit)",
+    )
+    group.addoption(
         "--kda-examples",
         type=int,
         default=None,
@@ -92,10 +125,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def _run_config(config: pytest.Config):  # type: ignore[no-untyped-def]
     option = config.getoption
-    # Under pytest-xdist the controller fixes the seed, so that every worker draws from the same one.
-    seed = option("--kda-seed")
-    if seed is None and hasattr(config, "workerinput"):
-        seed = config.workerinput.get("kda_seed")
+    # Under pytest-xdist the controller fixes the seed and the run id, so that every worker draws from the
+    # same seed and writes a part of the same run.
+    seed, run_id = option("--kda-seed"), option("--kda-run-id")
+    if hasattr(config, "workerinput"):
+        seed = config.workerinput["kda_seed"] if seed is None else seed
+        run_id = config.workerinput["kda_run_id"]
     try:
         lengths = parse_lengths(option("--kda-lengths")) if option("--kda-lengths") else None
         grid = Grid(
@@ -117,6 +152,8 @@ def _run_config(config: pytest.Config):  # type: ignore[no-untyped-def]
             strict=option("--kda-strict"),
             reference_form=option("--kda-reference-form"),
             command="pytest " + " ".join(shlex.quote(a) for a in config.invocation_params.args),
+            run_id=run_id,
+            shard=option("--kda-shard"),
         )
     except ConfigError as exc:
         raise pytest.UsageError(exc.shown_as("kda-")) from None
@@ -127,7 +164,11 @@ def _run_config(config: pytest.Config):  # type: ignore[no-untyped-def]
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kda_device_dependent: runs on the device chosen by --kda-device")
     _share_cores()
-    run = Run(_run_config(config))
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    gpu = getattr(config, "workerinput", {}).get("kda_gpu")
+    if gpu is not None:  # before anything asks CUDA (or HIP) for its devices
+        os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["HIP_VISIBLE_DEVICES"] = gpu
+    run = Run(_run_config(config), worker)
     run.config.export()
     config.stash[RUN] = run
     assert run.config.profile is not None
@@ -146,8 +187,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node) -> None:  # type: ignore[no-untyped-def]
-    """pytest-xdist, in the controller: each worker gets the run's seed."""
-    node.workerinput["kda_seed"] = node.config.stash[RUN].config.seed
+    """pytest-xdist, in the controller: each worker gets the run's seed and id, and its GPU."""
+    run_config = node.config.stash[RUN].config
+    node.workerinput["kda_seed"] = run_config.seed
+    node.workerinput["kda_run_id"] = run_config.run_id
+    if run_config.device.type == "cuda":
+        listed = node.config.getoption("--kda-gpus")
+        gpus = [x.strip() for x in listed.split(",") if x.strip()] if listed else visible_gpus()
+        if gpus:
+            node.workerinput["kda_gpu"] = visible_device(int(node.gateway.id.removeprefix("gw")), gpus)
 
 
 def _share_cores() -> None:
@@ -215,11 +263,78 @@ def kda_record(request: pytest.FixtureRequest, kda_run: Run) -> Callable[[list[F
     return record
 
 
+@pytest.fixture
+def kda_checked(
+    request: pytest.FixtureRequest, kda_run: Run, kda_record: Callable[[list[Finding]], None]
+) -> Callable[..., list[Finding]]:
+    """Runs a check on a case the way Run.checked does, and records what the run must keep: every finding
+    of a check whose findings are records (``record_all``), and any error or resource outcome. After a
+    sticky device error the case's error is recorded and this process ends: a pytest-xdist worker exits
+    and xdist replaces it; a single process stops the session, naming the case."""
+
+    def checked(
+        check: str,
+        case: Case,
+        backend: Backend,
+        params: Mapping[str, object],
+        run: Callable[[CaseTruth], list[Finding]],
+        record_all: bool,
+    ) -> list[Finding]:
+        watchdog = _watchdog(request, kda_run, kda_record, check, case, backend, params)
+        try:
+            findings = kda_run.checked(check, case, backend, params, run)
+        except DeviceLost as lost:
+            kda_record(lost.findings)
+            _end(request.config, str(lost))
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+        kda_record(findings if record_all else [f for f in findings if f.verdict in ("error", "resource")])
+        return findings
+
+    return checked
+
+
+def _end(config: pytest.Config, message: str) -> NoReturn:
+    """End this process after a sticky device error or a hang: a pytest-xdist worker exits and xdist
+    replaces it; a single process stops the session."""
+    if hasattr(config, "workerinput"):
+        sys.stderr.write(f"kda-conformance: {message}\n  this worker ends; pytest-xdist starts another\n")
+        sys.stderr.flush()
+        os._exit(DEVICE_LOST_EXIT)
+    pytest.exit(f"{message}\n  run with pytest-xdist (-n N) so that a fresh worker takes the rest", DEVICE_LOST_EXIT)
+
+
+def _watchdog(request, run, record, check, case, backend, params) -> threading.Timer | None:  # type: ignore[no-untyped-def]
+    """With --kda-case-timeout: a timer that records the case as hung and ends the process. A hung kernel
+    never returns to Python, so the timer's thread does it."""
+    timeout = request.config.getoption("--kda-case-timeout")
+    if not timeout:
+        return None
+
+    def hung() -> None:
+        judge = judge_for(check, case, backend.name, run.config.device, params)
+        reason = f"no result within {timeout:g} s (hung or too slow): its process was ended"
+        record([judge.outcome("error", reason, timeout)])
+        sys.stderr.write(f"kda-conformance: {check} of {case.id} on {backend.name}: {reason}\n")
+        sys.stderr.flush()
+        os._exit(DEVICE_LOST_EXIT)
+
+    timer = threading.Timer(timeout, hung)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     run = config.stash[RUN]
     device = run.config.device
     profile = run.config.profile
     assert profile is not None
+    if run.config.shard is not None:  # this host's share of the tests; the other hosts run the rest
+        mine = [item for item in items if run.config.in_shard(item.nodeid)]
+        config.hook.pytest_deselected(items=[item for item in items if not run.config.in_shard(item.nodeid)])
+        items[:] = mine
     # Conformance tests run on the chosen device: mark them so `-m cpu` / `-m cuda` select them; a backend's
     # own markers (AITER on a gfx950: `gfx950`) go on its tests.
     marker = "cpu" if device.type == "cpu" else ("rocm" if torch.version.hip else "cuda")
@@ -270,20 +385,30 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Write the run's files where the tests ran: in the process itself, or in each pytest-xdist worker
-    (each worker's rows become a run of their own; the controller ran none)."""
+    """Write the run's files. Each pytest-xdist worker writes its part of the run and hands its stage
+    totals and example log to the controller, which merges the parts into the run's files; a single
+    process writes them itself. One invocation is one run either way."""
     config = session.config
     run = config.stash[RUN]
-    config.stash[WRITTEN] = run.finish() if (run.rows or run.examples.entries) else {}
-    if hasattr(config, "workeroutput"):  # a pytest-xdist worker: its stage totals go to the controller
+    complete = exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.NO_TESTS_COLLECTED)
+    if hasattr(config, "workeroutput"):
+        run.finish(complete, examples=False)
         config.workeroutput["kda_stages"] = json.dumps(CLOCK.drain())
+        config.workeroutput["kda_examples"] = json.dumps(run.examples.entries)
+    elif config.pluginmanager.getplugin("dsession") is not None:
+        config.stash[WRITTEN] = run.merge_workers(complete)
+    else:
+        config.stash[WRITTEN] = run.finish(complete) if (run.rows or run.examples.entries) else {}
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:  # type: ignore[no-untyped-def]
-    taken = getattr(node, "workeroutput", {}).get("kda_stages")
-    if taken:
-        CLOCK.absorb(json.loads(taken))
+    """pytest-xdist, in the controller: a worker's stage totals and example log join the run's."""
+    output = getattr(node, "workeroutput", {})
+    if "kda_stages" in output:
+        CLOCK.absorb(json.loads(output["kda_stages"]))
+    if "kda_examples" in output:
+        node.config.stash[RUN].examples.entries.update(json.loads(output["kda_examples"]))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
@@ -303,10 +428,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             tr.write_line(line)
         if "timing" in written:
             tr.write_line(f"timing: {written['timing']}")
-    if not run.rows:
+    rows = run.rows if run.frame is None else run.frame.to_dict("records")
+    if not rows:
         return
     tr.section("KDA conformance: max-abs error against the float64 reference")
     tr.write_line(RECORD_LINE_HEADER)
-    for row in run.rows:
+    for row in rows:
         tr.write_line(record_line(row))
     tr.write_line(f"report: {written['records']} and {written['summary_md']}")

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from kda_cases.corpus import CorpusEntry, load_corpus
+from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running.runner import run_backend
 from kda_conformance.running.session import Run
 from kda_kernels.protocol import Backend
@@ -20,18 +21,17 @@ CORPUS = "corpus"  # how the run's example log names these tests
 @pytest.mark.kda_device_dependent
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e.case.id for e in ENTRIES])
 def test_corpus_case(
-    entry: CorpusEntry, kda_backend: Backend, kda_run: Run, kda_record: Callable, request: pytest.FixtureRequest
+    entry: CorpusEntry, kda_backend: Backend, kda_run: Run, kda_checked: Callable, request: pytest.FixtureRequest
 ) -> None:
     case, backend = entry.case, kda_backend
     assert kda_run.config.profile is not None
     too_large = kda_run.config.profile.corpus_skip(case, backend.interpreted(kda_run.config.device))
     if too_large:
         pytest.skip(too_large)
-    findings = run_backend(kda_run.truth(case), backend)
-    kda_record(findings)
-    skipped = [f for f in findings if f.verdict == "skip"]
+    findings = kda_checked(BUDGET_CHECK, case, backend, {}, lambda truth: run_backend(truth, backend), record_all=True)
+    skipped = [f for f in findings if f.verdict in ("skip", "resource")]
     if skipped:
-        pytest.skip(f"{backend.name}: {skipped[0].reason}")
+        pytest.skip(f"{backend.name}: {skipped[0].verdict}: {skipped[0].reason}")
     report = failure_report(findings, f"pinned because: {entry.why}")
     nodeid = request.node.nodeid
     kda_run.examples.open(nodeid, CORPUS, backend.name)

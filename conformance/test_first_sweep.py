@@ -7,19 +7,21 @@ from collections.abc import Callable
 import pytest
 
 from kda_cases.case import Case
+from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running.runner import run_backend
-from kda_conformance.running.session import Run
 from kda_kernels.protocol import Backend
 from kda_reports.findings import failure_report
 
 
 @pytest.mark.kda_device_dependent
-def test_first_sweep(first_sweep_case: Case, kda_backend: Backend, kda_run: Run, kda_record: Callable) -> None:
+def test_first_sweep(first_sweep_case: Case, kda_backend: Backend, kda_checked: Callable) -> None:
     """The sweep's cases come from --kda-lengths/--kda-dtypes/--kda-heads/--kda-head-dim (plugin)."""
-    findings = run_backend(kda_run.truth(first_sweep_case), kda_backend)
-    kda_record(findings)
-    skipped = [f for f in findings if f.verdict == "skip"]
+    backend = kda_backend
+    findings = kda_checked(
+        BUDGET_CHECK, first_sweep_case, backend, {}, lambda truth: run_backend(truth, backend), record_all=True
+    )
+    skipped = [f for f in findings if f.verdict in ("skip", "resource")]
     if skipped:
-        pytest.skip(f"{kda_backend.name}: {skipped[0].reason}")
+        pytest.skip(f"{backend.name}: {skipped[0].verdict}: {skipped[0].reason}")
     report = failure_report(findings)
     assert report is None, report

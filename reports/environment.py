@@ -63,6 +63,7 @@ def environment(device: torch.device) -> dict[str, str | int]:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     if device.type == "cuda" and torch.cuda.is_available():
+        env["visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get("HIP_VISIBLE_DEVICES") or ""
         props = torch.cuda.get_device_properties(device)
         env["device_name"] = props.name
         env["multiprocessors"] = props.multi_processor_count

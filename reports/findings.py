@@ -18,7 +18,9 @@ import numpy as np
 
 from kda_cases.case import Case
 
-VERDICTS = ("pass", "fail", "skip", "error")
+# pass and fail judge a tensor; skip: the backend does not take the case; error: it raised (or crashed, or
+# hung); resource: the case did not fit the device's memory even alone, which says nothing of the kernel.
+VERDICTS = ("pass", "fail", "skip", "error", "resource")
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,7 @@ class Finding:
         and the backend, which a report of several findings of one case says once)."""
         who = self.title if title else (f"tensor {self.tensor}" if self.tensor else "")
         head = ": ".join(part for part in (self.subject, who) if part)
-        if self.verdict in ("skip", "error"):
+        if self.verdict in ("skip", "error", "resource"):
             lines = [f"{head}: {self.verdict}: {self.reason}"]
         else:
             lines = [f"{head}: " + ("; ".join(self.problems) or "passed")]

@@ -1,4 +1,9 @@
-"""One run, one file: records as parquet, the environment as JSON, and a readable summary."""
+"""One run, its files: records as parquet, the environment as JSON, and a readable summary.
+
+A run is one invocation. A run split over processes or hosts is written in parts, each named
+``<run_id>.<part>.*``; the controlling process of a pytest-xdist run merges its workers' parts into one
+(``merge_parts``), and the store merges the parts of one run id that several hosts wrote.
+"""
 
 from __future__ import annotations
 
@@ -27,21 +32,31 @@ def atomic_write(path: Path, write) -> None:  # type: ignore[no-untyped-def]
     os.replace(tmp, path)
 
 
-def write_run(records: pd.DataFrame, env: dict, out_dir: Path, run_id: str) -> dict[str, Path]:
-    """Write ``runs/<run_id>.parquet``, ``.env.json``, ``.summary.md`` and ``.csv`` under ``out_dir``."""
+def run_stem(run_id: str, part: str | None = None) -> str:
+    """The file name of a run (or of one part of it) without its suffix."""
+    return f"{run_id}.{part}" if part else run_id
+
+
+def run_id_of(path: Path) -> str:
+    """The run a run file belongs to: its name up to the first dot (run ids hold none)."""
+    return Path(path).name.split(".", 1)[0]
+
+
+def write_run(records: pd.DataFrame, env: dict, out_dir: Path, stem: str) -> dict[str, Path]:
+    """Write ``runs/<stem>.parquet``, ``.env.json``, ``.summary.md`` and ``.csv`` under ``out_dir``."""
     runs = out_dir / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     paths = {
-        "records": runs / f"{run_id}.parquet",
-        "environment": runs / f"{run_id}.env.json",
-        "summary_md": runs / f"{run_id}.summary.md",
-        "summary_csv": runs / f"{run_id}.summary.csv",
+        "records": runs / f"{stem}.parquet",
+        "environment": runs / f"{stem}.env.json",
+        "summary_md": runs / f"{stem}.summary.md",
+        "summary_csv": runs / f"{stem}.summary.csv",
     }
     atomic_write(paths["environment"], lambda p: p.write_text(json.dumps(env, indent=2, sort_keys=True)))
     atomic_write(paths["records"], lambda p: records.to_parquet(p, index=False))
     table = summary(records)
     atomic_write(paths["summary_csv"], lambda p: table.to_csv(p, index=False))
-    atomic_write(paths["summary_md"], lambda p: p.write_text(summary_markdown(table, env, run_id)))
+    atomic_write(paths["summary_md"], lambda p: p.write_text(summary_markdown(table, env, stem)))
     return paths
 
 
@@ -53,14 +68,15 @@ class RunRecorder:
     Rows are stamped with the run id and the environment (``env_*`` columns).
     """
 
-    def __init__(self, env: dict, out_dir: Path) -> None:
-        self.run_id = new_run_id()
+    def __init__(self, env: dict, out_dir: Path, run_id: str | None = None, part: str | None = None) -> None:
+        self.run_id = run_id or new_run_id()
+        self.stem = run_stem(self.run_id, part)
         self.env = {**env, "run_id": self.run_id}
         self.out_dir = Path(out_dir)
         self.rows: list[dict] = []
         runs = self.out_dir / "runs"
         runs.mkdir(parents=True, exist_ok=True)
-        self.partial = runs / f"{self.run_id}.partial.jsonl"
+        self.partial = runs / f"{self.stem}.partial.jsonl"
 
     def _stamp(self, row: dict, env: dict) -> dict:
         return {**row, **{f"env_{k}": v for k, v in env.items()}, "run_id": self.run_id}
@@ -75,15 +91,39 @@ class RunRecorder:
             os.fsync(handle.fileno())
 
     def finish(self, complete: bool = True, timing: dict | None = None) -> tuple[pd.DataFrame, dict[str, Path]]:
-        """Write the run files; ``timing`` (the suite's seconds per stage) goes to ``<run_id>.timing.json``."""
+        """Write the run files; ``timing`` (the suite's seconds per stage) goes to ``<stem>.timing.json``."""
         env = {**self.env, "complete": complete}
         frame = pd.DataFrame([self._stamp(row, env) for row in self.rows])
-        paths = write_run(frame, env, self.out_dir, self.run_id)
+        paths = write_run(frame, env, self.out_dir, self.stem)
         if timing is not None:
-            paths["timing"] = self.out_dir / "runs" / f"{self.run_id}.timing.json"
+            paths["timing"] = self.out_dir / "runs" / f"{self.stem}.timing.json"
             atomic_write(paths["timing"], lambda p: p.write_text(json.dumps(timing, indent=1)))
         self.partial.unlink(missing_ok=True)
         return frame, paths
+
+
+def merge_parts(out_dir: Path, stem: str, parts: str, env: dict, timing: dict | None) -> tuple[pd.DataFrame, dict]:
+    """Merge the run parts ``runs/<parts>*`` (the workers' parts of one run: finished ones' parquet, a
+    crashed one's journal) into the run files of ``stem``, and remove them. The merged records carry
+    ``env``'s completeness: the run finished even where one worker did not."""
+    runs = Path(out_dir) / "runs"
+    frames, done = [], set()
+    records = sorted(runs.glob(f"{parts}*.parquet")) + sorted(runs.glob(f"{parts}*.partial.jsonl"))
+    for path in records:
+        part = path.name.removesuffix(".parquet").removesuffix(".partial.jsonl")
+        if part not in done:  # a finished part's parquet wins over its journal
+            done.add(part)
+            frames.append(read_run(path))
+    frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    if not frame.empty:
+        frame["env_complete"] = env.get("complete", True)
+    paths = write_run(frame, env, Path(out_dir), stem)
+    if timing is not None:
+        paths["timing"] = runs / f"{stem}.timing.json"
+        atomic_write(paths["timing"], lambda p: p.write_text(json.dumps(timing, indent=1)))
+    for leftover in runs.glob(f"{parts}*"):
+        leftover.unlink(missing_ok=True)
+    return frame, paths
 
 
 def read_run(path: Path) -> pd.DataFrame:

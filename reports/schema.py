@@ -28,7 +28,8 @@ RECORD_COLUMNS: dict[str, str] = {
     **CASE_COLUMNS,
     "case_json": "the whole case as JSON (what `--case` takes)",
     "tensor": "`o`, `final_state` or `checkpoint_states`; empty for a skip or an error",
-    "verdict": "`pass`, `fail`, `skip` (backend or case unsupported) or `error` (the backend raised)",
+    "verdict": "`pass`, `fail`, `skip` (backend or case unsupported), `error` (the backend raised, crashed or hung) "
+    "or `resource` (the case did not fit the device's memory, even alone)",
     "reason": "why it failed, was skipped or raised; empty on a pass",
     "repro": "one shell line that reruns this case on this backend and device",
     "seconds": "wall time of the backend call (synchronized on GPUs)",
@@ -63,6 +64,9 @@ RECORD_COLUMNS: dict[str, str] = {
     "env_aiter": "aiter version ('' when absent)",
     "env_cuda": "CUDA version torch was built with (GPU runs)",
     "env_hip": "HIP version torch was built with (ROCm runs)",
+    "env_visible_devices": "GPU runs: the GPUs the process saw (`CUDA_VISIBLE_DEVICES` / `HIP_VISIBLE_DEVICES`; "
+    "each pytest-xdist worker sees one of the GPUs it was spread over), '' when unset",
+    "env_shard": "`I/N` when the run was split over hosts with `--kda-shard`: the share that wrote the row",
     "env_suite_commit": "this suite's git commit, `+dirty` with uncommitted changes (`KDA_SUITE_COMMIT` when no git)",
     "env_hostname": "machine name",
     "env_date": "UTC time the run started, ISO 8601",

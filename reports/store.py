@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from kda_reports.findings import VERDICTS
+from kda_reports.runfile import run_id_of
+
 RUN_SUFFIXES = (".parquet", ".partial.jsonl")
 
 
@@ -25,7 +28,8 @@ class Store:
     problems: list[str] = field(default_factory=list)  # files skipped or partly read, and why
 
 
-def _run_id(path: Path) -> str:
+def _part(path: Path) -> str:
+    """The run part a records file holds: its name without the suffix (``<run_id>`` or ``<run_id>.<part>``)."""
     name = path.name
     for suffix in RUN_SUFFIXES:
         if name.endswith(suffix):
@@ -54,11 +58,12 @@ def load_store(root: Path) -> Store:
     problems: list[str] = []
     frames, seen = [], set()
     paths = sorted(p for p in runs_dir.glob("*") if p.name.endswith(RUN_SUFFIXES) and not p.name.startswith("."))
-    # A finished run's records win over its partial journal (normally removed when the run finishes).
-    paths.sort(key=lambda p: (_run_id(p), p.name.endswith(".partial.jsonl")))
+    # A finished part's records win over its partial journal (normally removed when the part finishes).
+    # The parts of one run id (the shards several hosts wrote) are one run.
+    paths.sort(key=lambda p: (_part(p), p.name.endswith(".partial.jsonl")))
     for path in paths:
-        run_id = _run_id(path)
-        if run_id in seen:
+        part, run_id = _part(path), run_id_of(path)
+        if part in seen:
             continue
         try:
             frame = pd.read_parquet(path) if path.suffix == ".parquet" else _read_jsonl(path, problems)
@@ -68,7 +73,7 @@ def load_store(root: Path) -> Store:
         if frame.empty:
             problems.append(f"{path.name}: no records")
             continue
-        seen.add(run_id)
+        seen.add(part)
         frame["run_id"] = run_id
         frame["env_complete"] = frame.get("env_complete", True)
         if path.name.endswith(".partial.jsonl"):
@@ -85,11 +90,13 @@ ENV_SHOWN = ("env_date", "env_profile", "env_device_name", "env_arch", "env_suit
 def summarize_runs(records: pd.DataFrame) -> pd.DataFrame:
     """One row per run, oldest first: its environment and how many records passed, failed, erred, skipped."""
     if records.empty:
-        return pd.DataFrame(columns=["run_id", *ENV_SHOWN, "pass", "fail", "error", "skip"])
+        return pd.DataFrame(columns=["run_id", *ENV_SHOWN, *VERDICTS])
     counts = pd.crosstab(records["run_id"], records["verdict"])
-    for verdict in ("pass", "fail", "error", "skip"):
+    for verdict in VERDICTS:
         if verdict not in counts:
             counts[verdict] = 0
     env = records.groupby("run_id").first()[[c for c in ENV_SHOWN if c in records]]
-    runs = env.join(counts[["pass", "fail", "error", "skip"]]).reset_index()
+    if "env_complete" in records:  # a run of several parts finished when every part did
+        env["env_complete"] = records.groupby("run_id")["env_complete"].all()
+    runs = env.join(counts[list(VERDICTS)]).reset_index()
     return runs.sort_values(["env_date", "run_id"] if "env_date" in runs else "run_id").reset_index(drop=True)

@@ -69,7 +69,7 @@ def test_stopped_cli_run_writes_what_it_measured(tmp_path: Path) -> None:
     script = (
         "import os, signal, sys\n"
         "from kda_conformance import cli\n"
-        "from kda_conformance.running import runner\n"
+        "from kda_conformance.cli import sweep as runner\n"
         "real = runner.run_backend\n"
         "def stop_after_first(truth, backend, calls=[]):\n"
         "    calls.append(1)\n"

@@ -11,6 +11,7 @@ from rich.console import Console
 from kda_cases.case import Case
 from kda_cases.corpus import load_corpus
 from kda_conformance.running.config import (
+    DEFAULT_CASE_TIMEOUT,
     ConfigError,
     Grid,
     RunConfig,
@@ -19,7 +20,6 @@ from kda_conformance.running.config import (
     parse_dtypes,
     parse_lengths,
 )
-from kda_conformance.running.isolation import DEFAULT_CASE_TIMEOUT
 from kda_reference.run import FORMS
 from kda_reports.runfile import DEFAULT_OUT
 

@@ -92,11 +92,13 @@ def report(result: SweepResult, console: Console) -> int:
         console.print(f"[yellow]skip[/] {row.backend} {row.case_id} ({row.label}): {row.reason}")
     for message in result.failures:
         console.print(f"[red]FAIL[/] {message}", highlight=False, soft_wrap=True)
+    if result.stopped:
+        console.print(f"[red]stopped:[/] {result.stopped}", highlight=False, soft_wrap=True)
     counts = frame["verdict"].value_counts().to_dict()
     console.print(f"run {frame['run_id'].iloc[0]}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     console.print(f"records: {paths['records']}\nsummary: {paths['summary_md']}")
     console.print("suite time by stage: " + "\n  ".join(CLOCK.lines()), highlight=False)
-    return 1 if counts.get("fail") or counts.get("error") else 0
+    return 1 if counts.get("fail") or counts.get("error") or result.stopped else 0
 
 
 def execute(args: argparse.Namespace, console: Console) -> int:

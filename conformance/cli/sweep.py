@@ -13,8 +13,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kda_cases.case import Case
+from kda_conformance.judging.repro import BUDGET_CHECK
+from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.isolation import run_cases_isolated
-from kda_conformance.running.runner import run_cases
+from kda_conformance.running.runner import run_backend
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
 from kda_kernels import registry
@@ -28,13 +30,20 @@ class SweepResult:
     paths: dict[str, Path]
     failures: list[str] = field(default_factory=list)  # one message per failed tensor or error
     interrupted: bool = False
+    stopped: str = ""  # why the sweep stopped before its end (a sticky device error), if it did
 
 
 def _findings(run: Run, cases: Sequence[Case]) -> Iterator[list[Finding]]:
+    """Every case on every backend, the budget check: in this process (each case's truth computed once,
+    the run keeping it for the next backend), or each case in a worker process with ``--isolate``."""
     config = run.config
     if config.isolate:
-        return run_cases_isolated(cases, config.backends, config.device, config.plugins, config.case_timeout)
-    return run_cases(cases, [registry.get(name) for name in config.backends], config.device)
+        yield from run_cases_isolated(cases, config.backends, config.device, config.plugins, config.case_timeout)
+        return
+    backends = [registry.get(name) for name in config.backends]
+    for case in cases:
+        for backend in backends:
+            yield run.checked(BUDGET_CHECK, case, backend, {}, lambda truth, b=backend: run_backend(truth, b))
 
 
 def sweep(run: Run, cases: Sequence[Case], console: Console, verbose: bool = False) -> SweepResult:
@@ -42,7 +51,7 @@ def sweep(run: Run, cases: Sequence[Case], console: Console, verbose: bool = Fal
     KeyboardInterrupt) stops it and keeps what was measured, the run marked incomplete."""
     CLOCK.drain()  # the run's timing file holds this run's time only
     failures: list[str] = []
-    interrupted = False
+    interrupted, stopped = False, ""
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -64,11 +73,16 @@ def sweep(run: Run, cases: Sequence[Case], console: Console, verbose: bool = Fal
         except KeyboardInterrupt:
             console.print(f"[yellow]interrupted after {len(run.rows)} records; writing them[/]")
             interrupted = True
+        except DeviceLost as lost:
+            # This process's device context is dead: record the case that killed it and stop, saying so.
+            run.record(lost.findings)
+            failures += [f.message() for f in lost.findings if f.failed]
+            stopped = f"{lost}\n  the rest of the sweep needs a fresh process: --isolate runs each case in one"
         finally:
             stream.close()  # an isolated worker ends with the sweep
-    paths = run.finish(complete=not interrupted, keep_empty=True)
+    paths = run.finish(complete=not (interrupted or stopped), keep_empty=True)
     assert run.frame is not None
-    return SweepResult(run.frame, paths, failures, interrupted)
+    return SweepResult(run.frame, paths, failures, interrupted, stopped)
 
 
 def summary_table(frame: pd.DataFrame) -> Table:

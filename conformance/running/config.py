@@ -8,7 +8,9 @@ seed, and draws the run's kernel configurations. Whatever a run does afterwards 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
+import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,14 +23,17 @@ from kda_cases.devices import resolve_device
 from kda_cases.grids import FIRST_SWEEP_DTYPES, FIRST_SWEEP_LENGTHS, first_sweep_cases
 from kda_cases.profiles import Profile, get_profile
 from kda_cases.strategies import kernel_pool_lines, with_kernel_pool
-from kda_conformance.running.isolation import DEFAULT_CASE_TIMEOUT
 from kda_kernels import registry
 from kda_reference.run import FORM_VARIABLE, FORMS
 from kda_reports.environment import environment
-from kda_reports.runfile import DEFAULT_OUT
+from kda_reports.runfile import DEFAULT_OUT, new_run_id
 
+DEFAULT_CASE_TIMEOUT = 900.0  # seconds for one case on one backend, its reference and compile included
 STRICT_VARIABLE = "KDA_STRICT"
 PROFILE_VARIABLE = "KDA_PROFILE"
+RUN_ID_VARIABLE = "KDA_RUN_ID"
+SHARD_VARIABLE = "KDA_SHARD"
+RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class ConfigError(ValueError):
@@ -62,6 +67,17 @@ def parse_choices(what: str, text: str, allowed: Sequence[str]) -> tuple[str, ..
     if bad or not values:
         raise ValueError(f"{what} {bad or text!r} not allowed; choose from {', '.join(allowed)}")
     return values
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"2/4"`` -> ``(2, 4)``: the second of four shards (1-based)."""
+    try:
+        index, count = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"shard must be I/N, the I-th of N shards (1 <= I <= N), got {text!r}") from None
+    if not 1 <= index <= count:
+        raise ValueError(f"shard must be I/N with 1 <= I <= N, got {text!r}")
+    return index, count
 
 
 def parse_dtypes(text: str) -> tuple[str, ...]:
@@ -99,6 +115,23 @@ class RunConfig:
     isolate: bool = False  # each case in a worker process (a crash or a hang costs that case only)
     case_timeout: float = DEFAULT_CASE_TIMEOUT
     command: str = ""  # the command line, as the run's environment records it
+    # One invocation is one run, whatever the number of processes and hosts: the controlling process (or
+    # the CI job, through KDA_RUN_ID) names it, and every worker and shard writes a part of it.
+    run_id: str = field(default_factory=new_run_id)
+    shard: tuple[int, int] | None = None  # (I, N): this host runs the I-th of N shares of the tests
+
+    @property
+    def part(self) -> str | None:
+        """The run part this process writes when the run is split over hosts (``s2of4``), else None."""
+        return None if self.shard is None else f"s{self.shard[0]}of{self.shard[1]}"
+
+    def in_shard(self, key: str) -> bool:
+        """Whether the test (or case) named ``key`` belongs to this host's shard: a stable hash of the name,
+        so every host agrees without talking to the others."""
+        if self.shard is None:
+            return True
+        index, count = self.shard
+        return int(hashlib.sha256(key.encode()).hexdigest(), 16) % count == index - 1
 
     def export(self) -> None:
         """Set what worker processes (pytest-xdist, isolated cases) must inherit through the environment."""
@@ -111,6 +144,8 @@ class RunConfig:
         if self.profile is not None:
             env["profile"] = self.profile.name
             env["seed"] = "" if self.seed is None else self.seed
+        if self.shard is not None:
+            env["shard"] = f"{self.shard[0]}/{self.shard[1]}"
         return env
 
     def seed_line(self) -> str:
@@ -149,6 +184,8 @@ def build_config(
     isolate: bool | None = None,
     case_timeout: float = DEFAULT_CASE_TIMEOUT,
     command: str = "",
+    run_id: str | None = None,
+    shard: str | None = None,
 ) -> RunConfig:
     """Check every option and make the run's configuration. ``backends`` None takes ``default_backends``
     (None: every registered backend); ``profile`` None with ``default_profile`` takes the device's default
@@ -167,6 +204,17 @@ def build_config(
     unknown = [name for name in chosen if name not in known]
     if unknown:
         raise ConfigError("backend", f"{unknown} unknown; known backends: {', '.join(known)}")
+    run_id = run_id or os.environ.get(RUN_ID_VARIABLE) or new_run_id()
+    if not RUN_ID.match(run_id):
+        raise ConfigError("run-id", f"{run_id!r} must be 1 to 64 letters, digits, '_' or '-'")
+    shard = shard or os.environ.get(SHARD_VARIABLE) or None
+    try:
+        shard_of = parse_shard(shard) if shard else None
+    except ValueError as exc:
+        raise ConfigError("shard", str(exc)) from None
+    if seed is None and shard_of is not None:
+        # The shards of one run, on their own hosts, draw from one seed: the run id's.
+        seed = int(hashlib.sha256(run_id.encode()).hexdigest(), 16) % 2**31
     chosen_profile = None
     run_seed = None
     if profile is None and default_profile:
@@ -200,4 +248,6 @@ def build_config(
         isolate=resolved.type != "cpu" if isolate is None else isolate,
         case_timeout=case_timeout,
         command=command,
+        run_id=run_id,
+        shard=shard_of,
     )

@@ -4,12 +4,14 @@ A CUDA fault (illegal memory access) poisons the process that hit it, a segfault
 hang never returns: in the sweep's own process any of them ends the night. Here one worker process runs
 the cases one at a time; when it dies, the case it was running is recorded as an error (with the signal or
 exit code and the repro line) and a fresh worker takes the next case; when a case passes its time limit
-the worker is killed and the same happens.
+the worker is killed and the same happens. A worker that catches a sticky device error sends that case's
+error and ends itself, so that no later case runs on its dead context.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -20,12 +22,13 @@ import torch
 from kda_cases.case import Case
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.judging.repro import BUDGET_CHECK
+from kda_conformance.running.config import DEFAULT_CASE_TIMEOUT, RunConfig
+from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost
 from kda_conformance.running.runner import run_backend
+from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
-from kda_conformance.running.truth import CaseTruth, case_truth
 from kda_reports.findings import Finding
 
-DEFAULT_CASE_TIMEOUT = 900.0  # seconds for one case on one backend, its reference and compile included
 STARTUP_TIMEOUT = 600.0  # seconds for a fresh worker to import torch, the suite and the plugins
 
 
@@ -34,18 +37,21 @@ def _worker(conn: Connection, device: str, plugins: list[str]) -> None:
 
     for module in plugins:
         registry.load_plugin(module)
+    run = Run(RunConfig(device=torch.device(device), backends=()))
     conn.send("ready")  # the case clock starts after the imports (and a GPU's context) are done
-    truth: CaseTruth | None = None
     while True:
         task = conn.recv()
         if task is None:
             return
         case_json, backend_name = task
-        case = Case.from_json(case_json)
-        if truth is None or truth.case != case:  # one case's truth serves all its backends
-            truth = case_truth(case, torch.device(device))
-        findings = run_backend(truth, registry.get(backend_name))
-        conn.send((findings, CLOCK.drain()))
+        case, backend = Case.from_json(case_json), registry.get(backend_name)
+        try:  # one case's truth serves all its backends (the run keeps the last few)
+            findings = run.checked(BUDGET_CHECK, case, backend, {}, lambda truth, b=backend: run_backend(truth, b))
+        except DeviceLost as lost:
+            conn.send((lost.findings, CLOCK.drain(), True))  # True: this worker ends
+            conn.close()
+            os._exit(DEVICE_LOST_EXIT)  # the context is dead; the runner starts a fresh worker
+        conn.send((findings, CLOCK.drain(), False))
 
 
 class IsolatedRunner:
@@ -83,8 +89,10 @@ class IsolatedRunner:
         reason = ""
         if self.conn.poll(self.case_timeout):
             try:
-                findings, stages = self.conn.recv()
+                findings, stages, ending = self.conn.recv()
                 CLOCK.absorb(stages)
+                if ending:  # it ends itself after a sticky device error: the next case gets a fresh one
+                    self._discard()
                 return findings
             except (EOFError, ConnectionError):
                 self.process.join(timeout=30)

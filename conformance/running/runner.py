@@ -7,16 +7,13 @@ A backend that is unavailable, does not take the case, or raises gives a finding
 from __future__ import annotations
 
 import traceback
-from collections.abc import Iterable, Iterator, Sequence
 
-import torch
-
-from kda_cases.case import Case
 from kda_cases.materialize import KDAInputs
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.judging.repro import BUDGET_CHECK
+from kda_conformance.running.faults import is_out_of_memory, memory_report
 from kda_conformance.running.stages import CLOCK, Lap
-from kda_conformance.running.truth import CaseTruth, case_truth
+from kda_conformance.running.truth import CaseTruth
 from kda_kernels.protocol import Backend, BackendOutput, Unsupported
 from kda_reports.findings import Finding
 
@@ -51,6 +48,8 @@ def run_backend(truth: CaseTruth, backend: Backend) -> list[Finding]:
     except Unsupported as exc:
         return [judge.outcome("skip", str(exc))]
     except Exception as exc:  # a kernel failure is a result to record, not a crash of the sweep
+        if is_out_of_memory(exc):
+            return [judge.outcome("resource", memory_report(exc, device), lap.seconds)]
         return [judge.outcome("error", raised_at(exc), lap.seconds)]
     with CLOCK.stage("compare", device):
         return judge.result(
@@ -61,12 +60,3 @@ def run_backend(truth: CaseTruth, backend: Backend) -> list[Finding]:
             reference_form=truth.reference_form,
             reference_seconds=truth.reference_seconds,
         )
-
-
-def run_cases(cases: Iterable[Case], backends: Sequence[Backend], device: torch.device) -> Iterator[list[Finding]]:
-    """Every case through the reference and the baseline once, then through every backend: one list of
-    findings per case and backend, as each is measured."""
-    for case in cases:
-        truth = case_truth(case, device)
-        for backend in backends:
-            yield run_backend(truth, backend)

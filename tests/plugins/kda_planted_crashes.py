@@ -1,5 +1,6 @@
-"""Backends that take their process down: a segfault and a hang (for the isolation tests; never in the zoo,
-which runs in one process)."""
+"""Backends that fail the way real GPUs fail (for the fault tests; never in the zoo, which runs in one
+process): a segfault, a hang, a sticky device error, running out of memory, and a correct backend that
+fails its cases only when told to (for the regression tests of a night split over workers)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ import os
 import signal
 import time
 
+import torch
+
 from kda_cases.materialize import KDAInputs
 from kda_kernels.protocol import BackendOutput
 from kda_kernels.registry import register
 from kda_kernels.torch_chunk import TorchChunk
+
+STICKY_MESSAGE = "CUDA error: an illegal memory access was encountered"
 
 
 class Segfault(TorchChunk):
@@ -31,5 +36,44 @@ class Hang(TorchChunk):
         raise AssertionError("unreachable")
 
 
-for backend in (Segfault, Hang):
+class StickyFault(TorchChunk):
+    name = "planted_sticky_fault"
+    description = "raises CUDA's sticky illegal-address error, after which nothing may run in the process"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        raise RuntimeError(STICKY_MESSAGE)
+
+
+class OutOfMemoryOnce(TorchChunk):
+    name = "planted_oom_once"
+    description = "runs out of memory on its first call in each process (neighbours held the memory), then works"
+    failed = False
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        if not OutOfMemoryOnce.failed:
+            OutOfMemoryOnce.failed = True
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().run(inputs)
+
+
+class OutOfMemoryAlways(TorchChunk):
+    name = "planted_oom_always"
+    description = "never fits: every call runs out of memory"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 GiB")
+
+
+class FailsWhenTold(TorchChunk):
+    name = "planted_fails_when_told"
+    description = "the baseline, but its fp32 outputs are 10 % off while KDA_PLANTED_FAIL=1"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        if os.environ.get("KDA_PLANTED_FAIL") == "1" and inputs.case.dtype == "fp32":
+            return BackendOutput(o=out.o * 1.1, final_state=out.final_state, checkpoint_states=out.checkpoint_states)
+        return out
+
+
+for backend in (Segfault, Hang, StickyFault, OutOfMemoryOnce, OutOfMemoryAlways, FailsWhenTold):
     register(backend.name, backend)

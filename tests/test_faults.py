@@ -1,0 +1,221 @@
+"""Real faults cost one case: a sticky device error (simulated on the CPU: the message CUDA gives), running
+out of memory; one invocation is one run, over pytest-xdist workers and over hosts (shards)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from kda_cases.case import Case
+from kda_conformance.checks import get_check
+from kda_conformance.cli import main
+from kda_conformance.running.config import build_config, parse_shard
+from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost, is_sticky
+from kda_conformance.running.memory import visible_device
+from kda_conformance.running.runner import run_backend
+from kda_conformance.running.session import Run
+from kda_kernels import registry
+from kda_reports.regressions import find_regressions
+from kda_reports.store import load_store
+
+REPO = Path(__file__).resolve().parent.parent
+PLUGINS = Path(__file__).with_name("plugins")
+ENV = {**os.environ, "PYTHONPATH": str(PLUGINS)}
+CORPUS_CASES = "kda-7735f63ee3cc or kda-cb6cc21512bb or kda-4b573c63b5b6"  # three short corpus cases
+
+
+def pytest_run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "--kda-device", "cpu", *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env or ENV, timeout=600)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def planted_crashes() -> None:
+    sys.path.insert(0, str(PLUGINS))
+    try:
+        import kda_planted_crashes  # noqa: F401  (registers the failing backends)
+    finally:
+        sys.path.remove(str(PLUGINS))
+
+
+def test_sticky_device_errors_are_told_from_other_errors() -> None:
+    for message in (
+        "CUDA error: an illegal memory access was encountered",
+        "HIP error: hipErrorIllegalAddress",
+        "CUDA error: device-side assert triggered",
+        "CUDA error: unspecified launch failure",
+    ):
+        assert is_sticky(RuntimeError(message)), message
+    assert not is_sticky(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not is_sticky(ValueError("shapes do not match"))
+
+
+def test_a_sticky_error_in_a_worker_costs_its_cases_only(tmp_path: Path) -> None:
+    done = pytest_run(
+        "conformance/test_corpus.py",
+        "-n",
+        "2",
+        "--max-worker-restart",
+        "8",
+        "-k",
+        CORPUS_CASES,
+        "--kda-plugin",
+        "kda_planted_crashes",
+        "--kda-backend",
+        "planted_sticky_fault",
+        "--kda-backend",
+        "torch_chunk",
+        "--kda-out",
+        str(tmp_path),
+    )
+    assert done.returncode == 1, done.stdout[-3000:]
+    store = load_store(tmp_path)
+    assert len(store.runs) == 1 and not store.problems, store.problems
+    by_backend = dict(iter(store.records.groupby("backend")))
+    assert set(by_backend["torch_chunk"]["verdict"]) == {"pass"} and by_backend["torch_chunk"]["case_id"].nunique() == 3
+    sticky = by_backend["planted_sticky_fault"]
+    assert set(sticky["verdict"]) == {"error"} and sticky["case_id"].nunique() == 3
+    assert sticky["reason"].str.contains("illegal memory access").all()
+    assert sticky["repro"].str.startswith("kda-conformance run --device cpu --backend planted_sticky_fault").all()
+    assert "crashed while running" in done.stdout  # pytest-xdist replaced the worker and went on
+
+
+def test_without_xdist_a_sticky_error_stops_the_session_naming_the_case(tmp_path: Path) -> None:
+    done = pytest_run(
+        "conformance/test_corpus.py",
+        "-k",
+        "kda-7735f63ee3cc",
+        "--kda-plugin",
+        "kda_planted_crashes",
+        "--kda-backend",
+        "planted_sticky_fault",
+        "--kda-backend",
+        "torch_chunk",
+        "--kda-out",
+        str(tmp_path),
+    )
+    assert done.returncode == DEVICE_LOST_EXIT, done.stdout[-3000:]
+    assert "sticky device error in budget of kda-7735f63ee3cc on planted_sticky_fault" in done.stdout
+    records = load_store(tmp_path).records
+    assert list(records["verdict"]) == ["error"] and list(records["backend"]) == ["planted_sticky_fault"]
+
+
+def test_the_sweep_stops_on_a_sticky_error_and_isolated_cases_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(PLUGINS))  # the isolated case processes start from this sys.path
+    cases = [arg for case in ('{"seq_lens": [37]}', '{"seq_lens": [64], "dtype": "fp32"}') for arg in ("--case", case)]
+    backends = ["--backend", "planted_sticky_fault", "--backend", "torch_chunk"]
+    common = ["run", "--device", "cpu", "--plugin", "kda_planted_crashes", *backends, *cases, "--no-dashboard"]
+    assert main([*common, "--out", str(tmp_path / "one")]) == 1
+    stopped = load_store(tmp_path / "one").records
+    assert list(stopped["verdict"]) == ["error"] and not stopped["env_complete"].any()
+    assert main([*common, "--isolate", "--out", str(tmp_path / "isolated")]) == 1
+    isolated = load_store(tmp_path / "isolated").records
+    assert set(isolated[isolated["backend"] == "torch_chunk"]["verdict"]) == {"pass"}
+    assert (isolated[isolated["backend"] == "planted_sticky_fault"]["verdict"] == "error").sum() == 2
+
+
+def test_out_of_memory_is_retried_alone_and_then_a_resource_outcome(tmp_path: Path) -> None:
+    run = Run(build_config(device="cpu", backends=["torch_chunk"], out=tmp_path))
+    case = Case(seq_lens=(37,))
+
+    def budget(name: str) -> list:
+        backend = registry.get(name)
+        return run.checked("budget", case, backend, {}, lambda truth: run_backend(truth, backend))
+
+    assert {f.verdict for f in budget("planted_oom_once")} == {"pass"}
+    [resource] = budget("planted_oom_always")
+    assert resource.verdict == "resource" and not resource.failed
+    assert (
+        resource.reason.startswith("out of memory: needed 512.00 GiB more") and "alone on the device" in resource.reason
+    )
+    check = get_check("prefix")
+
+    def raises(truth):  # type: ignore[no-untyped-def]
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(DeviceLost) as lost:
+        run.checked(check.name, case, registry.get("torch_chunk"), {"at": 5}, raises)
+    [error] = lost.value.findings
+    assert error.verdict == "error" and "--check prefix" in error.repro and "--at 5" in error.repro
+
+
+def test_one_invocation_over_workers_is_one_run_and_a_new_failure_in_it_is_flagged(tmp_path: Path) -> None:
+    args = ["conformance/test_first_sweep.py", "-n", "2", "--kda-plugin", "kda_planted_crashes"]
+    args += ["--kda-backend", "planted_fails_when_told", "--kda-lengths", "37,40", "--kda-out", str(tmp_path)]
+    for night, fail in enumerate(("0", "0", "1")):
+        done = pytest_run(*args, env={**ENV, "KDA_PLANTED_FAIL": fail})
+        assert done.returncode == (1 if fail == "1" else 0), done.stdout[-2000:]
+        assert len(load_store(tmp_path).runs) == night + 1, "each invocation is one run, whatever its workers"
+    store = load_store(tmp_path)
+    assert store.records.groupby("run_id")["case_id"].nunique().tolist() == [9, 9, 9]
+    flags = find_regressions(store.records, store.runs)
+    assert set(flags["kind"]) == {"new failure"} and set(flags["backend"]) == {"planted_fails_when_told"}
+    assert all(family.startswith("fp32 ") for family in flags["family"])
+
+
+def test_shards_split_the_tests_and_the_store_merges_them_into_one_run(tmp_path: Path) -> None:
+    assert parse_shard("2/4") == (2, 4)
+    for bad in ("0/4", "5/4", "two"):
+        with pytest.raises(ValueError, match="shard must be I/N"):
+            parse_shard(bad)
+    configs = [build_config(device="cpu", shard=f"{i}/3", run_id="night-1") for i in (1, 2, 3)]
+    names = [f"conformance/test_corpus.py::test_corpus_case[torch_chunk-{n}]" for n in range(60)]
+    owners = [[c.in_shard(name) for c in configs].count(True) for name in names]
+    assert owners == [1] * len(names), "every test belongs to exactly one shard"
+    assert configs[0].seed == configs[2].seed, "the shards of one run draw from one seed"
+    common = ["conformance/test_first_sweep.py", "--kda-backend", "torch_chunk", "--kda-lengths", "37,40"]
+    common += ["--kda-run-id", "night-1", "--kda-out", str(tmp_path)]
+    for shard in ("1/2", "2/2"):
+        done = pytest_run(*common, "--kda-shard", shard)
+        assert done.returncode in (0, 5), done.stdout[-2000:]
+    store = load_store(tmp_path)
+    assert list(store.runs["run_id"]) == ["night-1"] and store.records["case_id"].nunique() == 9
+    assert set(store.records["env_shard"]) == {"1/2", "2/2"}
+
+
+def test_workers_spread_over_the_gpus_round_robin() -> None:
+    assert [visible_device(i, ["0", "1"]) for i in range(5)] == ["0", "1", "0", "1", "0"]
+    assert visible_device(3, ["2"]) == "2"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (the H200 pair host)")
+def test_two_gpus_take_half_the_workers_each(tmp_path: Path) -> None:
+    done = pytest_run("conformance/test_first_sweep.py", "-n", "4", "--kda-device", "cuda", "--kda-out", str(tmp_path))
+    assert done.returncode == 0, done.stdout[-2000:]
+    records = load_store(tmp_path).records
+    assert set(records["env_visible_devices"]) == {"0", "1"}
+    assert isinstance(records, pd.DataFrame)
+
+
+def test_a_hung_case_in_a_worker_costs_that_case_only(tmp_path: Path) -> None:
+    done = pytest_run(
+        "conformance/test_corpus.py",
+        "-n",
+        "2",
+        "-k",
+        "kda-7735f63ee3cc or kda-cb6cc21512bb",
+        "--kda-case-timeout",
+        "5",
+        "--kda-plugin",
+        "kda_planted_crashes",
+        "--kda-backend",
+        "planted_hang",
+        "--kda-backend",
+        "torch_chunk",
+        "--kda-out",
+        str(tmp_path),
+    )
+    assert done.returncode == 1, done.stdout[-3000:]
+    records = load_store(tmp_path).records
+    hung = records[records["backend"] == "planted_hang"]
+    assert set(hung["verdict"]) == {"error"} and hung["case_id"].nunique() == 2
+    assert hung["reason"].str.startswith("no result within 5 s (hung or too slow)").all()
+    assert set(records[records["backend"] == "torch_chunk"]["verdict"]) == {"pass"}
