@@ -219,3 +219,35 @@ def test_a_hung_case_in_a_worker_costs_that_case_only(tmp_path: Path) -> None:
     assert set(hung["verdict"]) == {"error"} and hung["case_id"].nunique() == 2
     assert hung["reason"].str.startswith("no result within 5 s (hung or too slow)").all()
     assert set(records[records["backend"] == "torch_chunk"]["verdict"]) == {"pass"}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="an out-of-bounds Triton kernel needs a GPU")
+def test_an_out_of_bounds_kernel_on_a_gpu_costs_its_cases_only(tmp_path: Path) -> None:
+    """A real illegal address on a real GPU, beside FLA's kernels and the baseline, which keep passing."""
+    backends = ["planted_oob_write", "fla_chunk", "fla_recurrent", "torch_chunk"]
+    done = pytest_run(
+        "conformance/test_corpus.py",
+        "--kda-device",
+        "cuda",
+        "-n",
+        "4",
+        "--max-worker-restart",
+        "20",
+        "-k",
+        CORPUS_CASES,
+        "--kda-plugin",
+        "kda_planted_gpu_faults",
+        *(arg for name in backends for arg in ("--kda-backend", name)),
+        "--kda-out",
+        str(tmp_path),
+    )
+    assert done.returncode == 1, done.stdout[-3000:]
+    records = load_store(tmp_path).records
+    planted = records[records["backend"] == "planted_oob_write"]
+    assert set(planted["verdict"]) == {"error"} and planted["case_id"].nunique() == 3
+    assert planted["reason"].str.contains("illegal memory access").all()
+    others = records[records["backend"] != "planted_oob_write"]
+    assert set(others["verdict"]) == {"pass"} and others.groupby("backend")["case_id"].nunique().to_dict() == {
+        name: 3 for name in backends[1:]
+    }
