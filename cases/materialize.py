@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -59,6 +59,9 @@ class KDAInputs:
     dt_bias: torch.Tensor | None
     initial_state: torch.Tensor | None
     cu_seqlens: torch.Tensor | None
+    # Sequence metadata built on the host and passed in, as servers do (``Backend.host_metadata``); None:
+    # the kernel derives what it needs from ``cu_seqlens`` itself.
+    host_metadata: Mapping[str, torch.Tensor] | None = None
 
     @property
     def device(self) -> torch.device:

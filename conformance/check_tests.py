@@ -16,16 +16,17 @@ from kda_kernels.protocol import Backend
 from kda_reports.findings import Finding, failure_report
 
 
-def check_report(check: Check, findings: list[Finding], params: dict) -> str | None:
-    """The failure message of one example of ``check`` (None when it passed). The backend took the case
-    (the draw made sure), so a skip here means it raised Unsupported anyway: a failure."""
-    bad = [f for f in findings if f.failed or f.verdict == "skip"]
+def check_report(check: Check, findings: list[Finding], params: dict, fails: Callable[[Finding], bool]) -> str | None:
+    """The failure message of one example of ``check`` (None when it passed): the findings the run counts
+    as failures (``fails``). The backend took the case (the draw made sure), so a skip here means it raised
+    Unsupported anyway: a failure too."""
+    bad = [f if f.verdict != "skip" else _as_failure(f) for f in findings if fails(f) or f.verdict == "skip"]
     if not bad:
         return None
     case, backend = bad[0].case, bad[0].backend
     drawn = "".join(f", {name} {value}" for name, value in params.items())
     header = f"{check.title}{drawn}: {case.id} ({case.label}) backend {backend}"
-    return failure_report([f if f.failed else _as_failure(f) for f in bad], header)
+    return failure_report(bad, header, failing=lambda f: True)
 
 
 def _as_failure(skipped: Finding) -> Finding:
@@ -48,19 +49,14 @@ def check_test(check: Check) -> Callable[..., None]:
         assert profile is not None
         drawn = check.draw(data, profile, backend)
         findings = kda_checked(
-            check.name,
-            drawn.case,
-            backend,
-            drawn.params,
-            lambda truth: check.run(truth, backend, drawn.params),
-            record_all=check.records,
+            check.name, drawn.case, backend, drawn.params, lambda truth: check.run(truth, backend, drawn.params)
         )
         measured = [f.worst for f in findings if f.errors is not None]
-        if check.records and profile.targeted and measured:
+        if check.targets and profile.targeted and measured:
             # Climb toward the worst inputs: the largest error/limit ratio this backend shows.
             target(max(measured), label=backend.name)
         # A case that did not fit the device's memory, even alone, is recorded as such: not the kernel's fault.
-        report = check_report(check, findings, dict(drawn.params))
+        report = check_report(check, findings, dict(drawn.params), kda_run.config.fails)
         if report:
             kda_run.examples.keep_failure(nodeid, [f.to_dict() for f in findings if not f.passed])
             raise AssertionError(report)

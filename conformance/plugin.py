@@ -9,6 +9,7 @@ import os
 import shlex
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NoReturn
@@ -84,6 +85,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "green by skipping everything (also KDA_STRICT=1)",
     )
     group.addoption(
+        "--kda-batch-invariant",
+        action="store_true",
+        default=False,
+        help="the backends promise batch invariance: a change of earlier outputs within the chunk of a changed "
+        "token fails (otherwise it is reported as not batch-invariant)",
+    )
+    group.addoption(
         "--kda-reference-form",
         choices=FORMS,
         default=None,
@@ -150,6 +158,7 @@ def _run_config(config: pytest.Config):  # type: ignore[no-untyped-def]
             grid=grid,
             out=option("--kda-out"),
             strict=option("--kda-strict"),
+            batch_invariant=option("--kda-batch-invariant"),
             reference_form=option("--kda-reference-form"),
             command="pytest " + " ".join(shlex.quote(a) for a in config.invocation_params.args),
             run_id=run_id,
@@ -267,10 +276,9 @@ def kda_record(request: pytest.FixtureRequest, kda_run: Run) -> Callable[[list[F
 def kda_checked(
     request: pytest.FixtureRequest, kda_run: Run, kda_record: Callable[[list[Finding]], None]
 ) -> Callable[..., list[Finding]]:
-    """Runs a check on a case the way Run.checked does, and records what the run must keep: every finding
-    of a check whose findings are records (``record_all``), and any error or resource outcome. After a
-    sticky device error the case's error is recorded and this process ends: a pytest-xdist worker exits
-    and xdist replaces it; a single process stops the session, naming the case."""
+    """Runs a check on a case the way Run.checked does and records its findings. After a sticky device
+    error the case's error is recorded and this process ends: a pytest-xdist worker exits and xdist
+    replaces it; a single process stops the session, naming the case."""
 
     def checked(
         check: str,
@@ -278,7 +286,6 @@ def kda_checked(
         backend: Backend,
         params: Mapping[str, object],
         run: Callable[[CaseTruth], list[Finding]],
-        record_all: bool,
     ) -> list[Finding]:
         watchdog = _watchdog(request, kda_run, kda_record, check, case, backend, params)
         try:
@@ -289,7 +296,7 @@ def kda_checked(
         finally:
             if watchdog is not None:
                 watchdog.cancel()
-        kda_record(findings if record_all else [f for f in findings if f.verdict in ("error", "resource")])
+        kda_record(findings)
         return findings
 
     return checked
@@ -431,6 +438,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     rows = run.rows if run.frame is None else run.frame.to_dict("records")
     if not rows:
         return
+    noted = Counter(
+        (r["verdict"], r["backend"], r["check"], r["observed"]) for r in rows if r["verdict"] in ("known", "warn")
+    )
+    if noted:
+        tr.section("KDA conformance: known issues and warnings (not failures of this run)")
+        for (verdict, backend, check, observed), count in sorted(noted.items()):
+            tr.write_line(f"{verdict}: {backend} {check} {observed}: {count} findings")
     tr.section("KDA conformance: max-abs error against the float64 reference")
     tr.write_line(RECORD_LINE_HEADER)
     for row in rows:

@@ -28,7 +28,7 @@ def test_corpus_case(
     too_large = kda_run.config.profile.corpus_skip(case, backend.interpreted(kda_run.config.device))
     if too_large:
         pytest.skip(too_large)
-    findings = kda_checked(BUDGET_CHECK, case, backend, {}, lambda truth: run_backend(truth, backend), record_all=True)
+    findings = kda_checked(BUDGET_CHECK, case, backend, {}, lambda truth: run_backend(truth, backend))
     skipped = [f for f in findings if f.verdict in ("skip", "resource")]
     if skipped:
         pytest.skip(f"{backend.name}: {skipped[0].verdict}: {skipped[0].reason}")

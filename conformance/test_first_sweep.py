@@ -17,9 +17,7 @@ from kda_reports.findings import failure_report
 def test_first_sweep(first_sweep_case: Case, kda_backend: Backend, kda_checked: Callable) -> None:
     """The sweep's cases come from --kda-lengths/--kda-dtypes/--kda-heads/--kda-head-dim (plugin)."""
     backend = kda_backend
-    findings = kda_checked(
-        BUDGET_CHECK, first_sweep_case, backend, {}, lambda truth: run_backend(truth, backend), record_all=True
-    )
+    findings = kda_checked(BUDGET_CHECK, first_sweep_case, backend, {}, lambda truth: run_backend(truth, backend))
     skipped = [f for f in findings if f.verdict in ("skip", "resource")]
     if skipped:
         pytest.skip(f"{backend.name}: {skipped[0].verdict}: {skipped[0].reason}")

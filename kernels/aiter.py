@@ -237,6 +237,7 @@ class AiterFlashKDA(AiterBackend):
     name = "aiter_flashkda"
     description = "AITER chunk_kimi_delta_attn, FlashKDA path, AITER's default segment length (depends on CU count)"
     flash_kda = True
+    chunk_tokens = 32
 
 
 class AiterFlashKDASeg16(AiterFlashKDA):
@@ -262,6 +263,7 @@ class AiterNative(AiterBackend):
     needs = ("backend",)
     extra: ClassVar[dict[str, object]] = {"backend": "native"}
     flash_kda = True  # the native port's envelope is FlashKDA's
+    chunk_tokens = 16
 
     def availability(self, device: torch.device) -> Support:
         arch = gpu_arch(device)
@@ -325,13 +327,15 @@ class AiterPaged(AiterFlashKDA):
         # AITER does not range-check state_indices: a PAD entry (-1) would wrap to the pool's last slot. The
         # glue hands it the real sequences only, as a server must.
         n = batch.case.num_seqs
-        cu = None if batch.cu_seqlens is None else batch.cu_seqlens[: n + 1]
+        cu = batch.cu_seqlens
+        if cu is not None and cu.numel() != n + 1:  # padding entries to drop; else the caller's object itself
+            cu = cu[: n + 1]
         real = dataclasses.replace(batch, initial_state=None, cu_seqlens=cu)
         state_indices, has_initial_state = state_indices[:n], has_initial_state[:n]
         args, kwargs = self._arguments(real)
-        T = batch.case.total_tokens
-        # AITER wants ``out`` shaped like ``v``; the caller's buffer may be longer: hand it the token rows.
-        rows = out[:, :T]
+        # AITER wants ``out`` shaped like ``v`` (the token tensors, padded or not); the caller's buffer may be
+        # longer: hand it as many rows.
+        rows = out[:, : batch.v.shape[1]]
         kwargs.update(output_final_state=False, out=rows, state_cache=pool, state_indices=state_indices.to(torch.int32))
         kwargs.update(has_initial_state=has_initial_state)
         self._check_path(real, kwargs)

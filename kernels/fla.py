@@ -9,6 +9,7 @@ kernels run in Triton's interpreter (``kernels/triton_interpret.py``).
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 from types import ModuleType
 
@@ -75,10 +76,12 @@ class FlaChunk(Backend):
     name = "fla_chunk"
     description = "fla.ops.kda.chunk_kda, the Triton chunk pipeline (dispatch to FlashKDA disabled)"
 
+    host_metadata_names = ("cu_seqlens_cpu",)
+
     def __init__(self, chunk_size: int = 64) -> None:
         if chunk_size not in (32, 64):
             raise ValueError(f"chunk_size must be 32 or 64 for FLA's chunk_kda, got {chunk_size}")
-        self.chunk_size = chunk_size
+        self.chunk_size = self.chunk_tokens = chunk_size
         if chunk_size != 64:
             self.name = f"fla_chunk{chunk_size}"
 
@@ -100,12 +103,16 @@ class FlaChunk(Backend):
             function="chunk_kda", extra=f"safe_gate={case.safe_gate}, chunk_size={self.chunk_size}, "
         )
 
+    def host_metadata(self, device: torch.device, cu_seqlens_cpu: torch.Tensor) -> dict[str, torch.Tensor]:
+        accepted = inspect.signature(_import_fla_kda(device).chunk_kda).parameters
+        return {"cu_seqlens_cpu": cu_seqlens_cpu.long()} if "cu_seqlens_cpu" in accepted else {}
+
     def run(self, inputs: KDAInputs) -> BackendOutput:
         support = self.supports(inputs.case)
         if not support:
             raise Unsupported(support.reason)
         kda = _import_fla_kda(inputs.device)
-        kwargs = inputs.kernel_kwargs()
+        kwargs = {**inputs.kernel_kwargs(), **(inputs.host_metadata or {})}
         kwargs["initial_state"] = _state_for_kernel(inputs)
         with torch.inference_mode():
             o, final = kda.chunk_kda(
@@ -125,6 +132,7 @@ class FlaChunk(Backend):
 class FlaRecurrent(Backend):
     name = "fla_recurrent"
     description = "fla.ops.kda.fused_recurrent_kda, the per-token Triton kernel with an fp32 state"
+    chunk_tokens = 1
 
     def availability(self, device: torch.device) -> Support:
         return _fla_availability(device)

@@ -60,6 +60,10 @@ class Backend(ABC):
     # Whether ``run`` returns the states at the case's checkpoints (prefix caching); the serving harness
     # plans checkpoint slots only for backends that do.
     produces_checkpoints: bool = False
+    # The largest block of tokens the backend computes together (its chunk; 1 for a token-serial kernel).
+    # Changing a token may move earlier outputs of its own block by rounding (not batch-invariant), never
+    # those of earlier blocks (that is a causal leak): the prefix check tells the two apart by it.
+    chunk_tokens: int = 64
 
     @abstractmethod
     def availability(self, device: torch.device) -> Support:
@@ -83,6 +87,16 @@ class Backend(ABC):
         """Whether this backend runs interpreted on ``device`` (Triton kernels on a CPU): seconds per call,
         so the CPU tiers give it only their shortest corpus cases."""
         return False
+
+    # The sequence metadata its API can take from the host (FLA's ``cu_seqlens_cpu``); the host-metadata
+    # check runs for backends that name some.
+    host_metadata_names: tuple[str, ...] = ()
+
+    def host_metadata(self, device: torch.device, cu_seqlens_cpu: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The host metadata for a batch with these ``cu_seqlens`` (on the CPU), built as a server builds it
+        (no device-to-host sync per call), keyed by argument name; empty where the installed library's API
+        takes none (found from its signature). ``run`` passes on what ``inputs.host_metadata`` holds."""
+        return {}
 
     @abstractmethod
     def run(self, inputs: KDAInputs) -> BackendOutput:

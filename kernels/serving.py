@@ -245,9 +245,12 @@ def gather_run_scatter(
     h0 = None
     if bool(resumed.any()):
         h0 = torch.where(resumed.view(-1, 1, 1, 1), pool[slots], torch.zeros_like(pool[slots]))
-    result = backend.run(dataclasses.replace(batch, initial_state=h0, cu_seqlens=batch.cu_seqlens[: n + 1]))
+    cu = batch.cu_seqlens
+    if cu.numel() != n + 1:  # padding entries to drop; else the caller's tensor object itself, untouched
+        cu = cu[: n + 1]
+    result = backend.run(dataclasses.replace(batch, initial_state=h0, cu_seqlens=cu))
     T = case.total_tokens
-    out[:, :T] = result.o
+    out[:, :T] = result.o[:, :T]  # token tensors padded past the sequences give output rows no one owns
     pool[slots] = result.final_state.to(pool.dtype)
     if len(checkpoint_slots):
         if result.checkpoint_states is None:

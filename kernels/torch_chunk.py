@@ -24,7 +24,7 @@ class TorchChunk(Backend):
     produces_checkpoints = True
 
     def __init__(self, chunk_size: int = DEFAULT_CHUNK) -> None:
-        self.chunk_size = chunk_size
+        self.chunk_size = self.chunk_tokens = chunk_size
 
     def availability(self, device: torch.device) -> Support:
         return Support.yes()

@@ -13,7 +13,7 @@ def record_line(r: dict) -> str:
 
     def num(key: str, width: int = 9, spec: str = ".2e") -> str:
         value = r.get(key)
-        return f"{value:{width}{spec}}" if isinstance(value, float) else f"{'':{width}}"
+        return f"{value:{width}{spec}}" if isinstance(value, float) and value == value else f"{'':{width}}"
 
     return (
         f"{r['case_id']:17} {r['label'][:42]:42} {r['backend']:14} {r['tensor'] or '-':12} "

@@ -69,7 +69,8 @@ def _figure_html(figure: go.Figure, div_id: str, first: bool) -> str:
 def error_vs_length(records: pd.DataFrame) -> go.Figure:
     """Max-abs error against the longest sequence, per backend and tensor, with each case's limit."""
     figure = go.Figure()
-    measured = records[records["verdict"].isin(["pass", "fail"]) & records["max_abs"].notna()].copy()
+    budget = records["check"] == "budget" if "check" in records else True
+    measured = records[records["verdict"].isin(["pass", "fail"]) & records["max_abs"].notna() & budget].copy()
     measured["length"] = longest(measured)
     for (backend, tensor), part in measured.groupby(["backend", "tensor"]):
         part = part.sort_values("length")
@@ -109,6 +110,17 @@ def trends(groups: pd.DataFrame, runs: pd.DataFrame) -> go.Figure:
     figure.update_xaxes(title="run")
     figure.update_layout(title="Trends per case family (backend, family, tensor)")
     return figure
+
+
+def observations(records: pd.DataFrame) -> pd.DataFrame:
+    """Cases per backend x check x observation (the records' ``observed`` column), with their verdicts."""
+    if "observed" not in records:
+        return pd.DataFrame()
+    seen = records[records["observed"].fillna("") != ""]
+    if seen.empty:
+        return pd.DataFrame()
+    grouped = seen.groupby(["backend", "check", "observed", "verdict"])["case_id"].nunique()
+    return grouped.rename("cases").reset_index()
 
 
 def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.5) -> tuple[Path, pd.DataFrame]:
@@ -152,6 +164,10 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
             _figure_html(trends(nightly_groups(records), runs), "trends", first=False),
             "<h2>Worst cases of the last run</h2>",
             _table(worst_table, "worst", code_columns=("repro",)),
+            "<h2>What the checks observed, last run</h2>",
+            "<p class='note'>Beyond pass and fail: batch invariance, padded tails, metadata patterns, "
+            "determinism, known issues (cases per backend, check and observation).</p>",
+            _table(observations(last), "observations"),
         ]
     if store.problems:
         parts += ["<h2>Files skipped or partly read</h2><ul>"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +20,12 @@ import numpy as np
 from kda_cases.case import Case
 
 # pass and fail judge a tensor; skip: the backend does not take the case; error: it raised (or crashed, or
-# hung); resource: the case did not fit the device's memory even alone, which says nothing of the kernel.
-VERDICTS = ("pass", "fail", "skip", "error", "resource")
+# hung); resource: the case did not fit the device's memory even alone, which says nothing of the kernel;
+# warn: something reported (garbage past the tokens, not batch-invariant, nondeterministic) that fails only
+# where the run asks for it (--kda-strict); known: a failure the ledger of known upstream issues excuses.
+VERDICTS = ("pass", "fail", "skip", "error", "resource", "warn", "known")
+# What a run counts as the backend's failure.
+FAILED = ("fail", "error")
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,9 @@ class Finding:
     seconds: float = 0.0  # the backend call's wall time
     reference_form: str = ""  # exact form of the float64 truth: "loop" or "chunked"
     reference_seconds: float = 0.0
+    # What a check observed, beyond pass or fail: "not batch-invariant", "garbage", "right under in-place
+    # metadata", ... (the records' `observed` column, the dashboard's table of observations).
+    observed: str = ""
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -132,7 +140,7 @@ class Finding:
     @property
     def failed(self) -> bool:
         """A failure of the backend: a tensor out of bounds, or a call that raised."""
-        return self.verdict in ("fail", "error")
+        return self.verdict in FAILED
 
     @property
     def ratio(self) -> float:
@@ -163,7 +171,7 @@ class Finding:
         and the backend, which a report of several findings of one case says once)."""
         who = self.title if title else (f"tensor {self.tensor}" if self.tensor else "")
         head = ": ".join(part for part in (self.subject, who) if part)
-        if self.verdict in ("skip", "error", "resource"):
+        if self.verdict in ("skip", "error", "resource") or (self.reason and not self.problems):
             lines = [f"{head}: {self.verdict}: {self.reason}"]
         else:
             lines = [f"{head}: " + ("; ".join(self.problems) or "passed")]
@@ -201,10 +209,12 @@ class Finding:
         return cls(**data)
 
 
-def failure_report(findings: list[Finding], header: str = "") -> str | None:
-    """The message of a check's failed findings (None when none failed): ``header`` (or the first
-    failure's case and backend), each failure, and the repro line once where the failures share it."""
-    failed = [f for f in findings if f.failed]
+def failure_report(
+    findings: list[Finding], header: str = "", failing: Callable[[Finding], bool] = lambda f: f.failed
+) -> str | None:
+    """The message of a check's failing findings (None when none fails): ``header`` (or the first failure's
+    case and backend), each failure, and the repro line once where the failures share it."""
+    failed = [f for f in findings if failing(f)]
     if not failed:
         return None
     repros = list(dict.fromkeys(f.repro for f in failed if f.repro))

@@ -1,4 +1,5 @@
-"""Regressions over a store's history: per case family x backend x tensor, tonight against recent nights.
+"""Regressions over a store's history: per backend x check x case family x tensor, tonight against recent
+nights.
 
 A night's figure for a group is its worst error/limit ratio (the larger of the max-abs and rel-RMS ratios;
 1 is the limit) and whether any case failed or erred. The latest run is compared with the median of the
@@ -16,7 +17,7 @@ import math
 
 import pandas as pd
 
-from kda_reports.findings import worst_ratio
+from kda_reports.findings import FAILED, worst_ratio
 
 ENV_KEYS = {
     "env_torch": "torch",
@@ -29,7 +30,7 @@ ENV_KEYS = {
     "env_hip": "HIP",
     "env_multiprocessors": "SMs/CUs",
 }
-GROUP = ["backend", "family", "tensor"]
+GROUP = ["backend", "check", "family", "tensor"]
 
 
 def longest(records: pd.DataFrame) -> pd.Series:
@@ -57,13 +58,14 @@ def _lengths(value: object) -> list[int]:
 
 def nightly_groups(records: pd.DataFrame) -> pd.DataFrame:
     """Per run x backend x family x tensor: cases, failures, worst ratio, and the worst case's repro."""
-    measured = records[records["verdict"].isin(["pass", "fail", "error"])].copy()
+    measured = records[records["verdict"].isin(["pass", *FAILED, "warn", "known"])].copy()
     if measured.empty:
         return pd.DataFrame(columns=["run_id", *GROUP, "cases", "failed", "worst", "repro", "case_id"])
+    measured["check"] = measured["check"].fillna("budget") if "check" in measured else "budget"
     measured["family"] = family(measured)
     measured["tensor"] = measured["tensor"].fillna("").replace("", "(run)")
     measured["worst"] = record_worst(measured)
-    measured["failed"] = measured["verdict"].isin(["fail", "error"])
+    measured["failed"] = measured["verdict"].isin(FAILED)
     measured = measured.sort_values("worst", ascending=False)
     grouped = measured.groupby(["run_id", *GROUP], sort=False)
     table = grouped.agg(

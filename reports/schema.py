@@ -27,10 +27,16 @@ RECORD_COLUMNS: dict[str, str] = {
     "device": "torch device the case ran on",
     **CASE_COLUMNS,
     "case_json": "the whole case as JSON (what `--case` takes)",
-    "tensor": "`o`, `final_state` or `checkpoint_states`; empty for a skip or an error",
-    "verdict": "`pass`, `fail`, `skip` (backend or case unsupported), `error` (the backend raised, crashed or hung) "
-    "or `resource` (the case did not fit the device's memory, even alone)",
-    "reason": "why it failed, was skipped or raised; empty on a pass",
+    "check": "the registered check that made the row (`budget`, `split_resume`, `poison`, ...; docs/checks.md)",
+    "subject": "what the check compared or inspected (`o against the whole run`, `in-place metadata`, ...); "
+    "empty for the budget check",
+    "tensor": "`o`, `final_state` or `checkpoint_states`; empty for a skip, an error or a finding about memory",
+    "verdict": "`pass`, `fail`, `skip` (backend or case unsupported), `error` (the backend raised, crashed or hung), "
+    "`resource` (the case did not fit the device's memory, even alone), `warn` (reported; fails only under "
+    "`--kda-strict`) or `known` (a failure the ledger of known issues excuses)",
+    "observed": "what the check observed beyond pass or fail: `equal`, `not batch-invariant`, `causal leak`, "
+    "`nondeterministic`, `zero`, `untouched`, `values`, `garbage`, `right`, `wrong`, ...",
+    "reason": "why it failed, was skipped or raised, or what it did (a warn, a known issue); empty on a pass",
     "repro": "one shell line that reruns this case on this backend and device",
     "seconds": "wall time of the backend call (synchronized on GPUs)",
     "reference_form": "exact form that produced the truth: `loop` (the definition) or `chunked` (float64)",
@@ -99,6 +105,9 @@ def record_row(finding: Finding) -> dict:
         "label": case.label,
         "backend": finding.backend,
         "device": finding.device,
+        "check": finding.check,
+        "subject": finding.subject,
+        "observed": finding.observed,
         **case_columns(case),
         "case_json": case.to_json(),
         "seconds": finding.seconds,
@@ -130,7 +139,7 @@ def record_row(finding: Finding) -> dict:
         "budget_binding": budget.max_abs.binding,
         "baseline_rel_rms": budget.rel_rms.baseline,
         "budget_rel_rms_binding": budget.rel_rms.binding,
-        "reason": "; ".join(finding.problems),
+        "reason": "; ".join(finding.problems) or finding.reason,
     }
 
 

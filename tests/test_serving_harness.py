@@ -116,7 +116,7 @@ LOCALIZED = {
     "planted_pad_wraps_to_last_slot": ("poison", "nan", "{last}"),
     "planted_checkpoint_slot_unwritten": ("poison", "nan", "(checkpoint 0) differs with nan poison"),
     "planted_uninitialised_output_tail": ("poison", "nan", "(past the last token, 33) was written"),
-    "planted_cu_seqlens_identity_cache": ("cu_seqlens", "none", "second batch through the same cu_seqlens tensor"),
+    "planted_cu_seqlens_identity_cache": ("cu_seqlens", "none", "in-place metadata contract broken"),
 }
 
 

@@ -6,11 +6,35 @@ below. The pytest tests (``conformance/test_properties.py``, ``test_serving.py``
 detection``, ``kda-conformance repro`` and ``docs/checks.md`` all read this registry (docs/architecture.md).
 """
 
-from kda_conformance.checks import budget, checkpoint, cu_seqlens, packing, poison, prefix, split_resume, steps
+from kda_conformance.checks import (
+    budget,
+    checkpoint,
+    cu_seqlens,
+    determinism,
+    host_metadata,
+    packing,
+    padded_tail,
+    poison,
+    prefix,
+    split_resume,
+    steps,
+)
 from kda_conformance.checks.registry import CHECKS, Check, Drawn, Param, get_check, register, run_check
 
 # The registrations, in the order every table shows the checks.
-for module in (budget, split_resume, prefix, packing, poison, steps, checkpoint, cu_seqlens):
+for module in (
+    budget,
+    split_resume,
+    prefix,
+    packing,
+    determinism,
+    poison,
+    steps,
+    checkpoint,
+    cu_seqlens,
+    host_metadata,
+    padded_tail,
+):
     register(module.CHECK)
 
 __all__ = ["CHECKS", "Check", "Drawn", "Param", "get_check", "run_check"]

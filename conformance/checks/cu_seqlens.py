@@ -1,5 +1,15 @@
-"""A reused ``cu_seqlens`` tensor: one tensor object, given a second batch's offsets in place, must give the
-second batch's answer (a kernel caching chunk indices on the tensor's identity returns stale bounds)."""
+"""Reused ``cu_seqlens``: the three ways servers hand a kernel its sequence bounds, each a second batch (as
+many sequences, new bounds) after a first, each judged against the second batch's truth:
+
+- (a) ``in-place metadata``: the very same tensor object, the new offsets written into it in place (a
+  server capturing CUDA graphs keeps persistent metadata buffers). FLA and AITER cache chunk indices on
+  the identity of the tensor (``tensor_cache``, documented as not noticing in-place writes): a wrong
+  answer here breaks the in-place metadata contract;
+- (b) ``persistent buffer, sliced afresh``: a view of one persistent buffer, sliced anew each step;
+- (c) ``fresh tensor``: a new tensor each call.
+
+The harness hands the backend the caller's object untouched (no padding entries, so nothing to slice off).
+"""
 
 from __future__ import annotations
 
@@ -20,41 +30,53 @@ from kda_kernels.serving import build_pool, new_out, plan_pool
 from kda_reports.findings import Finding
 
 NAME = "cu_seqlens"
+PATTERNS = ("in-place metadata", "persistent buffer, sliced afresh", "fresh tensor")
 
 
-def resplit(case: Case) -> Case:
-    """The same tokens cut into sequences differently: what a reused ``cu_seqlens`` tensor is given next."""
-    T = case.total_tokens
-    lens = (T,) if case.num_seqs > 1 else (T - T // 2, T // 2) if T > 1 else (T, 0)
-    return case.replace(seq_lens=lens, packed=True, checkpoints=())
+def next_batch(case: Case) -> Case:
+    """The next step's batch: as many sequences, other lengths (each longer by a few tokens), other tokens."""
+    lens = tuple(n + 3 * (i + 1) for i, n in enumerate(case.seq_lens))
+    return case.replace(seq_lens=lens, packed=True, checkpoints=(), seed=case.seed + 1)
 
 
 def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
     return Drawn(draw_served(data, profile, backend))
 
 
-def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> list[Finding]:
-    case, inputs, device = truth.case, truth.inputs, truth.inputs.device
-    judge = judge_for(NAME, case, backend.name, device, params)
-    first_plan = plan_pool(case.replace(checkpoints=()))
-    cu = torch.zeros(case.num_seqs + first_plan.padding + 1, dtype=torch.int32, device=device)
-    first = dataclasses.replace(inputs, case=case.replace(checkpoints=()))
-    pool = build_pool(first, first_plan, "none")
+def _serve(backend: Backend, truth: CaseTruth, cu: torch.Tensor | None) -> BackendOutput:
+    """One batch with no padding entries, through ``cu`` (its new offsets written in place) or a fresh tensor."""
+    case, inputs = truth.case, truth.inputs
+    plan = plan_pool(case.replace(checkpoints=()), padding=0)
+    pool = build_pool(dataclasses.replace(inputs, case=case.replace(checkpoints=())), plan, "none")
+    out = new_out(case, plan, "none", inputs.device)
     has_h0 = (case.has_initial_state,) * case.num_seqs
-    out = new_out(case, first_plan, "none", device)
-    serve(backend, first, pool, first_plan.seq_slots, has_h0, out, padding=first_plan.padding, cu_seqlens=cu)
-    other = case_truth(resplit(case), device)
-    plan = plan_pool(other.case)
-    pool = build_pool(other.inputs, plan, "none")
-    out = new_out(other.case, plan, "none", device)
-    # The same object, its length kept (padding absorbs the difference in sequence count).
-    padding = cu.numel() - 1 - other.case.num_seqs
-    has_h0 = (other.case.has_initial_state,) * other.case.num_seqs
-    serve(backend, other.inputs, pool, plan.seq_slots, has_h0, out, padding=padding, cu_seqlens=cu)
-    result = BackendOutput(o=out[:, : other.case.total_tokens], final_state=pool[list(plan.seq_slots)])
-    what = f"second batch through the same cu_seqlens tensor ({other.case.seq_lens} after {case.seq_lens})"
-    second = Judge(NAME, other.case, backend.name, judge.device, judge.repro)
-    return second.result(other.reference, result, other.budgets, what)
+    serve(backend, inputs, pool, plan.seq_slots, has_h0, out, cu_seqlens=cu)
+    return BackendOutput(o=out[:, : case.total_tokens], final_state=pool[list(plan.seq_slots)])
+
+
+def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> list[Finding]:
+    case, device = truth.case.replace(checkpoints=()), truth.inputs.device
+    first = dataclasses.replace(truth, case=case, inputs=dataclasses.replace(truth.inputs, case=case))
+    judge = judge_for(NAME, truth.case, backend.name, device, params)
+    second = case_truth(next_batch(case), device)
+    n = case.num_seqs
+    persistent = torch.zeros(n + 1 + 8, dtype=torch.int32, device=device)
+    same = torch.zeros(n + 1, dtype=torch.int32, device=device)
+    # Each step's tensor: the same object twice, a fresh view of one buffer each step, or none (a fresh one).
+    steps = {PATTERNS[0]: lambda: same, PATTERNS[1]: lambda: persistent[: n + 1], PATTERNS[2]: lambda: None}
+    findings = []
+    for pattern, step in steps.items():
+        _serve(backend, first, step())
+        got = _serve(backend, second, step())
+        subject = f"{pattern}: second batch {second.case.seq_lens} after {case.seq_lens}"
+        judged = Judge(NAME, second.case, backend.name, judge.device, judge.repro)
+        for finding in judged.result(second.reference, got, second.budgets, subject):
+            observed = "right" if finding.passed else "wrong"
+            problems = finding.problems
+            if not finding.passed and pattern == PATTERNS[0]:
+                problems = ("in-place metadata contract broken (a kernel caching on the tensor's identity)", *problems)
+            findings.append(dataclasses.replace(finding, observed=f"{observed} under {pattern}", problems=problems))
+    return findings
 
 
 CHECK = Check(
@@ -62,8 +84,8 @@ CHECK = Check(
     title="serving: reused cu_seqlens",
     suite="serving",
     test_name="test_reused_cu_seqlens_tensor_gets_new_bounds",
-    summary="One cu_seqlens tensor reused with a second batch's offsets written in place gives the second "
-    "batch's answer.",
+    summary="A second batch's bounds reach the kernel through the same cu_seqlens tensor written in place, a "
+    "view of a persistent buffer sliced afresh, or a fresh tensor: the right answer under each.",
     draw=draw,
     run=run,
     ci_seed=0x0BE078ED76ED7E6E0C8A3963D7DDE5D322F6E9B971CC1244026B475C93AAF420D5FC12B99605119323DF80B197B2E228,

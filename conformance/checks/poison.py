@@ -4,11 +4,13 @@ clean run bitwise and write nothing it does not own. A difference is traced to t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from hypothesis import strategies as st
 
 from kda_cases.profiles import Profile
+from kda_conformance.checks.determinism import nondeterminism
 from kda_conformance.checks.registry import Check, Drawn, Param
 from kda_conformance.checks.served import (
     REGIONS,
@@ -41,6 +43,15 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> lis
     clean = run_serving(backend, inputs, plan, "none")
     findings = judge.result(truth.reference, served_result(clean), truth.budgets, "clean run")
     findings += integrity(judge, clean, "clean run")
+    again = run_serving(backend, inputs, plan, "none")
+    if differences(judge, again, clean, ""):
+        # It varies by itself: a difference under poison would say nothing of what it read.
+        varies = nondeterminism(judge, served_result(clean), served_result(again), truth.budgets["o"].max_abs.value)
+        subject, reason = "the same served batch, run twice", "two clean runs differ in their slots"
+        varies = varies or dataclasses.replace(
+            judge.passed(subject), verdict="warn", observed="nondeterministic", reason=reason
+        )
+        return [*findings, dataclasses.replace(varies, reason=varies.reason + "; poison not judged")]
     with poisoned_scratch(inputs.device, poison):
         poisoned = run_serving(backend, inputs, plan, poison)
     findings += integrity(judge, poisoned, f"{poison} poison")

@@ -61,7 +61,7 @@ class Check:
     ci_seed: int
     prepare: Callable[[Case, Backend], Case] = unchanged
     params: tuple[Param, ...] = ()
-    records: bool = False  # its findings go to the run's records (one row per tensor)
+    targets: bool = False  # in a targeted profile, its error/limit ratios steer Hypothesis toward the worst cases
     requires: Callable[[Backend], str | None] = lambda backend: None  # why it cannot apply to a backend
 
 

@@ -26,6 +26,7 @@ from kda_cases.strategies import kernel_pool_lines, with_kernel_pool
 from kda_kernels import registry
 from kda_reference.run import FORM_VARIABLE, FORMS
 from kda_reports.environment import environment
+from kda_reports.findings import Finding
 from kda_reports.runfile import DEFAULT_OUT, new_run_id
 
 DEFAULT_CASE_TIMEOUT = 900.0  # seconds for one case on one backend, its reference and compile included
@@ -110,7 +111,8 @@ class RunConfig:
     grid: Grid = field(default_factory=Grid)
     out: Path = DEFAULT_OUT
     plugins: tuple[str, ...] = ()
-    strict: bool = False  # a selected backend that cannot run fails instead of skipping
+    strict: bool = False  # a selected backend that cannot run fails instead of skipping; so does a warning
+    batch_invariant: bool = False  # the backends promise batch invariance: "not batch-invariant" fails
     reference_form: str | None = None
     isolate: bool = False  # each case in a worker process (a crash or a hang costs that case only)
     case_timeout: float = DEFAULT_CASE_TIMEOUT
@@ -119,6 +121,15 @@ class RunConfig:
     # the CI job, through KDA_RUN_ID) names it, and every worker and shard writes a part of it.
     run_id: str = field(default_factory=new_run_id)
     shard: tuple[int, int] | None = None  # (I, N): this host runs the I-th of N shares of the tests
+
+    def fails(self, finding: Finding) -> bool:
+        """Whether ``finding`` fails this run: a failure or an error always; a warning under strict mode, or
+        a "not batch-invariant" one where the backends promise batch invariance."""
+        if finding.failed:
+            return True
+        if finding.verdict != "warn":
+            return False
+        return self.strict or (self.batch_invariant and finding.observed == "not batch-invariant")
 
     @property
     def part(self) -> str | None:
@@ -180,6 +191,7 @@ def build_config(
     grid: Grid | None = None,
     out: Path | str = DEFAULT_OUT,
     strict: bool | None = None,
+    batch_invariant: bool = False,
     reference_form: str | None = None,
     isolate: bool | None = None,
     case_timeout: float = DEFAULT_CASE_TIMEOUT,
@@ -244,6 +256,7 @@ def build_config(
         out=Path(out),
         plugins=tuple(plugins),
         strict=strict_from_environment() if strict is None else strict,
+        batch_invariant=batch_invariant,
         reference_form=reference_form,
         isolate=resolved.type != "cpu" if isolate is None else isolate,
         case_timeout=case_timeout,

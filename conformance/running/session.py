@@ -16,6 +16,7 @@ import pandas as pd
 
 from kda_cases.case import Case
 from kda_conformance.judging.judge import judge_for
+from kda_conformance.judging.known import apply_known
 from kda_conformance.running.config import RunConfig
 from kda_conformance.running.faults import DeviceLost, is_out_of_memory, is_sticky, memory_report
 from kda_conformance.running.memory import device_slot, release_cached_memory
@@ -107,6 +108,7 @@ class Run:
                 ]
             self._truths.clear()
             release_cached_memory(device)
+        findings = apply_known(findings)
         lost = [f for f in findings if f.verdict == "error" and is_sticky(f.reason)]
         if lost:
             raise DeviceLost(

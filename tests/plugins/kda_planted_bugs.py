@@ -217,14 +217,16 @@ class ClampedSoftplusGate(TorchChunk):
 
 @planted(
     "planted_future_leak",
-    "each output also sees a trace of the next token's value",
+    "each output also sees 1 % of the next token's value",
     "FLA #1240 (safe_gate anchor, fixed in 0.6.0)",
 )
 class FutureLeak(TorchChunk):
     def run(self, inputs: KDAInputs) -> BackendOutput:
         out = super().run(inputs)
         o = out.o.clone()
-        o[:, :-1] += (1e-6 * inputs.v[:, 1:]).to(o.dtype)
+        # Beyond the output's limit: a causal leak even where it stays inside the chunk of the changed token
+        # (a change within the limit inside that chunk is only "not batch-invariant").
+        o[:, :-1] += (1e-2 * inputs.v[:, 1:]).to(o.dtype)
         return dataclasses.replace(out, o=o)
 
 

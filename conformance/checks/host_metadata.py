@@ -1,0 +1,126 @@
+"""Host metadata passed through: a server builds a batch's sequence metadata on the host (FLA's
+``cu_seqlens_cpu``; vLLM's ``chunk_indices`` and ``chunk_offsets``) and passes it in, so the kernel does not
+sync the device to derive it. The result with it passed in must be bitwise the result with it derived.
+Metadata of the previous batch (stale) must be refused with an error; a backend that takes it silently is
+reported with what it did (a warning, failed only under --kda-strict)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+from hypothesis import strategies as st
+
+from kda_cases.case import Case
+from kda_cases.profiles import Profile
+from kda_conformance.checks.registry import Check, Drawn
+from kda_conformance.checks.served import draw_served, serving_case
+from kda_conformance.judging.judge import judge_for
+from kda_conformance.judging.metrics import measure
+from kda_conformance.running.probe import probe
+from kda_conformance.running.runner import call_backend
+from kda_conformance.running.truth import CaseTruth
+from kda_kernels.protocol import Backend, BackendOutput
+from kda_reports.findings import Finding
+
+NAME = "host_metadata"
+
+
+def stale_bounds(case: Case, chunk: int) -> tuple[int, ...] | None:
+    """The previous batch's ``cu_seqlens``: as many sequences, the longest one ``chunk`` tokens shorter (a
+    chunk fewer). Stale bounds with fewer chunks than the tokens hold keep a kernel that trusts them inside
+    its tensors (more chunks would send it past their end, which kills the process); None where no
+    sequence is longer than a chunk."""
+    lens = list(case.seq_lens)
+    longest = max(range(len(lens)), key=lambda n: lens[n])
+    if lens[longest] <= chunk:
+        return None
+    lens[longest] -= chunk
+    return (0, *torch.tensor(lens).cumsum(0).tolist())
+
+
+def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
+    return Drawn(draw_served(data, profile, backend, lambda case: case.total_tokens >= 2))
+
+
+def requires(backend: Backend) -> str | None:
+    return None if backend.host_metadata_names else f"{backend.name}'s API takes no host metadata"
+
+
+def _bits_equal(a: BackendOutput, b: BackendOutput) -> bool:
+    return all(
+        torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+        for x, y in ((a.o, b.o), (a.final_state, b.final_state))
+    )
+
+
+def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> list[Finding]:
+    case, inputs = truth.case, truth.inputs
+    judge = judge_for(NAME, case, backend.name, inputs.device, params)
+    metadata = backend.host_metadata(inputs.device, torch.tensor(case.offsets))
+    if not metadata:
+        return [judge.outcome("skip", f"this {backend.name} takes none of {', '.join(backend.host_metadata_names)}")]
+    names = ", ".join(metadata)
+    derived = call_backend(backend, inputs)
+    passed = call_backend(backend, dataclasses.replace(inputs, host_metadata=metadata))
+    findings = []
+    subject = f"{names} passed in, against derived"
+    if _bits_equal(passed, derived):
+        findings.append(dataclasses.replace(judge.passed(subject), observed="equal"))
+    else:
+        change = measure("o", passed.o, derived.o.double()).errors.max_abs
+        text = f"the result with {names} passed in differs from the result with it derived (max-abs {change:.3e})"
+        findings.append(dataclasses.replace(judge.problem(subject, text, tensor="o"), observed="differs"))
+    bounds = stale_bounds(case, backend.chunk_tokens)
+    if bounds is None:
+        return findings
+    stale = backend.host_metadata(inputs.device, torch.tensor(bounds))
+    subject = f"stale {names} (the previous batch's: a chunk fewer)"
+    key = (backend.name, str(inputs.device))
+    if key not in _STALE:
+        _STALE[key] = _what_stale_does(case, backend, inputs.device, stale, truth, derived)
+    verdict, observed, reason, probed = _STALE[key]
+    stale_finding = dataclasses.replace(judge.passed(subject), verdict=verdict, observed=observed)
+    return [*findings, dataclasses.replace(stale_finding, reason=f"{reason} (probed on {probed})")]
+
+
+# What a backend does with stale metadata is a property of the backend, not of the case: probed once per
+# backend and device, in a process of its own (it may die), then reported on every case.
+_STALE: dict[tuple[str, str], tuple[str, str, str, str]] = {}
+
+
+def _what_stale_does(
+    case: Case, backend: Backend, device: torch.device, stale: dict, truth: CaseTruth, derived: BackendOutput
+) -> tuple[str, str, str, str]:
+    """(verdict, observed, reason, the case probed)."""
+    used = probe(case, backend, device, stale)
+    if used.raised:
+        return "pass", "refused", used.raised, case.id
+    if used.died:
+        return "warn", "crashes", f"taken without a check, and it killed the process: {used.died}", case.id
+    result = BackendOutput(o=used.o, final_state=used.final_state)
+    if _bits_equal(result, BackendOutput(o=derived.o.cpu(), final_state=derived.final_state.cpu())):
+        return "pass", "ignored", "the result is the right one", case.id
+    change = measure("o", result.o, truth.reference.o.cpu()).errors
+    limit = truth.budgets["o"].max_abs.value
+    reason = (
+        f"taken without a check: the output is off the truth by max-abs {change.max_abs:.3e} "
+        f"({change.max_abs / limit:.3g} of the limit), {change.nonfinite} non-finite values"
+    )
+    return "warn", "used silently", reason, case.id
+
+
+CHECK = Check(
+    name=NAME,
+    title="serving: host metadata",
+    suite="serving",
+    test_name="test_host_metadata_passed_in_equals_derived",
+    summary="Sequence metadata passed in from the host gives bitwise the result of metadata derived; the "
+    "previous batch's is refused, or reported with what it did (probed in a process of its own).",
+    draw=draw,
+    run=run,
+    ci_seed=0x686F73745F6D65746164617461,
+    prepare=serving_case,
+    requires=requires,
+)

@@ -1,0 +1,94 @@
+"""Correct backends but for one behaviour each, for the tests of the checks that see what servers do
+(tests/test_serving_patterns.py): host metadata trusted or checked, garbage past the tokens, variance
+within a chunk, a tiny leak from beyond a chunk, nondeterminism. A module of its own, so that a process
+spawned for a probe can import them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kda_cases.materialize import KDAInputs
+from kda_kernels.protocol import BackendOutput
+from kda_kernels.registry import register
+from kda_kernels.torch_chunk import TorchChunk
+
+
+class TakesHostBounds(TorchChunk):
+    """Takes ``cu_seqlens_cpu`` and trusts it over the device's bounds, as a kernel that skips the sync."""
+
+    name = "test_takes_host_bounds"
+    host_metadata_names = ("cu_seqlens_cpu",)
+
+    def host_metadata(self, device: torch.device, cu_seqlens_cpu: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"cu_seqlens_cpu": cu_seqlens_cpu}
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        host = (inputs.host_metadata or {}).get("cu_seqlens_cpu")
+        if host is not None:
+            inputs = dataclasses.replace(inputs, cu_seqlens=host.to(inputs.device), host_metadata=None)
+        return super().run(inputs)
+
+
+class ChecksHostBounds(TakesHostBounds):
+    name = "test_checks_host_bounds"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        host = (inputs.host_metadata or {}).get("cu_seqlens_cpu")
+        if host is not None and not torch.equal(host, inputs.cu_seqlens.cpu().to(host.dtype)):
+            raise ValueError("cu_seqlens_cpu does not match cu_seqlens")
+        return super().run(inputs)
+
+
+class GarbageTail(TorchChunk):
+    name = "test_garbage_tail"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        o = out.o.clone()
+        o[:, inputs.case.total_tokens :] = float("nan")  # torch.empty's rows, as FlashKDA returns them
+        return dataclasses.replace(out, o=o)
+
+
+class NotBatchInvariant(TorchChunk):
+    """Outputs of a 64-token chunk move by a hair with a later token of the same chunk."""
+
+    name = "test_not_batch_invariant"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        o = out.o.clone()
+        T = o.shape[1]
+        for start in range(0, T, 64):
+            end = min(T, start + 64)
+            o[:, start : end - 1] += (1e-7 * inputs.v[:, end - 1 : end]).to(o.dtype)
+        return dataclasses.replace(out, o=o)
+
+
+class TinyFarLeak(TorchChunk):
+    """Outputs move by a hair with the token 64 places later: tiny, but from beyond their own chunk."""
+
+    name = "test_tiny_far_leak"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        o = out.o.clone()
+        o[:, :-64] += (1e-7 * inputs.v[:, 64:]).to(o.dtype)
+        return dataclasses.replace(out, o=o)
+
+
+class Nondeterministic(TorchChunk):
+    name = "test_nondeterministic"
+    calls = 0
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        Nondeterministic.calls += 1
+        o = out.o.float()
+        o[0, 0, 0, 0] += 1e-3 * Nondeterministic.calls  # like an atomic reduction's order
+        return dataclasses.replace(out, o=o.to(out.o.dtype))
+
+
+for backend in (TakesHostBounds, ChecksHostBounds, GarbageTail, NotBatchInvariant, TinyFarLeak, Nondeterministic):
+    register(backend.name, backend, replace=True)

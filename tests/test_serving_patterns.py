@@ -1,0 +1,151 @@
+"""The checks that see what servers do: cu_seqlens reused three ways, host metadata passed in, padded tails,
+prefix invariance in two tiers, determinism, and the ledger of known issues. Planted backends (each the
+correct baseline but for one behaviour) show each outcome on the CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kda_cases.case import Case
+from kda_conformance.checks import get_check, run_check
+from kda_conformance.judging.known import KnownIssue, apply_known, load_ledger
+from kda_conformance.running.config import build_config
+from kda_kernels import registry
+from kda_reports.findings import Budget, Errors, Finding, Limit
+
+CPU = torch.device("cpu")
+PLUGINS = Path(__file__).with_name("plugins")
+PACKED = Case(seq_lens=(20, 0, 90), packed=True, num_heads=1, num_v_heads=1, head_k_dim=32, head_v_dim=32)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def backends(planted_zoo: dict) -> Iterator[None]:
+    # On sys.path for the whole module: the host-metadata check probes stale metadata in a spawned process,
+    # which imports the backend's module again.
+    sys.path.insert(0, str(PLUGINS))
+    import kda_behaviours  # noqa: F401  (registers the backends)
+
+    yield
+    sys.path.remove(str(PLUGINS))
+
+
+def check(name: str, backend: str, case: Case, **params: object) -> list[Finding]:
+    return run_check(get_check(name), case, registry.get(backend), CPU, params)
+
+
+def observed(findings: list[Finding], subject: str) -> set[str]:
+    return {f.observed for f in findings if f.subject.startswith(subject)}
+
+
+def test_cu_seqlens_is_reused_three_ways_and_the_identity_cache_fails_in_place_only() -> None:
+    correct = check("cu_seqlens", "torch_chunk", PACKED)
+    assert all(f.passed for f in correct)
+    assert {f.observed for f in correct} == {
+        "right under in-place metadata",
+        "right under persistent buffer, sliced afresh",
+        "right under fresh tensor",
+    }
+    cached = check("cu_seqlens", "planted_cu_seqlens_identity_cache", PACKED)
+    wrong = {f.observed for f in cached if f.failed}
+    assert wrong == {"wrong under in-place metadata"}
+    assert any("in-place metadata contract broken" in f.message() for f in cached if f.failed)
+
+
+def test_host_metadata_passed_in_is_bitwise_the_derived_and_stale_metadata_is_refused_or_reported() -> None:
+    taken = check("host_metadata", "test_takes_host_bounds", PACKED)
+    assert [(f.verdict, f.observed) for f in taken] == [("pass", "equal"), ("warn", "used silently")]
+    assert "off the truth by max-abs" in taken[1].reason
+    checked = check("host_metadata", "test_checks_host_bounds", PACKED)
+    assert [(f.verdict, f.observed) for f in checked] == [("pass", "equal"), ("pass", "refused")]
+    assert "ValueError: cu_seqlens_cpu does not match cu_seqlens" in checked[1].reason
+
+
+def test_padded_tails_are_classified_and_garbage_fails_only_when_strict() -> None:
+    zero = check("padded_tail", "torch_chunk", PACKED)
+    assert all(f.passed for f in zero) and observed(zero, "output rows past") == {"zero"}
+    paged = check("padded_tail", "planted_padding_writes_slot0", PACKED)  # a paged API; its output rows are right
+    assert observed(paged, "output rows past") == {"untouched"}  # the caller's buffer past the tokens
+    garbage = check("padded_tail", "test_garbage_tail", PACKED)
+    [tail] = [f for f in garbage if f.subject.startswith("output rows past")]
+    assert tail.verdict == "warn" and tail.observed == "garbage" and "non-finite" in tail.reason
+    assert all(f.passed for f in garbage if f is not tail), "the sequences' own answer is right"
+    assert not build_config(device="cpu").fails(tail) and build_config(device="cpu", strict=True).fails(tail)
+
+
+def test_prefix_invariance_tells_a_causal_leak_from_batch_variance_and_from_nondeterminism() -> None:
+    case = Case(seq_lens=(150,))
+    [leak] = check("prefix", "planted_future_leak", case, at=100)
+    assert leak.verdict == "fail" and leak.observed == "causal leak"
+    [hair] = check("prefix", "test_not_batch_invariant", case, at=100)
+    assert hair.verdict == "warn" and hair.observed == "not batch-invariant"
+    assert "inside the 64-token chunk that holds token 100 (from 64)" in hair.reason
+    assert not build_config(device="cpu").fails(hair)
+    assert build_config(device="cpu", batch_invariant=True).fails(hair)
+    [far] = check("prefix", "test_tiny_far_leak", case, at=100)
+    assert far.verdict == "fail" and far.observed == "causal leak"
+    assert "tokens before the 64-token chunk that holds token 100" in far.problems[0]
+    [varies] = check("prefix", "test_nondeterministic", case, at=100)
+    assert varies.verdict == "warn" and varies.observed == "nondeterministic"
+    assert varies.reason.endswith("prefix invariance not judged")
+
+
+def test_determinism_is_checked_and_poison_is_not_blamed_on_a_backend_that_varies() -> None:
+    [same] = check("determinism", "torch_chunk", PACKED)
+    assert same.passed and same.observed == "deterministic"
+    [varies] = check("determinism", "test_nondeterministic", PACKED)
+    assert varies.verdict == "warn" and "o by max-abs" in varies.reason
+    poison = check("poison", "test_nondeterministic", PACKED, poison="nan")
+    assert [f.observed for f in poison if f.verdict == "warn"] == ["nondeterministic"]
+    assert not any(f.failed for f in poison if f.subject != "clean run")
+
+
+def _finding(verdict: str, ratio: float, **case_fields: object) -> Finding:
+    limit = Limit("max_abs", 1.0, 1.0, 0.0, 1.0, "baseline")
+    budget = Budget("o", limit, dataclasses.replace(limit, metric="rel_rms"))
+    errors = Errors(ratio, 0.0, ratio, 0, True)
+    case = Case(seq_lens=(40,), **case_fields)  # type: ignore[arg-type]
+    return Finding("budget", case, "fla_chunk", "cuda", verdict, tensor="o", errors=errors, budget=budget)
+
+
+def test_the_known_issues_ledger_excuses_tracks_and_retires(monkeypatch: pytest.MonkeyPatch) -> None:
+    issue = KnownIssue(
+        id="tf32",
+        backends=("fla_chunk",),
+        description="TF32 dots",
+        upstream="docs/tolerance.md",
+        added="2026-11-30",
+        worst=100.0,
+        growth=1.5,
+        device="cuda",
+        when={"dtype": ("fp32",)},
+        environment={"TRITON_F32_DEFAULT": ("", "tf32")},
+    )
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    [known] = apply_known([_finding("fail", 120.0, dtype="fp32")], [issue])
+    assert known.verdict == "known" and known.observed == "known: tf32" and not known.failed
+    [worse] = apply_known([_finding("fail", 151.0, dtype="fp32")], [issue])
+    assert worse.verdict == "fail" and "worse than known issue tf32 allows" in worse.problems[-1]
+    [gone] = apply_known([_finding("pass", 0.5, dtype="fp32")], [issue])
+    assert gone.verdict == "fail" and "no longer reproduces" in gone.problems[0]
+    [other] = apply_known([_finding("fail", 120.0, dtype="bf16")], [issue])
+    assert other.verdict == "fail"
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    [ieee] = apply_known([_finding("fail", 120.0, dtype="fp32")], [issue])
+    assert ieee.verdict == "fail", "with IEEE dots the entry does not apply"
+
+
+def test_the_committed_ledger_loads_and_a_bad_entry_is_named(tmp_path: Path) -> None:
+    ids = {issue.id for issue in load_ledger()}
+    assert {"fla-chunk-fp32-tf32", "fla-chunk-fp16-strong-gates-tf32", "fla-tensor-cache-in-place-cu-seqlens"} <= ids
+    assert math.isinf(next(i for i in load_ledger() if i.id == "fla-tensor-cache-in-place-cu-seqlens").worst)
+    bad = tmp_path / "ledger.toml"
+    bad.write_text('[[issue]]\nid = "x"\nbackends = ["a"]\ncolour = "red"\n')
+    with pytest.raises(ValueError, match=r"ledger.toml: issue 1 \(x\) is not valid"):
+        load_ledger(bad)
