@@ -77,3 +77,13 @@ def test_the_budget_check_reruns_through_run(tmp_path: Path) -> None:
     [finding] = [f for f in run_check(get_check("budget"), Case(seq_lens=(40,)), backend, CPU) if f.failed]
     assert finding.repro.startswith("kda-conformance run --device cpu --backend planted_nan_at_one_position --case ")
     assert main([*shlex.split(finding.repro)[1:], "--no-dashboard", "--out", str(tmp_path)]) == 1
+
+
+def test_checks_run_tabulates_every_check_on_one_case(tmp_path: Path) -> None:
+    table = tmp_path / "serving.md"
+    assert main(["checks", "--run", "--device", "cpu", "--backend", "torch_chunk", "--table", str(table)]) == 0
+    rows = [line.split("|")[1:-1] for line in table.read_text().splitlines() if line.startswith("| torch_chunk")]
+    seen = {(cells[1].strip(), cells[3].strip()) for cells in rows}
+    assert {check for check, _ in seen} == set(CHECKS)
+    assert {verdict for _, verdict in seen} == {"pass", "skip"}  # host metadata: torch_chunk takes none
+    assert ("cu_seqlens", "pass") in seen and ("padded_tail", "pass") in seen

@@ -38,9 +38,8 @@ def padded(inputs: KDAInputs) -> KDAInputs:
     graph buffer holds); ``cu_seqlens`` and the case unchanged."""
     T = inputs.case.total_tokens
     extra = tail_rows(T)
-    other = materialize(
-        inputs.case.replace(seq_lens=(T + extra,), packed=True, seed=inputs.case.seed + 2), inputs.device
-    )
+    other_case = inputs.case.replace(seq_lens=(T + extra,), packed=True, checkpoints=(), seed=inputs.case.seed + 2)
+    other = materialize(other_case, inputs.device)
     tensors = {name: torch.cat([getattr(inputs, name), getattr(other, name)[:, T:]], dim=1) for name in TOKEN_TENSORS}
     return dataclasses.replace(inputs, **tensors)
 

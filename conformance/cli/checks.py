@@ -1,20 +1,51 @@
-"""``kda-conformance checks``: the registered checks as a table (docs/checks.md is its output)."""
+"""``kda-conformance checks``: the registered checks as a table (docs/checks.md is its output), or, with
+``--run``, every check on one case per backend, as a table of what each check observed (the table of
+docs/serving.md).
+
+The case is one served batch moved into each backend's envelope (``Backend.fit``): packed sequences with a
+zero-length member, an initial state, checkpoints; so each backend compiles one kernel configuration.
+Every parameter a check draws is fixed: the split point mid-sequence, each poison mode in turn.
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+import pandas as pd
 from rich.console import Console
 
-from kda_conformance.checks import CHECKS
+from kda_cases.case import Case
+from kda_conformance.checks import CHECKS, run_check
+from kda_conformance.cli.common import add_backends, add_device, config_from_args, parse_case, typed
+from kda_kernels import registry
+from kda_kernels.serving import POISON_MODES
 
 NAME = "checks"
-HELP = "list the registered checks (what docs/checks.md shows)"
+HELP = "list the registered checks (docs/checks.md), or run each on one case per backend (--run)"
+# Three packed sequences (one empty) crossing 64-token chunks and a 32-token one, an initial state, and
+# checkpoints on and off the 16-token grid: every serving pattern has something to bite on.
+TABLE_CASE = Case(
+    seq_lens=(150, 0, 97),
+    packed=True,
+    num_heads=4,
+    num_v_heads=4,
+    head_k_dim=128,
+    head_v_dim=128,
+    initial_state="random",
+    checkpoints=((0, 64), (0, 100), (2, 33)),
+    seed=20261130,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--table", type=Path, default=None, help="also write the markdown page to this file")
+    parser.add_argument("--table", type=Path, default=None, help="also write the markdown to this file")
+    parser.add_argument("--run", action="store_true", help="run every check on one case per backend")
+    add_device(parser)
+    add_backends(parser, default="fla_chunk and fla_recurrent")
+    parser.add_argument(
+        "--case", type=typed(parse_case), default=None, metavar="JSON_OR_FILE", help="with --run: the case"
+    )
 
 
 def checks_markdown() -> str:
@@ -35,8 +66,72 @@ def checks_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _params(name: str, case: Case) -> list[dict]:
+    """Every value of the check's parameters worth a row: the split point mid-sequence, each poison."""
+    if name in ("split_resume", "prefix"):
+        return [{"at": case.max_len // 2 + 1}]
+    if name == "poison":
+        return [{"poison": mode} for mode in POISON_MODES if mode != "none"]
+    return [{}]
+
+
+def run_table(backends: list[str], device, case: Case, console: Console) -> pd.DataFrame:  # type: ignore[no-untyped-def]
+    rows = []
+    for name in backends:
+        backend = registry.get(name)
+        available = backend.availability(device)
+        for check in CHECKS.values():
+            fitted = check.prepare(backend.fit(case), backend)
+            supported = backend.supports(fitted)
+            reason = available.reason if not available else check.requires(backend) or supported.reason
+            if not available or not supported or reason:
+                rows.append(_row(name, check.name, "", "", "skip", reason))
+                continue
+            for params in _params(check.name, fitted):
+                console.print(f"{name} {check.name} {params}", highlight=False)
+                try:
+                    findings = run_check(check, fitted, backend, device, params)
+                except Exception as exc:  # a check that raises is a result of the table, not the end of it
+                    findings = []
+                    rows.append(_row(name, check.name, str(params), "", "error", f"{type(exc).__name__}: {exc}"))
+                for f in findings:
+                    what = (f"{params} " if params else "") + f"{f.subject} {f.tensor}".strip()
+                    rows.append(_row(name, check.name, what, f.observed, f.verdict, "; ".join(f.problems) or f.reason))
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+COLUMNS = ["backend", "check", "what", "observed", "verdict", "note"]
+
+
+def summary(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per backend x check x observation x verdict: how many findings, and the first one's note."""
+    grouped = table.groupby(["backend", "check", "observed", "verdict"], sort=False)
+    return grouped.agg(findings=("what", "size"), note=("note", "first")).reset_index()
+
+
+def _row(*values: str) -> dict[str, str]:
+    row = dict(zip(COLUMNS, values, strict=True))
+    row["note"] = row["note"][:200]  # a table cell, not a log: the records keep the whole of it
+    return row
+
+
 def execute(args: argparse.Namespace, console: Console) -> int:
-    text = checks_markdown()
+    if not args.run:
+        text = checks_markdown()
+    else:
+        args.plugin = args.plugin or []
+        config = config_from_args(args, console)
+        if config is None:
+            return 2
+        case = args.case or TABLE_CASE
+        table = summary(run_table(list(config.backends), config.device, case, console))
+        text = (
+            f"Produced by `{args.command_line}` on {config.environment().get('device_name', '')}: every check "
+            f"on case {case.id} ({case.label}), moved into each backend's envelope; one row per backend, "
+            "check, observation and verdict, with how many findings it holds and the first one's note.\n\n"
+            + table.to_markdown(index=False)
+            + "\n"
+        )
     console.print(text, markup=False, highlight=False, soft_wrap=True)
     if args.table is not None:
         args.table.write_text(text)
