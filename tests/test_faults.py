@@ -26,7 +26,7 @@ from kda_reports.store import load_store
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGINS = Path(__file__).with_name("plugins")
-ENV = {**os.environ, "PYTHONPATH": str(PLUGINS)}
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
 CORPUS_CASES = "kda-7735f63ee3cc or kda-cb6cc21512bb or kda-4b573c63b5b6"  # three short corpus cases
 
 
