@@ -168,6 +168,11 @@ class Case:
     def has_initial_state(self) -> bool:
         return self.initial_state != "none"
 
+    @property
+    def has_empty_sequence(self) -> bool:
+        """A zero-length member in ``cu_seqlens`` (legal: its final state is its initial state)."""
+        return 0 in self.seq_lens
+
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["seq_lens"] = list(self.seq_lens)
