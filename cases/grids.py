@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
-from kda_cases.case import Case
+from kda_cases.case import GATE_REGIMES, INITIAL_STATES, Case
 
 FIRST_SWEEP_LENGTHS = (37, 64, 65, 130)
 FIRST_SWEEP_DTYPES = ("bf16", "fp32")
@@ -53,3 +54,31 @@ def calibration_cases(
         for regime in gate_regimes
         for h0 in initial_states
     ]
+
+
+def long_cases(dtypes: Sequence[str], tokens: int, seed: int | None) -> list[Case]:
+    """A run's long cases: one of ``tokens`` tokens per entry of ``dtypes`` (16 heads, K = V = 128, the safe
+    gate), their other axes (gate regime, keys, initial state, one sequence or two packed halves) drawn
+    from ``seed``, so every night reaches long contexts in every dtype with new inputs."""
+    rng = random.Random(seed)
+    cases = []
+    for dtype in dtypes:
+        halves = rng.random() < 0.5
+        cases.append(
+            Case(
+                seq_lens=(tokens // 2, tokens - tokens // 2) if halves else (tokens,),
+                packed=halves,
+                num_heads=16,
+                num_v_heads=16,
+                head_k_dim=128,
+                head_v_dim=128,
+                dtype=dtype,
+                gate_regime=rng.choice(GATE_REGIMES),
+                key_regime=rng.choice(("random", "random", "correlated")),
+                key_rho=0.99,
+                initial_state=rng.choice(INITIAL_STATES),
+                seed=rng.randrange(2**31),
+                tags=("long",),
+            )
+        )
+    return [c if c.key_regime == "correlated" else c.replace(key_rho=0.0) for c in cases]

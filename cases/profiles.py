@@ -50,6 +50,11 @@ class Profile:
     # so a night affords a few; the seed picks them, so the nights together cover the axes.
     kernel_configs: int = 0
     kernel_pool: tuple[tuple[tuple[str, object], ...], ...] = ()  # filled per run: see strategies.with_kernel_pool
+    # The dtypes of the run's long cases (``long_tokens`` tokens each, drawn from the run's seed and run on
+    # every backend by conformance/test_corpus.py::test_long_case): a night reaches 128K tokens in every
+    # dtype, whatever Hypothesis draws.
+    long_dtypes: tuple[str, ...] = ()
+    long_tokens: int = 131072
 
     def corpus_skip(self, case: Case, interpreted: bool) -> str | None:
         """Why a corpus case does not run in this profile (None when it runs)."""
@@ -101,9 +106,36 @@ PROFILES: dict[str, Profile] = {
             corpus_max_tokens=256,
             corpus_max_work=2**23,
         ),
-        Profile("nightly", 4, 2 * 131072, 1, 6, 16, (64, 128), DTYPES, False, True, max_work=2**35, kernel_configs=3),
+        # 12 examples per check and backend: with five backends, 500 drawn cases and more a night.
         Profile(
-            "long", 4, 2 * 131072, 32768, 2, 16, (128,), ("bf16", "fp16"), False, True, max_work=2**35, kernel_configs=2
+            "nightly",
+            12,
+            2 * 131072,
+            1,
+            6,
+            16,
+            (64, 128),
+            DTYPES,
+            False,
+            True,
+            max_work=2**35,
+            kernel_configs=3,
+            long_dtypes=("bf16", "fp16", "fp32", "bf16"),
+        ),
+        Profile(
+            "long",
+            4,
+            2 * 131072,
+            32768,
+            2,
+            16,
+            (128,),
+            DTYPES,
+            False,
+            True,
+            max_work=2**35,
+            kernel_configs=2,
+            long_dtypes=DTYPES,
         ),
     )
 }

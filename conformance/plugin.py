@@ -223,6 +223,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "first_sweep_case" in metafunc.fixturenames:
         cases = run.config.grid.cases()
         metafunc.parametrize("first_sweep_case", cases, ids=[c.id for c in cases])
+    if "long_case" in metafunc.fixturenames:
+        cases = run.config.long_cases()
+        metafunc.parametrize("long_case", cases, ids=[c.id for c in cases])
 
 
 @pytest.fixture(scope="session")
@@ -338,6 +341,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     device = run.config.device
     profile = run.config.profile
     assert profile is not None
+    if not run.config.long_cases():  # profiles without long cases: no "empty parameter set" skip line
+        unused = [item for item in items if getattr(item, "originalname", None) == "test_long_case"]
+        config.hook.pytest_deselected(items=unused)
+        items[:] = [item for item in items if item not in unused]
     if run.config.shard is not None:  # this host's share of the tests; the other hosts run the rest
         mine = [item for item in items if run.config.in_shard(item.nodeid)]
         config.hook.pytest_deselected(items=[item for item in items if not run.config.in_shard(item.nodeid)])
@@ -363,16 +370,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     _corpus_cases_outermost(items)
 
 
+def _case_of(item: pytest.Item) -> str | None:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "entry" in params:
+        return params["entry"].case.id
+    long_case = params.get("long_case")
+    return long_case.id if isinstance(long_case, Case) else None
+
+
 def _corpus_cases_outermost(items: list[pytest.Item]) -> None:
-    """Corpus cases outermost, backends inside: each case's truth (the float64 reference and the baseline)
-    is computed once and served to every backend from the run's truth cache."""
-    slots = [i for i, item in enumerate(items) if "entry" in getattr(getattr(item, "callspec", None), "params", {})]
+    """Corpus and long cases outermost, backends inside: each case's truth (the float64 reference and the
+    baseline) is computed once and served to every backend from the run's truth cache."""
+    slots = [i for i, item in enumerate(items) if _case_of(item) is not None]
     first_seen: dict[str, int] = {}
     for i in slots:
-        first_seen.setdefault(items[i].callspec.params["entry"].case.id, len(first_seen))
-    in_case_order = sorted(
-        (items[i] for i in slots), key=lambda item: first_seen[item.callspec.params["entry"].case.id]
-    )
+        first_seen.setdefault(_case_of(items[i]), len(first_seen))  # type: ignore[arg-type]
+    in_case_order = sorted((items[i] for i in slots), key=lambda item: first_seen[_case_of(item)])  # type: ignore[index]
     for i, item in zip(slots, in_case_order, strict=True):
         items[i] = item
 

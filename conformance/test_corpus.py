@@ -1,5 +1,6 @@
-"""The committed corpus (cases/corpus/*.json) against every selected backend, in every profile: the budget
-check on each pinned case."""
+"""The committed corpus (cases/corpus/*.json) against every selected backend, in every profile, and the
+run's long cases (the nightly and long profiles: 128K tokens in each dtype, new each night): the budget
+check on each."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
+from kda_cases.case import Case
 from kda_cases.corpus import CorpusEntry, load_corpus
 from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running.runner import run_backend
@@ -39,3 +41,18 @@ def test_corpus_case(
     if report:
         kda_run.examples.keep_failure(nodeid, [f.to_dict() for f in findings if f.failed])
         raise AssertionError(report)
+
+
+@pytest.mark.kda_device_dependent
+def test_long_case(long_case: Case, kda_backend: Backend, kda_run: Run, kda_checked: Callable) -> None:
+    """A long case of the run (moved into the backend's envelope), within its budgets."""
+    case, backend = kda_backend.fit(long_case), kda_backend
+    supported = backend.supports(case)
+    if not supported:
+        pytest.skip(f"{backend.name}: {supported.reason}")
+    findings = kda_checked(BUDGET_CHECK, case, backend, {}, lambda truth: run_backend(truth, backend))
+    skipped = [f for f in findings if f.verdict in ("skip", "resource")]
+    if skipped:
+        pytest.skip(f"{backend.name}: {skipped[0].verdict}: {skipped[0].reason}")
+    report = failure_report(findings, f"long case of the run ({case.total_tokens} tokens)", kda_run.config.fails)
+    assert report is None, report

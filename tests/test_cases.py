@@ -124,3 +124,17 @@ def test_correlated_keys_have_the_asked_correlation() -> None:
     k = inp.k[0, :, 0]
     cos = (k[1:] * k[:-1]).sum(-1)
     assert 0.8 < cos.mean() < 0.95
+
+
+def test_long_cases_cover_every_dtype_and_change_with_the_seed() -> None:
+    from kda_cases.grids import long_cases
+
+    dtypes = ("bf16", "fp16", "fp32", "bf16")
+    night = long_cases(dtypes, 131072, seed=7)
+    assert [c.dtype for c in night] == list(dtypes)
+    assert all(c.total_tokens == 131072 and "long" in c.tags for c in night)
+    assert [c.id for c in night] == [c.id for c in long_cases(dtypes, 131072, seed=7)]
+    assert {c.id for c in night}.isdisjoint(c.id for c in long_cases(dtypes, 131072, seed=8))
+    drawn = [c for seed in range(20) for c in long_cases(dtypes, 4096, seed)]
+    assert {c.packed for c in drawn} == {False, True}
+    assert len({c.gate_regime for c in drawn}) > 1 and len({c.initial_state for c in drawn}) > 1

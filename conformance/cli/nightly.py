@@ -95,7 +95,14 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         return 2
     command = pytest_command(args, config.run_id)
     console.print(f"nightly run {config.run_id}: " + " ".join(command[1:]), highlight=False, soft_wrap=True)
-    done = subprocess.run(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    # Triton's disk cache keeps autotuning results too: a kernel configuration one worker tuned is not tuned
+    # again by the others, nor by tomorrow's night on the same machine.
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "TRITON_CACHE_AUTOTUNING": os.environ.get("TRITON_CACHE_AUTOTUNING", "1"),
+    }
+    done = subprocess.run(command, env=env)
     rebuild_dashboard(args.store, None, args.window, args.growth, console)
     # pytest's exit codes: 1 when a test failed; an interrupted or broken night is not a kernel failure.
     return done.returncode

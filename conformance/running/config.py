@@ -20,7 +20,7 @@ import torch
 
 from kda_cases.case import DTYPES, Case
 from kda_cases.devices import resolve_device
-from kda_cases.grids import FIRST_SWEEP_DTYPES, FIRST_SWEEP_LENGTHS, first_sweep_cases
+from kda_cases.grids import FIRST_SWEEP_DTYPES, FIRST_SWEEP_LENGTHS, first_sweep_cases, long_cases
 from kda_cases.profiles import Profile, get_profile
 from kda_cases.strategies import kernel_pool_lines, with_kernel_pool
 from kda_kernels import registry
@@ -164,6 +164,12 @@ class RunConfig:
         if self.seed is None:
             return "derandomized"
         return f"seed {self.seed}"
+
+    def long_cases(self) -> list[Case]:
+        """The run's long cases (the profile's ``long_dtypes``), drawn from its seed."""
+        if self.profile is None or not self.profile.long_dtypes:
+            return []
+        return long_cases(self.profile.long_dtypes, self.profile.long_tokens, self.seed)
 
     def kernel_pool_lines(self) -> list[str]:
         return [] if self.profile is None else kernel_pool_lines(self.profile)
