@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -150,6 +152,32 @@ def test_nightly_command_adds_a_run_and_rebuilds_the_dashboard(tmp_path: Path) -
     assert main([*argv, "--backend", "torch_chunk", "--device", "cpu"]) == 0
     store = load_store(tmp_path)
     assert len(store.runs) == 2 and (tmp_path / "dashboard.html").stat().st_size > 100_000
+
+
+def test_an_interrupted_nightly_keeps_what_ran_and_shows_it(tmp_path: Path) -> None:
+    """Ctrl-C (or a CI job's time limit) in the middle of a night: no traceback, exit 130, the part of the
+    night that ran is in the store and on the dashboard. A hanging backend keeps the night from ending."""
+    command = [sys.executable, "-m", "kda_conformance.cli", "nightly", "--store", str(tmp_path), "--device", "cpu"]
+    command += ["--profile", "smoke", "--examples", "1", "--workers", "2", "--plugin", "kda_planted_crashes"]
+    command += ["--backend", "torch_chunk", "--backend", "planted_hang"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
+    night = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                             start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not any((tmp_path / "runs").glob("*.partial.jsonl")) and time.monotonic() < deadline:
+            time.sleep(1)
+        time.sleep(5)
+        os.killpg(night.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
+        output, _ = night.communicate(timeout=300)
+    finally:
+        if night.poll() is None:
+            os.killpg(night.pid, signal.SIGKILL)
+    assert night.returncode == 130, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    records = load_store(tmp_path).records
+    assert (records[records["backend"] == "torch_chunk"]["verdict"] == "pass").any()
+    assert (tmp_path / "dashboard.html").stat().st_size > 100_000
 
 
 def test_a_crashing_and_a_hanging_backend_cost_their_cases_only(tmp_path: Path) -> None:

@@ -3,9 +3,11 @@ out of memory; one invocation is one run, over pytest-xdist workers and over hos
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -17,7 +19,7 @@ from kda_conformance.checks import get_check
 from kda_conformance.cli import main
 from kda_conformance.running.config import build_config, parse_shard
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost, is_sticky
-from kda_conformance.running.memory import visible_device
+from kda_conformance.running.memory import SHARES, memory_shares, shares_for, visible_device
 from kda_conformance.running.runner import run_backend
 from kda_conformance.running.session import Run
 from kda_kernels import registry
@@ -120,6 +122,46 @@ def test_the_sweep_stops_on_a_sticky_error_and_isolated_cases_go_on(
     isolated = load_store(tmp_path / "isolated").records
     assert set(isolated[isolated["backend"] == "torch_chunk"]["verdict"]) == {"pass"}
     assert (isolated[isolated["backend"] == "planted_sticky_fault"]["verdict"] == "error").sum() == 2
+
+
+def _hold_shares(folder: str, count: int, log: str) -> None:
+    with memory_shares(Path(folder), count):
+        start = time.monotonic()
+        time.sleep(0.6)
+        Path(log).write_text(f"{start} {time.monotonic()}")
+
+
+def _spans(tmp_path: Path, counts: tuple[int, int]) -> list[tuple[float, float]]:
+    context = multiprocessing.get_context("fork")
+    logs = [tmp_path / f"span-{i}" for i in range(len(counts))]
+    workers = [
+        context.Process(target=_hold_shares, args=(str(tmp_path / "gpu"), n, str(log)))
+        for n, log in zip(counts, logs, strict=True)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(30)
+    return [tuple(map(float, log.read_text().split())) for log in logs]  # type: ignore[misc]
+
+
+def test_gpu_memory_shares_let_cases_run_side_by_side_while_they_fit(tmp_path: Path) -> None:
+    (a0, a1), (b0, b1) = _spans(tmp_path / "fit", (SHARES // 2, SHARES // 2))
+    assert a0 < b1 and b0 < a1, "two halves of the GPU run at once"
+    (c0, c1), (d0, d1) = _spans(tmp_path / "apart", (SHARES // 2 + 1, SHARES // 2 + 1))
+    assert c1 <= d0 or d1 <= c0, "two cases that need more than the GPU between them run one after the other"
+    with pytest.raises(ValueError, match=f"count must be 1 to {SHARES}, got 0"):
+        with memory_shares(tmp_path / "gpu", 0):
+            pass
+
+
+def test_a_case_takes_shares_in_proportion_to_its_size() -> None:
+    def shares(tokens: int, heads: int) -> int:
+        case = Case(seq_lens=(tokens,), num_heads=heads, num_v_heads=heads, head_k_dim=128, head_v_dim=128)
+        return shares_for(case, device_gib=139.8)  # an H200
+
+    assert shares(100, 2) == shares(16384, 16) == 1
+    assert 1 < shares(131072, 8) < shares(131072, 16) < shares(262144, 16) <= SHARES
 
 
 def test_out_of_memory_is_retried_alone_and_then_a_resource_outcome(tmp_path: Path) -> None:

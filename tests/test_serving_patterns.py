@@ -139,6 +139,15 @@ def test_the_known_issues_ledger_excuses_tracks_and_retires(monkeypatch: pytest.
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
     [ieee] = apply_known([_finding("fail", 120.0, dtype="fp32")], [issue])
     assert ieee.verdict == "fail", "with IEEE dots the entry does not apply"
+    # A second entry that matches the same failure and allows it: the failure is that entry's, not a
+    # failure "worse than" the first one (on the H200 FLA's in-place cu_seqlens failure at fp16 with strong
+    # gates matched the fp16 rounding entry first).
+    monkeypatch.delenv("TRITON_F32_DEFAULT")
+    contract = dataclasses.replace(issue, id="contract", worst=math.inf, growth=1.0, always_fails=False)
+    [either] = apply_known([_finding("fail", 151.0, dtype="fp32")], [issue, contract])
+    assert either.verdict == "known" and either.observed == "known: contract"
+    [widest] = apply_known([_finding("fail", 1e9, dtype="fp32")], [issue, dataclasses.replace(contract, worst=200.0)])
+    assert "worse than known issue contract allows: 1e+09 of the limit > 200" in widest.problems[-1]
 
 
 def test_the_committed_ledger_loads_and_a_bad_entry_is_named(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -102,7 +103,26 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         "PYTHONUNBUFFERED": "1",
         "TRITON_CACHE_AUTOTUNING": os.environ.get("TRITON_CACHE_AUTOTUNING", "1"),
     }
-    done = subprocess.run(command, env=env)
+    returncode = _run_pytest(command, env, console)
     rebuild_dashboard(args.store, None, args.window, args.growth, console)
     # pytest's exit codes: 1 when a test failed; an interrupted or broken night is not a kernel failure.
-    return done.returncode
+    return returncode
+
+
+def _run_pytest(command: list[str], env: dict[str, str], console: Console) -> int:
+    """pytest's exit code. Interrupted (Ctrl-C, a CI job's time limit), pytest is given the time to stop
+    its workers and merge what they measured, so that the dashboard shows the night as far as it got."""
+    process = subprocess.Popen(command, env=env)
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        console.print("interrupted: pytest is writing the part of the night that ran", highlight=False)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # the interrupt reached this process only: pass it on
+            process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        return 130

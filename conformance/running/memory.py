@@ -1,9 +1,12 @@
-"""GPU memory shared by parallel workers: every case holds the device shared, a large case (and a retry
-after running out of memory) holds it alone, through a file lock all the workers on one GPU take.
+"""GPU memory shared by parallel workers: a case holds the shares of its GPU's memory it is expected to
+need, through file locks that all the workers on one GPU take, and gives the allocator's cache back after.
 
 Eight pytest-xdist workers on one H200 each hold their own cases' truth and kernel memory; two 128K-token
-cases at once can exhaust it while either fits alone. The lock is ``flock`` on a file named by the GPU's
-UUID, so workers of different invocations on the same GPU share it too.
+cases at once can exhaust it while either fits alone. A lock that made every large case run alone
+serialised the nightly on the H200 (35 of 460 tests in 400 s with eight workers: the other workers waited
+on the large cases, Triton compiles included), so a case takes shares in proportion to its size instead,
+and small cases keep running beside a large one. The locks are ``flock`` on files in a folder named by the
+GPU's UUID, so workers of different invocations on the same GPU share them too.
 """
 
 from __future__ import annotations
@@ -11,48 +14,113 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gc
+import math
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import torch
 
 from kda_cases.case import Case
 
-# Cases with more work than this (tokens x value heads x K x V) run alone on their GPU: 16K tokens x 16
-# heads x 128^2. The float64 truth of a 128K x 16 x 128^2 case peaks at 47 GiB (docs/reference-speed.md),
-# so two such cases beside six smaller ones do not fit one H200.
-LARGE_WORK = 2**32
+# A GPU's memory in this many shares; a retry after an out-of-memory takes them all (the GPU alone).
+SHARES = 16
+# Of a GPU's memory, what the shares divide: the rest is the workers' CUDA contexts and truth caches.
+USABLE = 0.85
+# Expected peak GiB of a case: a floor (contexts, compile, small tensors) and bytes per unit of work
+# (tokens x value heads x K x V): the float64 truth of 128K x 16 x 128^2 = 2^35 peaks at 47 GiB
+# (docs/reference-speed.md), 1.4 bytes per unit, and the backend's and the baseline's tensors add to it.
+FLOOR_GIB = 1.0
+BYTES_PER_WORK = 1.6
+POLL_S = 0.05
 
 
 def work(case: Case) -> int:
     return case.total_tokens * case.num_v_heads * case.head_k_dim * case.head_v_dim
 
 
-def _lock_path(device: torch.device) -> Path:
+def expected_gib(case: Case) -> float:
+    return FLOOR_GIB + BYTES_PER_WORK * work(case) / 2**30
+
+
+def shares_for(case: Case, device_gib: float) -> int:
+    """The shares of a ``device_gib`` GPU that ``case`` takes: at least one, at most all of them."""
+    share = USABLE * device_gib / SHARES
+    return max(1, min(SHARES, math.ceil(expected_gib(case) / share)))
+
+
+def _lock_folder(device: torch.device) -> Path:
     uuid = str(torch.cuda.get_device_properties(device).uuid)
-    return Path(tempfile.gettempdir()) / f"kda-conformance-gpu-{uuid}.lock"
+    return Path(tempfile.gettempdir()) / f"kda-conformance-gpu-{uuid}"
+
+
+@contextlib.contextmanager
+def memory_shares(folder: Path, count: int, poll_s: float = POLL_S) -> Iterator[None]:
+    """Hold ``count`` of the ``SHARES`` lock files in ``folder`` (made when missing) until the block ends.
+
+    One taker at a time gathers shares, holding ``folder/turnstile`` while it waits for enough to be free,
+    so a large case is not starved by small ones overtaking it, and two takers never hold part of what each
+    other needs (no deadlock)."""
+    if not 1 <= count <= SHARES:
+        raise ValueError(f"count must be 1 to {SHARES}, got {count}")
+    folder.mkdir(parents=True, exist_ok=True)
+    held: list[IO[str]] = []
+    try:
+        with open(folder / "turnstile", "a") as turnstile:
+            fcntl.flock(turnstile.fileno(), fcntl.LOCK_EX)
+            try:
+                while len(held) < count:
+                    held += _free_shares(folder, count - len(held), {Path(h.name).name for h in held})
+                    if len(held) < count:
+                        time.sleep(poll_s)
+            finally:
+                fcntl.flock(turnstile.fileno(), fcntl.LOCK_UN)
+        yield
+    finally:
+        for handle in held:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+            handle.close()
+
+
+def _free_shares(folder: Path, wanted: int, taken: set[str]) -> list[IO[str]]:
+    got: list[IO[str]] = []
+    for index in range(SHARES):
+        name = f"share-{index:02d}"
+        if len(got) == wanted or name in taken:
+            continue
+        handle = open(folder / name, "a")  # held open as long as the share is held
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            continue
+        got.append(handle)
+    return got
 
 
 @contextlib.contextmanager
 def device_slot(device: torch.device, case: Case, alone: bool = False) -> Iterator[None]:
-    """Hold ``device`` for ``case``: shared with other workers' cases, or alone for a large case or when
-    ``alone``. A CPU needs no slot."""
+    """Hold ``device`` for ``case``: the shares of its memory the case is expected to need, or all of them
+    when ``alone`` (a retry after an out-of-memory); then give the allocator's cached blocks back, so that
+    what this worker holds between cases is not memory the other workers' shares count on. A CPU needs no
+    slot."""
     if device.type != "cuda":
         yield
         return
-    exclusive = alone or work(case) > LARGE_WORK
-    with open(_lock_path(device), "a") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    device_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+    count = SHARES if alone else shares_for(case, device_gib)
+    with memory_shares(_lock_folder(device), count):
         try:
             yield
         finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+            release_cached_memory(device)
 
 
 def release_cached_memory(device: torch.device) -> None:
-    """Give the allocator's cached blocks back, before a case is retried alone."""
+    """Give the allocator's cached blocks back (after each case, and before a case is retried alone)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
