@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
@@ -41,6 +42,37 @@ def sequence_bounds(batch: int, length: int, cu_seqlens: _IntList | Sequence[int
     if bounds[-1] > length:
         raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the inputs hold only {length} tokens")
     return [(0, s, e) for s, e in pairwise(bounds)]
+
+
+INTEGER_FIELDS = ("num_heads", "num_v_heads", "head_k_dim", "head_v_dim", "seed")
+FLOAT_FIELDS = ("lower_bound", "key_rho", "scale")
+BOOL_FIELDS = ("packed", "safe_gate", "l2norm_in_kernel", "beta_sigmoid_in_kernel")
+
+
+def _is_sequence(value: object) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes)
+
+
+def _sequence(name: str, value: object) -> Sequence:
+    if not _is_sequence(value):
+        raise ValueError(f"{name} must be a list, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def _integer(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not float(value).is_integer():
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _integers(name: str, value: object) -> tuple[int, ...]:
+    return tuple(_integer(name, n) for n in _sequence(name, value))
+
+
+def _finite(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -84,10 +116,26 @@ class Case:
     tags: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
-        # Accept lists (from JSON) but store tuples, so cases stay hashable.
-        object.__setattr__(self, "seq_lens", tuple(int(n) for n in self.seq_lens))
-        object.__setattr__(self, "checkpoints", tuple((int(s), int(p)) for s, p in self.checkpoints))
+        # One canonical form per case, so equal cases get one id: lists (from JSON) become tuples (cases stay
+        # hashable), -5 becomes -5.0; a value of the wrong type is an error that names its field.
+        object.__setattr__(self, "seq_lens", _integers("seq_lens", self.seq_lens))
+        checkpoints = _sequence("checkpoints", self.checkpoints)
+        pairs = tuple(_integers("checkpoints", c) if _is_sequence(c) else (c,) for c in checkpoints)
+        if any(len(p) != 2 for p in pairs):
+            raise ValueError(f"checkpoints must be (sequence, tokens) pairs, got {self.checkpoints!r}")
+        object.__setattr__(self, "checkpoints", pairs)
         object.__setattr__(self, "tags", tuple(self.tags))
+        for name in INTEGER_FIELDS:
+            object.__setattr__(self, name, _integer(name, getattr(self, name)))
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            if value is not None or name == "key_rho":
+                object.__setattr__(self, name, _finite(name, value))
+        for name in BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.scale is not None and not self.scale > 0:
+            raise ValueError(f"scale must be a finite number > 0 (or null: 1/sqrt(head_k_dim)), got {self.scale}")
         if not self.seq_lens:
             raise ValueError("seq_lens must name at least one sequence length")
         if any(n < 0 for n in self.seq_lens):
@@ -189,6 +237,8 @@ class Case:
         unknown = sorted(set(data) - known - {"id"})
         if unknown:
             raise ValueError(f"unknown Case fields {unknown}; known fields: {sorted(known)}")
+        if "seq_lens" not in data:
+            raise ValueError("case JSON must give seq_lens (fields it leaves out take the defaults of cases/case.py)")
         fields = {key: value for key, value in data.items() if key in known}
         case = cls(**fields)
         if "id" in data and data["id"] != case.id:

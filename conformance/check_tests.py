@@ -18,9 +18,11 @@ from kda_reports.findings import Finding, failure_report
 
 def check_report(check: Check, findings: list[Finding], params: dict, fails: Callable[[Finding], bool]) -> str | None:
     """The failure message of one example of ``check`` (None when it passed): the findings the run counts
-    as failures (``fails``). The backend took the case (the draw made sure), so a skip here means it raised
-    Unsupported anyway: a failure too."""
-    bad = [f if f.verdict != "skip" else _as_failure(f) for f in findings if fails(f) or f.verdict == "skip"]
+    as failures (``fails``). The backend took the case (the draw made sure), so a skip of the whole call here
+    means it raised Unsupported anyway: a failure too. A skip of one tensor (checkpoint states a backend does
+    not return) is recorded, not failed."""
+    whole = [f for f in findings if f.verdict == "skip" and not f.tensor]
+    bad = [f if f.verdict != "skip" else _as_failure(f) for f in findings if fails(f) or f in whole]
     if not bad:
         return None
     case, backend = bad[0].case, bad[0].backend

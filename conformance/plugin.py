@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shlex
 import sys
 import threading
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from kda_cases.case import Case
+from kda_cases.devices import gpu_arch
 from kda_cases.profiles import Profile
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.running.config import ConfigError, Grid, build_config, parse_dtypes, parse_lengths
@@ -41,6 +43,7 @@ from kda_reports.findings import Finding
 
 RUN = pytest.StashKey[Run]()
 WRITTEN = pytest.StashKey[dict[str, Path]]()
+HEADER_SHOWN = pytest.StashKey[bool]()  # -v: the record lines' header, once per session
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -269,6 +272,9 @@ def kda_record(request: pytest.FixtureRequest, kda_run: Run) -> Callable[[list[F
         rows = kda_run.record(findings, request.node.nodeid)
         reporter = request.config.pluginmanager.get_plugin("terminalreporter")
         if request.config.getoption("verbose") > 0 and reporter is not None:
+            if not request.config.stash.get(HEADER_SHOWN, False):
+                request.config.stash[HEADER_SHOWN] = True
+                reporter.write_line(RECORD_LINE_HEADER)
             for row in rows:
                 reporter.write_line(record_line(row))
 
@@ -404,12 +410,37 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return [header, *run_config.kernel_pool_lines()]
 
 
+def _empty_selection(config: pytest.Config, exitstatus: int) -> bool:
+    return bool(config.option.markexpr) and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED
+
+
+def _selection_lines(config: pytest.Config) -> list[str]:
+    """Why ``-m EXPR`` selected nothing: what it looked for, the device, each selected backend's markers and
+    availability here (a backend's own markers, such as AITER's ``gfx950``, need its hardware)."""
+    run_config = config.stash[RUN].config
+    device = run_config.device
+    arch = gpu_arch(device) if device.type == "cuda" else platform.machine()
+    lines = [f"-m {config.option.markexpr!r} selected no test", f"device: {device} ({arch or 'unknown arch'})"]
+    marker = "cpu" if device.type == "cpu" else ("rocm" if torch.version.hip else "cuda")
+    for name in run_config.backends:
+        backend = registry.get(name)
+        markers = ", ".join((marker, *backend.markers(device)))
+        available = backend.availability(device)
+        runs_here = "runs here" if available else f"cannot run here: {available.reason}"
+        lines.append(f"backend {name}: its tests are marked {markers}; {runs_here}")
+    if run_config.strict:
+        lines.append("--kda-strict: a selection that yields no test is an error (exit 4)")
+    return lines
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Write the run's files. Each pytest-xdist worker writes its part of the run and hands its stage
     totals and example log to the controller, which merges the parts into the run's files; a single
     process writes them itself. One invocation is one run either way."""
     config = session.config
     run = config.stash[RUN]
+    if run.config.strict and _empty_selection(config, exitstatus) and not hasattr(config, "workerinput"):
+        session.exitstatus = pytest.ExitCode.USAGE_ERROR
     complete = exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.NO_TESTS_COLLECTED)
     if hasattr(config, "workeroutput"):
         run.finish(complete, examples=False)
@@ -431,10 +462,27 @@ def pytest_testnodedown(node, error) -> None:  # type: ignore[no-untyped-def]
         node.config.stash[RUN].examples.entries.update(json.loads(output["kda_examples"]))
 
 
+def skip_counts(reports: list) -> dict[str, int]:
+    """How many tests skipped for each reason, most first (pytest's skip reports, any worker's)."""
+    reasons: Counter[str] = Counter()
+    for report in reports:
+        longrepr = getattr(report, "longrepr", None)
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reasons[" ".join(str(reason).removeprefix("Skipped: ").split())[:100]] += 1
+    return dict(reasons.most_common())
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
     run = config.stash[RUN]
     written = config.stash.get(WRITTEN, {})
     tr = terminalreporter
+    skips = skip_counts(tr.stats.get("skipped", []))
+    if skips:
+        tr.write_line(f"skipped {sum(skips.values())}, by reason: " + "; ".join(f"{n} {r}" for r, n in skips.items()))
+    if _empty_selection(config, exitstatus):
+        tr.section("KDA conformance: why no test was selected")
+        for line in _selection_lines(config):
+            tr.write_line(line)
     if run.examples.entries:
         tr.section("KDA conformance: examples checked per test (and the first that failed)")
         for nodeid, entry in run.examples.entries.items():

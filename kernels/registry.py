@@ -34,6 +34,11 @@ def register(name: str, factory: Callable[[], Backend], *, replace: bool = False
     _FACTORIES[name] = factory
 
 
+def unregister(name: str) -> None:
+    """Forget backend ``name`` (a plugin's tests, which register throwaway backends)."""
+    _FACTORIES.pop(name, None)
+
+
 def load_plugin(module: str) -> None:
     """Import ``module``, which registers its backends when imported."""
     try:
@@ -51,7 +56,14 @@ def get(name: str) -> Backend:
     _load()
     if name not in _FACTORIES:
         raise KeyError(f"unknown backend {name!r}; known backends: {', '.join(sorted(_FACTORIES))}")
-    return _FACTORIES[name]()
+    backend = _FACTORIES[name]()
+    # Records, repro lines and the ledger name a backend by its .name: it must be the name it is run by.
+    if getattr(backend, "name", None) != name:
+        raise PluginError(
+            f"backend registered as {name!r} names itself {getattr(backend, 'name', None)!r}: "
+            "a backend's .name must be the name it registers under"
+        )
+    return backend
 
 
 def _load() -> None:

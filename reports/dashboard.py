@@ -17,6 +17,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from kda_reports.regressions import GROUP, find_regressions, longest, nightly_groups, record_worst
+from kda_reports.runfile import atomic_write
 from kda_reports.store import Store
 
 STYLE = """
@@ -98,7 +99,7 @@ def trends(groups: pd.DataFrame, runs: pd.DataFrame) -> go.Figure:
     figure = go.Figure()
     order = {run_id: i for i, run_id in enumerate(runs["run_id"])}
     dates = dict(zip(runs["run_id"], runs.get("env_date", runs["run_id"]), strict=True))
-    finite = groups[groups["worst"].map(math.isfinite)].copy()
+    finite = groups[groups["worst"].map(math.isfinite).astype(bool)].copy()  # (an empty mask selects rows too)
     finite["night"] = finite["run_id"].map(order)
     for key, part in finite.groupby(GROUP):
         part = part.sort_values("night")
@@ -175,7 +176,5 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
     parts.append("</body></html>")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text("\n".join(parts))
-    tmp.replace(out)
+    atomic_write(out, lambda path: path.write_text("\n".join(parts)))
     return out, regressions

@@ -8,7 +8,7 @@ backends, its specificity (docs/detection.md).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import pandas as pd
 
@@ -62,6 +62,19 @@ def detection_table(entries: Mapping[str, dict], backends: list[str], titles: Ma
             }
         )
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def detection_problems(table: pd.DataFrame, planted: Collection[str]) -> list[str]:
+    """What makes a detection run fail: a planted bug that nothing caught, a correct backend that something
+    failed (``planted``: the backends that model bugs; every other row is a correct backend)."""
+    problems = []
+    for row in table.to_dict("records"):
+        backend, caught = row["backend"], row["caught by"]
+        if backend in planted and caught == "nothing":
+            problems.append(f"planted bug {backend} was not caught ({row['cases run']} cases run)")
+        elif backend not in planted and caught != "nothing":
+            problems.append(f"correct backend {backend} failed: {caught}")
+    return problems
 
 
 def detection_markdown(table: pd.DataFrame, descriptions: Mapping[str, str], shown_command: str) -> str:

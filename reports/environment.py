@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
@@ -46,11 +47,43 @@ def suite_commit() -> str:
     return f"{commit}+dirty" if commit and dirty else commit
 
 
+# Variables that can move a kernel's numbers or choose its code path: Triton's fp32 dot precision
+# (TRITON_F32_DEFAULT moves fp32 errors by 100x), its interpreter, FLA's and AITER's switches (FlashKDA's
+# segmentation), TF32 overrides, BLAS libraries' settings, the suite's own. Paths and caches are left out:
+# they differ between machines without changing a number.
+NUMERICS_PREFIXES = (
+    "KDA_", "TRITON_", "FLA_", "AITER_", "CHUNK_DELTA_ATTN_", "NVIDIA_TF32", "TORCH_ALLOW_TF32", "CUBLAS",
+    "CUDA_LAUNCH_BLOCKING", "ROCBLAS_", "HIPBLASLT_", "MIOPEN_", "OMP_NUM_THREADS",
+)  # fmt: skip
+NOT_NUMERICS_SUFFIXES = ("_DIR", "_HOME", "_PATH", "_SRC", "_ARTIFACTS", "_CACHE_AUTOTUNING", "_SUITE_COMMIT")
+
+
+def numerics_variables(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment variables set that can change a kernel's numbers (NUMERICS_PREFIXES)."""
+    environ = dict(os.environ if environ is None else environ)
+    return {
+        name: value
+        for name, value in sorted(environ.items())
+        if name.startswith(NUMERICS_PREFIXES) and not name.endswith(NOT_NUMERICS_SUFFIXES)
+    }
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what the platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment(device: torch.device) -> dict[str, str | int]:
     """A flat description of the machine and libraries, stored beside every record."""
     env: dict[str, str | int] = {
         "device_type": device.type,
-        "device_name": platform.processor() or platform.machine(),
+        "device_name": cpu_model(),
         "arch": platform.machine(),
         "multiprocessors": 0,
         "python": platform.python_version(),
@@ -59,6 +92,9 @@ def environment(device: torch.device) -> dict[str, str | int]:
         "fla": _version("fla-core"),
         "aiter": _version("aiter"),
         "suite_commit": suite_commit(),
+        # Where the commit came from: a copy without its git folder names it in KDA_SUITE_COMMIT.
+        "suite_commit_from": "KDA_SUITE_COMMIT" if os.environ.get("KDA_SUITE_COMMIT") else "git",
+        "variables": json.dumps(numerics_variables(), sort_keys=True),
         "hostname": platform.node(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }

@@ -23,6 +23,8 @@ from kda_cases.case import Case
 # hung); resource: the case did not fit the device's memory even alone, which says nothing of the kernel;
 # warn: something reported (garbage past the tokens, not batch-invariant, nondeterministic) that fails only
 # where the run asks for it (--kda-strict); known: a failure the ledger of known upstream issues excuses.
+# The backend column of an error that is the suite's own (a case it cannot judge), not any kernel's.
+SUITE_BACKEND = "(suite)"
 VERDICTS = ("pass", "fail", "skip", "error", "resource", "warn", "known")
 # What a run counts as the backend's failure.
 FAILED = ("fail", "error")

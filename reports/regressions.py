@@ -29,6 +29,7 @@ ENV_KEYS = {
     "env_cuda": "CUDA",
     "env_hip": "HIP",
     "env_multiprocessors": "SMs/CUs",
+    "env_variables": "variables",
 }
 GROUP = ["backend", "check", "family", "tensor"]
 
@@ -45,12 +46,22 @@ def record_worst(records: pd.DataFrame) -> pd.Series:
 
 
 def family(records: pd.DataFrame) -> pd.Series:
-    """The case family of each record: input dtype, gate regime and a power-of-two length bucket."""
+    """The case family of each record: input dtype, gate regime, a power-of-two length bucket and the kernel
+    shape (heads, K and V), so that a night of K = 7 is never judged against a history of K = 64."""
     bucket = longest(records).map(lambda n: f"T<={2 ** math.ceil(math.log2(n))}" if n > 1 else "T<=1")
-    return records["case_dtype"].astype(str) + " " + records["case_gate_regime"].astype(str) + " " + bucket
+
+    def text(column: str) -> pd.Series:
+        values = records[column] if column in records else pd.Series("?", index=records.index)
+        return values.map(lambda v: "?" if pd.isna(v) else f"{int(v)}" if isinstance(v, float) else str(v))
+
+    shape = "H" + text("case_num_heads") + "/" + text("case_num_v_heads")
+    shape += " K" + text("case_head_k_dim") + "V" + text("case_head_v_dim")
+    return text("case_dtype") + " " + text("case_gate_regime") + " " + bucket + " " + shape
 
 
 def _lengths(value: object) -> list[int]:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return []
     if isinstance(value, str):
         return [int(x) for x in value.strip("[]() ").replace(",", " ").split()]
     return [int(x) for x in value]  # type: ignore[union-attr]

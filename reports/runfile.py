@@ -7,15 +7,18 @@ A run is one invocation. A run split over processes or hosts is written in parts
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import IO
 
 import pandas as pd
 
 from kda_reports.findings import worst_ratio
+from kda_reports.schema import conform_records
 
 DEFAULT_OUT = Path("out")
 
@@ -27,7 +30,7 @@ def new_run_id() -> str:
 
 def atomic_write(path: Path, write) -> None:  # type: ignore[no-untyped-def]
     """``write(tmp)`` then rename onto ``path``: readers see the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")  # concurrent writers
     write(tmp)
     os.replace(tmp, path)
 
@@ -77,6 +80,7 @@ class RunRecorder:
         runs = self.out_dir / "runs"
         runs.mkdir(parents=True, exist_ok=True)
         self.partial = runs / f"{self.stem}.partial.jsonl"
+        self._live: IO[str] | None = None  # the journal's lock, held while the run runs (see journal_is_live)
 
     def _stamp(self, row: dict, env: dict) -> dict:
         return {**row, **{f"env_{k}": v for k, v in env.items()}, "run_id": self.run_id}
@@ -84,6 +88,9 @@ class RunRecorder:
     def add(self, rows: list[dict]) -> None:
         self.rows.extend(rows)
         partial_env = {**self.env, "complete": False}
+        if self._live is None:
+            self._live = self.partial.open("a")
+            fcntl.flock(self._live.fileno(), fcntl.LOCK_EX)
         with self.partial.open("a") as handle:
             for row in rows:
                 handle.write(json.dumps(self._stamp(row, partial_env), default=str) + "\n")
@@ -93,13 +100,29 @@ class RunRecorder:
     def finish(self, complete: bool = True, timing: dict | None = None) -> tuple[pd.DataFrame, dict[str, Path]]:
         """Write the run files; ``timing`` (the suite's seconds per stage) goes to ``<stem>.timing.json``."""
         env = {**self.env, "complete": complete}
-        frame = pd.DataFrame([self._stamp(row, env) for row in self.rows])
+        frame = conform_records(pd.DataFrame([self._stamp(row, env) for row in self.rows]))
         paths = write_run(frame, env, self.out_dir, self.stem)
         if timing is not None:
             paths["timing"] = self.out_dir / "runs" / f"{self.stem}.timing.json"
             atomic_write(paths["timing"], lambda p: p.write_text(json.dumps(timing, indent=1)))
         self.partial.unlink(missing_ok=True)
+        if self._live is not None:
+            self._live.close()
+            self._live = None
         return frame, paths
+
+
+def journal_is_live(path: Path) -> bool:
+    """Whether a run's ``.partial.jsonl`` belongs to a run still running: its process holds the journal's
+    lock, which the system releases when the process ends, however it ends."""
+    try:
+        with open(path) as handle:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def merge_parts(out_dir: Path, stem: str, parts: str, env: dict, timing: dict | None) -> tuple[pd.DataFrame, dict]:
@@ -114,7 +137,7 @@ def merge_parts(out_dir: Path, stem: str, parts: str, env: dict, timing: dict | 
         if part not in done:  # a finished part's parquet wins over its journal
             done.add(part)
             frames.append(read_run(path))
-    frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    frame = conform_records(pd.concat(frames, ignore_index=True) if frames else pd.DataFrame())
     if not frame.empty:
         frame["env_complete"] = env.get("complete", True)
     paths = write_run(frame, env, Path(out_dir), stem)
@@ -130,8 +153,8 @@ def read_run(path: Path) -> pd.DataFrame:
     """The records of one run file (parquet, or a killed run's ``.partial.jsonl``)."""
     path = Path(path)
     if path.name.endswith(".jsonl"):
-        return pd.read_json(path, orient="records", lines=True, dtype=False)
-    return pd.read_parquet(path)
+        return conform_records(pd.read_json(path, orient="records", lines=True, dtype=False))
+    return conform_records(pd.read_parquet(path))
 
 
 SUMMARY_COLUMNS = [

@@ -11,8 +11,10 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+import pandas as pd
+
 from kda_cases.case import Case
-from kda_reports.findings import Finding
+from kda_reports.findings import VERDICTS, Finding
 
 CASE_COLUMNS = {f"case_{f.name}": f"the case's `{f.name}`" for f in dataclasses.fields(Case)} | {
     "case_total_tokens": "tokens over all sequences",
@@ -60,7 +62,7 @@ RECORD_COLUMNS: dict[str, str] = {
     "budget_rel_rms_binding": "which term set the rel-RMS limit",
     "test": "pytest node id (pytest runs only)",
     "env_device_type": "`cpu`, `cuda`",
-    "env_device_name": "GPU name, or the CPU's",
+    "env_device_name": "GPU name, or the CPU's model (`/proc/cpuinfo`)",
     "env_arch": "`sm_90`, `gfx950`, ... or the CPU architecture",
     "env_multiprocessors": "SM / CU count (0 on a CPU); FlashKDA's segmentation depends on it",
     "env_python": "Python version",
@@ -74,6 +76,10 @@ RECORD_COLUMNS: dict[str, str] = {
     "each pytest-xdist worker sees one of the GPUs it was spread over), '' when unset",
     "env_shard": "`I/N` when the run was split over hosts with `--kda-shard`: the share that wrote the row",
     "env_suite_commit": "this suite's git commit, `+dirty` with uncommitted changes (`KDA_SUITE_COMMIT` when no git)",
+    "env_suite_commit_from": "`git`, or `KDA_SUITE_COMMIT` where that variable named the commit (it overrides git)",
+    "env_variables": "the environment variables set that can change a kernel's numbers or path, as JSON: "
+    "`TRITON_F32_DEFAULT`, `TRITON_INTERPRET`, every `KDA_*`, FLA's and AITER's switches, TF32 and BLAS settings "
+    "(paths and caches left out; reports/environment.py)",
     "env_hostname": "machine name",
     "env_date": "UTC time the run started, ISO 8601",
     "env_run_id": "the run id again, as stored in the environment file",
@@ -147,3 +153,28 @@ def record_rows(findings: Sequence[Finding], test: str | None = None) -> list[di
     """The records of a check's findings; ``test`` (a pytest node id) goes into each row."""
     rows = [record_row(f) for f in findings]
     return rows if test is None else [{**row, "test": test} for row in rows]
+
+
+# What a row must hold to be a record at all; the store skips (and names) rows and files without them.
+REQUIRED_COLUMNS = ("case_id", "backend", "verdict")
+
+
+def conform_records(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with every schema column: a run of skips alone has no error columns of its own, and readers
+    (the summary, the dashboard) may rely on every column being there."""
+    missing = [c for c in RECORD_COLUMNS if c not in frame.columns]
+    if not missing:
+        return frame
+    return pd.concat([frame, pd.DataFrame(math.nan, index=frame.index, columns=missing)], axis=1)
+
+
+def invalid_rows(frame: pd.DataFrame) -> pd.Series:
+    """Which rows are not records: a required column missing or empty, or a verdict that is not one."""
+    if frame.empty:
+        return pd.Series(False, index=frame.index)
+    bad = pd.Series(False, index=frame.index)
+    for column in REQUIRED_COLUMNS:
+        bad |= frame[column].isna() if column in frame else True
+    if "verdict" in frame:
+        bad |= ~frame["verdict"].isin(VERDICTS)
+    return bad

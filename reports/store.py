@@ -4,19 +4,22 @@ Every run, from pytest (``--kda-out DIR``) or ``kda-conformance run --out DIR``,
 ``DIR/runs/<run_id>.parquet`` and ``<run_id>.env.json``, each by an atomic rename,
 so a run killed midway leaves no half file and never touches an earlier run; rows measured before the
 kill survive in ``<run_id>.partial.jsonl``. Loading takes every run it can read, marks killed runs
-incomplete, and names every file it could not read (a torn line, a corrupt parquet) instead of stopping.
+incomplete (and a run still running as in progress), and names every file and row it could not read (a
+torn line, a corrupt parquet, a row that is not a record) instead of stopping.
 """
 
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
 from kda_reports.findings import VERDICTS
-from kda_reports.runfile import run_id_of
+from kda_reports.runfile import journal_is_live, run_id_of
+from kda_reports.schema import REQUIRED_COLUMNS, conform_records, invalid_rows
 
 RUN_SUFFIXES = (".parquet", ".partial.jsonl")
 
@@ -37,23 +40,71 @@ def _part(path: Path) -> str:
     return path.stem
 
 
+class StoreError(ValueError):
+    """The store cannot be read at all (a mistyped path); the message names it."""
+
+
+def _said(exc: Exception, width: int = 160) -> str:
+    """An exception in a few words, shortened at a word boundary."""
+    return textwrap.shorten(f"{type(exc).__name__}: {exc}", width, placeholder=" ...")
+
+
 def _read_jsonl(path: Path, problems: list[str]) -> pd.DataFrame:
-    rows, torn = [], 0
+    rows, torn, shapeless = [], 0, 0
     for line in path.read_text().splitlines():
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             torn += 1
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            shapeless += 1
     if torn:
         problems.append(f"{path.name}: {torn} unreadable line(s) skipped (a run killed while writing)")
+    if shapeless:
+        problems.append(f"{path.name}: {shapeless} line(s) skipped: JSON, but not a record (an object)")
     return pd.DataFrame(rows)
 
 
+def _valid(frame: pd.DataFrame, path: Path, problems: list[str]) -> pd.DataFrame:
+    """The rows of ``frame`` that are records (schema.invalid_rows), every schema column present."""
+    missing = [c for c in REQUIRED_COLUMNS if c not in frame]
+    if missing:
+        problems.append(f"{path.name}: not a run's records (no {', '.join(missing)} column); skipped")
+        return frame.iloc[0:0]
+    bad = invalid_rows(frame)
+    if bad.any():
+        problems.append(
+            f"{path.name}: {int(bad.sum())} row(s) skipped: no case id, backend or verdict, or a verdict "
+            f"that is not one of {', '.join(VERDICTS)}"
+        )
+    return conform_records(frame[~bad].reset_index(drop=True))
+
+
+def _check_environment(path: Path, problems: list[str]) -> None:
+    """A run's ``.env.json`` must be a JSON object naming the run; a torn or foreign one is named."""
+    env_path = path.with_name(f"{_part(path)}.env.json")
+    if not env_path.exists():
+        return
+    try:
+        env = json.loads(env_path.read_text())
+    except (OSError, ValueError) as exc:
+        problems.append(f"{env_path.name}: not readable ({_said(exc)}); the run's records carry its environment")
+        return
+    if not isinstance(env, dict) or env.get("run_id") != run_id_of(path):
+        problems.append(f"{env_path.name}: not this run's environment (no run_id {run_id_of(path)})")
+
+
 def load_store(root: Path) -> Store:
-    """Every run under ``root`` (a store folder, or its ``runs`` folder)."""
+    """Every run under ``root`` (a store folder, or its ``runs`` folder). A folder that does not exist is an
+    error (StoreError): a mistyped path must not read as an empty store."""
     root = Path(root)
+    if not root.is_dir():
+        raise StoreError(f"the store {str(root)!r} is not a folder: give the folder runs were written to")
     runs_dir = root / "runs" if (root / "runs").is_dir() else root
     problems: list[str] = []
     frames, seen = [], set()
@@ -68,17 +119,27 @@ def load_store(root: Path) -> Store:
         try:
             frame = pd.read_parquet(path) if path.suffix == ".parquet" else _read_jsonl(path, problems)
         except Exception as exc:  # a corrupt file must not stop the dashboard: name it and go on
-            problems.append(f"{path.name}: not readable ({type(exc).__name__}: {str(exc)[:120]})")
+            problems.append(f"{path.name}: not readable ({_said(exc)})")
             continue
+        read = len(frame)
+        frame = _valid(frame, path, problems)
         if frame.empty:
-            problems.append(f"{path.name}: no records")
+            if not read:
+                problems.append(f"{path.name}: no records")
             continue
         seen.add(part)
+        if path.suffix == ".parquet":
+            _check_environment(path, problems)
         frame["run_id"] = run_id
-        frame["env_complete"] = frame.get("env_complete", True)
+        frame["env_complete"] = [True if pd.isna(v) else bool(v) for v in frame["env_complete"]]
         if path.name.endswith(".partial.jsonl"):
             frame["env_complete"] = False
-            problems.append(f"{path.name}: a run that did not finish; its {len(frame)} records are shown as incomplete")
+            if journal_is_live(path):
+                problems.append(f"{path.name}: a run in progress; its {len(frame)} records so far are shown")
+            else:
+                problems.append(
+                    f"{path.name}: a run that did not finish; its {len(frame)} records are shown as incomplete"
+                )
         frames.append(frame)
     records = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     return Store(records, summarize_runs(records), problems)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 
 import pytest
 import torch
@@ -62,10 +63,19 @@ def test_unknown_field_is_named() -> None:
         (dict(state_layout="kv"), "state_layout='kv'"),
         (dict(checkpoints=((0, 65),)), "outside sequence 0"),
         (dict(seq_lens=(-1,)), ">= 0"),
+        (dict(seq_lens="abc"), "seq_lens must be a list, got 'abc'"),
+        (dict(seq_lens=("abc",)), "seq_lens must be an integer, got 'abc'"),
+        (dict(num_heads=1.5), "num_heads must be an integer, got 1.5"),
+        (dict(scale=float("nan")), "scale must be a finite number, got nan"),
+        (dict(scale=float("inf")), "scale must be a finite number, got inf"),
+        (dict(scale=0.0), "scale must be a finite number > 0"),
+        (dict(lower_bound=float("-inf")), "lower_bound must be a finite number, got -inf"),
+        (dict(packed="yes"), "packed must be true or false, got 'yes'"),
+        (dict(checkpoints=((0,),)), "checkpoints must be (sequence, tokens) pairs"),
     ],
 )
 def test_bad_case_names_the_argument(changes: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message.replace("[", "\\[").replace("(", "\\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         Case(**changes)
 
 
@@ -138,3 +148,15 @@ def test_long_cases_cover_every_dtype_and_change_with_the_seed() -> None:
     drawn = [c for seed in range(20) for c in long_cases(dtypes, 4096, seed)]
     assert {c.packed for c in drawn} == {False, True}
     assert len({c.gate_regime for c in drawn}) > 1 and len({c.initial_state for c in drawn}) > 1
+
+
+def test_equal_cases_have_one_id_whatever_the_number_types() -> None:
+    as_float = Case(seq_lens=[40], lower_bound=-5.0, key_rho=0.0, num_heads=2)
+    as_int = Case(seq_lens=(40.0,), lower_bound=-5, key_rho=0, num_heads=2.0)  # type: ignore[arg-type]
+    assert as_int == as_float and as_int.id == as_float.id
+    assert Case.from_json('{"seq_lens": [40], "lower_bound": -5}').id == as_float.id
+
+
+def test_case_json_must_give_the_lengths() -> None:
+    with pytest.raises(ValueError, match="case JSON must give seq_lens"):
+        Case.from_json('{"dtype": "bf16"}')

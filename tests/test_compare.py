@@ -53,3 +53,35 @@ def test_first_bad_state_names_sequence_and_head() -> None:
     got = want.clone()
     got[1, 0, 2, 2] = 1.0
     assert str(locate(case, measure("final_state", got, want), 0.1)) == "seq 1 head 0"
+
+
+def _dropping_checkpoints(claims: bool):  # type: ignore[no-untyped-def]
+    """torch_chunk with its checkpoint states dropped from the result, claiming to produce them or not."""
+    import dataclasses
+
+    from kda_kernels.torch_chunk import TorchChunk
+
+    class Dropped(TorchChunk):
+        produces_checkpoints = claims
+
+        def run(self, inputs):  # type: ignore[no-untyped-def]
+            return dataclasses.replace(super().run(inputs), checkpoint_states=None)
+
+    return Dropped()
+
+
+def test_checkpoints_a_result_lacks_are_never_a_silent_pass() -> None:
+    from kda_conformance.running.runner import run_backend
+    from kda_conformance.running.truth import case_truth
+
+    truth = case_truth(Case(seq_lens=(40,), checkpoints=((0, 16), (0, 40))), torch.device("cpu"))
+    claims = {f.tensor: f for f in run_backend(truth, _dropping_checkpoints(claims=True))}
+    assert claims["checkpoint_states"].verdict == "fail"
+    assert "returned none of the case's 2 checkpoint states" in claims["checkpoint_states"].problems[0]
+    honest = {f.tensor: f for f in run_backend(truth, _dropping_checkpoints(claims=False))}
+    assert honest["o"].verdict == honest["final_state"].verdict == "pass"
+    assert honest["checkpoint_states"].verdict == "skip"
+    assert (
+        "returns no checkpoint states: the case's 2 checkpoint states are not compared"
+        in honest["checkpoint_states"].reason
+    )

@@ -68,7 +68,7 @@ def test_store_loads_every_night_and_names_broken_files(history: Path, tmp_path:
     shutil.copytree(history, broken)
     (broken / "runs" / "20261120T000000Z-corrupt.parquet").write_bytes(b"PAR1 not really")
     torn = broken / "runs" / "20261121T000000Z-killed.partial.jsonl"
-    torn.write_text('{"run_id": "x", "verdict": "pass", "backend": "torch_chunk"}\n{"run_id": "x", "verd')
+    torn.write_text('{"case_id": "c", "verdict": "pass", "backend": "torch_chunk"}\n{"case_id": "c", "verd')
     store = load_store(broken)
     assert len(store.runs) == NIGHTS + 1  # the killed run's whole line is kept, marked incomplete
     assert any("corrupt.parquet: not readable" in p for p in store.problems)
@@ -94,6 +94,58 @@ def test_a_killed_write_leaves_no_half_file_and_keeps_earlier_runs(history: Path
     assert len(load_store(history).runs) == NIGHTS
 
 
+def test_rows_that_are_not_records_are_named_and_skipped(history: Path, tmp_path: Path) -> None:
+    store_dir = tmp_path / "store"
+    shutil.copytree(history, store_dir)
+    odd = store_dir / "runs" / "20261122T000000Z-odd.partial.jsonl"
+    good = '{"case_id": "kda-1", "backend": "torch_chunk", "verdict": "pass", "tensor": "o", "ratio": 0.5}'
+    odd.write_text(f'null\n{good}\n{{"backend": "torch_chunk"}}\n{{"case_id": "c", "backend": "b", "verdict": "ok"}}\n')
+    (store_dir / "runs" / "20261123T000000Z-foreign.parquet").write_bytes(b"")
+    pd.DataFrame({"colour": ["red"]}).to_parquet(store_dir / "runs" / "20261124T000000Z-foreign.parquet")
+    env = next((store_dir / "runs").glob("*night0.env.json"))
+    env.write_text(env.read_text()[:25])  # torn
+    store = load_store(store_dir)
+    problems = "\n".join(store.problems)
+    assert "odd.partial.jsonl: 1 line(s) skipped: JSON, but not a record" in problems
+    assert "odd.partial.jsonl: 2 row(s) skipped: no case id, backend or verdict" in problems
+    assert "foreign.parquet: not a run's records (no case_id, backend, verdict column)" in problems
+    assert f"{env.name}: not readable (JSONDecodeError: Unterminated string" in problems
+    assert all(not p.endswith(("-", "'")) for p in store.problems)
+    assert len(store.records[store.records["run_id"].str.endswith("odd")]) == 1
+    assert main(["dashboard", "--store", str(store_dir)]) == 0
+
+
+def test_a_store_that_is_not_there_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["dashboard", "--store", str(tmp_path / "mistyped")]) == 2
+    assert "--store: the store" in capsys.readouterr().out and not (tmp_path / "mistyped").exists()
+
+
+def test_concurrent_dashboard_rebuilds_all_succeed(history: Path, tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = load_store(history)
+    with ThreadPoolExecutor(9) as pool:
+        built = list(pool.map(lambda _: build_dashboard(store, tmp_path / "dashboard.html")[0], range(9)))
+    assert len(built) == 9 and (tmp_path / "dashboard.html").stat().st_size > 100_000
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary file left behind"
+
+
+def test_a_run_in_progress_is_told_from_one_that_died(tmp_path: Path) -> None:
+    row = {"case_id": "c", "backend": "b", "verdict": "pass", "tensor": "o"}
+    live = RunRecorder({"date": "2026-11-30"}, tmp_path / "live")
+    live.add([row])
+    assert any("a run in progress" in p for p in load_store(tmp_path / "live").problems)
+    died = tmp_path / "died"
+    code = (
+        "import os, sys; from kda_reports.runfile import RunRecorder; "
+        f"r = RunRecorder({{'date': '2026-11-30'}}, sys.argv[1]); r.add([{row!r}]); os._exit(9)"
+    )
+    subprocess.run([sys.executable, "-c", code, str(died)], check=False, timeout=120)
+    assert any("a run that did not finish" in p for p in load_store(died).problems)
+    live.finish()
+    assert not load_store(tmp_path / "live").problems
+
+
 def test_regressions_flag_the_planted_one_with_its_cause(history: Path) -> None:
     store = load_store(history)
     flags = find_regressions(store.records, store.runs)
@@ -107,19 +159,12 @@ def test_regressions_flag_the_planted_one_with_its_cause(history: Path) -> None:
 
 
 def chromium() -> str:
-    """Debian's chromium: found, or installed when this user can (root with apt-get), or the test skips."""
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path:
-        return path
-    if hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get"):
-        done = subprocess.run(
-            ["apt-get", "install", "-y", "-q", "chromium"], capture_output=True, text=True, timeout=900, check=False
-        )
-        path = shutil.which("chromium")
-        if path:
-            return path
-        pytest.skip(f"chromium is missing and `apt-get install chromium` failed: {done.stderr[-300:]}")
-    pytest.skip("chromium is missing (Debian: apt-get install chromium) and this user cannot install it")
+    """A headless Chromium: ``KDA_BROWSER``, else ``chromium`` or ``chromium-browser`` on the PATH. A test does
+    not install system packages: without one, the test skips and says how to get one."""
+    path = os.environ.get("KDA_BROWSER") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if not path:
+        pytest.skip("no headless Chromium: install one (Debian: apt-get install chromium) or set KDA_BROWSER")
+    return path
 
 
 def test_dashboard_renders_in_a_real_browser(history: Path, tmp_path: Path) -> None:
@@ -241,3 +286,12 @@ def test_regression_kinds_and_environment_cause(worst: list[float], failed: list
     assert list(flags["kind"]) == ([kind] if kind else [])
     if kind:
         assert flags["cause"].iloc[0] == "environment: fla 0.6.0 -> 0.6.1"
+
+
+def test_a_new_kernel_shape_is_not_judged_against_another_shapes_history() -> None:
+    records, runs = _nights([0.3, 0.3, 0.3, 1.4], [False, False, False, True])
+    records["case_head_k_dim"] = records["case_head_v_dim"] = [64, 64, 64, 16]
+    flags = find_regressions(records, runs)
+    # Not "new failure ... no change of environment or suite" against K = 64's history: a family of its own.
+    assert list(flags["kind"]) == ["failure (family not measured the night before)"]
+    assert "K16V16" in flags["family"].iloc[0]

@@ -293,3 +293,65 @@ def test_an_out_of_bounds_kernel_on_a_gpu_costs_its_cases_only(tmp_path: Path) -
     assert set(others["verdict"]) == {"pass"} and others.groupby("backend")["case_id"].nunique().to_dict() == {
         name: 3 for name in backends[1:]
     }
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux: /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc (Linux)")
+def test_an_isolated_worker_dies_with_its_killed_parent(tmp_path: Path) -> None:
+    """SIGKILL of the sweep while its worker hangs in a kernel: the worker must not live on (on a GPU it would
+    hold the device)."""
+    command = [sys.executable, "-m", "kda_conformance.cli", "run", "--device", "cpu", "--isolate"]
+    command += ["--plugin", "kda_planted_crashes", "--backend", "planted_hang", "--case", '{"seq_lens": [37]}']
+    command += ["--out", str(tmp_path), "--no-dashboard"]
+    sweep = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, workers = time.monotonic() + 120, []
+        while not workers and time.monotonic() < deadline:
+            time.sleep(0.5)
+            workers = [p for p in _children(sweep.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert workers, "the sweep started no worker process"
+        time.sleep(3)  # the worker is in the hanging backend now
+        sweep.kill()
+        sweep.wait(30)
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in workers), "the worker outlived its killed parent"
+    finally:
+        for pid in _children(sweep.pid):
+            os.kill(pid, 9)
+
+
+def test_an_invalid_case_is_the_suites_error_not_the_backends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kda_conformance.judging.tolerance import InvalidTruth
+    from kda_conformance.running import truth
+
+    def invalid(case: Case, *args: object) -> dict:
+        raise InvalidTruth(f"case {case.id}: the float64 truth's o holds 3 non-finite values")
+
+    monkeypatch.setattr(truth, "case_budgets", invalid)
+    run = Run(build_config(device="cpu", backends=["torch_chunk"], out=tmp_path))
+    backend = registry.get("torch_chunk")
+    [finding] = run.checked("budget", Case(seq_lens=(37,)), backend, {}, lambda t: run_backend(t, backend))
+    assert finding.verdict == "error" and finding.backend == "(suite)"
+    assert finding.reason.startswith("invalid case (not torch_chunk's error): case kda-")

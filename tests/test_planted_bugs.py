@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from kda_conformance.cli.detection import DetectionRun, run_detection
+from kda_reports.detection import COLUMNS, detection_problems
 from kda_reports.findings import Finding
 
 PLUGINS = Path(__file__).with_name("plugins")
@@ -42,6 +44,17 @@ def test_every_planted_bug_is_caught_with_a_first_bad_point(detection: Detection
 def test_the_correct_baseline_passes_every_case(detection: DetectionRun) -> None:
     row = detection.table.set_index("backend").loc["torch_chunk"]
     assert row["caught by"] == "nothing" and row["cases run"] > 0, detection.output[-3000:]
+    assert detection_problems(detection.table, planted=set(detection.table["backend"]) - {"torch_chunk"}) == []
+
+
+def test_detection_fails_when_a_planted_bug_is_missed_or_a_correct_backend_fails() -> None:
+    table = pd.DataFrame(
+        [["planted_x", "nothing", 30, "-"], ["good", "budget (case 2)", 30, "seq 0 head 0"]], columns=COLUMNS
+    )
+    assert detection_problems(table, planted={"planted_x"}) == [
+        "planted bug planted_x was not caught (30 cases run)",
+        "correct backend good failed: budget (case 2)",
+    ]
 
 
 # The bug each metamorphic property exists for: it must be the one that flags it.

@@ -69,6 +69,17 @@ def test_register_refuses_duplicates_and_bad_names() -> None:
         registry.register("bad name", object)  # type: ignore[arg-type]
 
 
+def test_a_backend_must_call_itself_by_its_registered_name() -> None:
+    from kda_kernels.torch_chunk import TorchChunk
+
+    registry.register("impostor", TorchChunk)  # records would say torch_chunk for a backend run as impostor
+    try:
+        with pytest.raises(registry.PluginError, match="registered as 'impostor' names itself 'torch_chunk'"):
+            registry.get("impostor")
+    finally:
+        registry.unregister("impostor")
+
+
 def test_pytest_run_with_plugin_leaves_a_report(tmp_path: Path) -> None:
     done = subprocess.run(
         [
@@ -178,3 +189,49 @@ def test_strict_mode_turns_a_missing_backend_into_a_failure(strict: str | None, 
     assert reason in done.stdout, done.stdout[-2000:]
     assert done.returncode == (0 if strict is None else 1), done.stdout[-2000:]
     assert ("1 skipped" if strict is None else "1 error") in done.stdout
+
+
+def test_a_run_in_which_nothing_ran_says_so_and_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["run", "--backend", "aiter_default", "--device", "cpu", "--lengths", "37", "--dtypes", "bf16"]
+    env_src = os.environ.pop("KDA_AITER_SRC", None)  # AITER then cannot run on the CPU: every case skips
+    try:
+        assert main([*argv, "--out", str(tmp_path / "fresh")]) == 5
+        assert "nothing ran: no case ran on any selected backend" in capsys.readouterr().out
+        assert main([*argv, "--out", str(tmp_path / "fresh"), "--allow-empty"]) == 0
+    finally:
+        if env_src is not None:
+            os.environ["KDA_AITER_SRC"] = env_src
+
+
+@pytest.mark.parametrize(("strict", "code"), [((), 5), (("--kda-strict",), 4)])
+def test_a_marker_that_selects_nothing_says_why(strict: tuple[str, ...], code: int) -> None:
+    command = [sys.executable, "-m", "pytest", "conformance", "-q", "-p", "no:randomly", "-m", "gfx950", *strict]
+    command += ["--kda-device", "cpu", "--kda-backend", "aiter_default"]
+    env = {k: v for k, v in os.environ.items() if k != "KDA_AITER_SRC"}
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == code, done.stdout[-3000:]
+    assert "-m 'gfx950' selected no test" in done.stdout and "device: cpu" in done.stdout
+    assert "backend aiter_default: its tests are marked cpu; cannot run here" in done.stdout
+
+
+def test_skips_are_counted_by_reason() -> None:
+    from types import SimpleNamespace
+
+    from kda_conformance.plugin import skip_counts
+
+    def skipped(reason: str) -> SimpleNamespace:
+        return SimpleNamespace(longrepr=("conformance/test_x.py", 3, f"Skipped: {reason}"))
+
+    reports = [skipped("no GPU"), skipped("AITER needs a GPU"), skipped("no GPU")]
+    assert skip_counts(reports) == {"no GPU": 2, "AITER needs a GPU": 1}
+
+
+def test_record_lines_keep_whole_numbers_under_a_header() -> None:
+    from kda_reports.console import RECORD_LINE_HEADER, record_line
+
+    row = {"case_id": "kda-0123456789ab", "label": "T37 bf16", "backend": "aiter_flashkda_unsegmented",
+           "tensor": "o", "verdict": "fail", "max_abs": 4.3512e-3, "budget": 1.0e-3, "ratio": 4.3512,
+           "rel_rms": 2e-3, "budget_rel_rms": 1e-3, "rel_rms_ratio": 2.0, "seconds": 0.5}  # fmt: skip
+    line = record_line(row)
+    assert "4.35e-03" in line and "aiter_flashkda_unsegmented" in line and "…" not in line
+    assert len(line) == len(RECORD_LINE_HEADER) and "limit" in RECORD_LINE_HEADER and "rms_ratio" in RECORD_LINE_HEADER

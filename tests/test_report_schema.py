@@ -101,3 +101,20 @@ def test_diff_says_whether_two_runs_recorded_the_same(tmp_path: Path, capsys: py
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
     out = capsys.readouterr().out
     assert "1 records only before" in out and "1 records only after" in out
+
+
+def test_the_environment_records_what_moves_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kda_reports.environment import environment
+
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    monkeypatch.setenv("KDA_PROFILE", "ci")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere")  # a path: no number moves with it
+    monkeypatch.setenv("KDA_SUITE_COMMIT", "abc123")
+    env = environment(CPU)
+    variables = json.loads(str(env["variables"]))
+    assert variables["TRITON_F32_DEFAULT"] == "ieee" and variables["KDA_PROFILE"] == "ci"
+    assert "TRITON_CACHE_DIR" not in variables and "KDA_SUITE_COMMIT" not in variables
+    assert env["suite_commit"] == "abc123" and env["suite_commit_from"] == "KDA_SUITE_COMMIT"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists() and "model name" in cpuinfo.read_text():
+        assert env["device_name"] not in ("x86_64", "aarch64", ""), "the CPU's model, not its architecture"

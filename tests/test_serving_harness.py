@@ -156,6 +156,35 @@ def test_repro_command_localizes_and_writes_a_failing_standalone_test(
     assert done.returncode == 1 and "slot 0 written" in done.stdout, done.stdout[-2000:]
 
 
+class _Tampered:
+    """What a tampered bundle could hold: an object whose unpickling runs code (here: touches a file)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (Path.touch, (self.marker,))
+
+
+def test_a_tampered_repro_bundle_is_refused_not_run(tmp_path: Path) -> None:
+    test_file = tmp_path / "test_bundle.py"
+    argv = ["repro", "--backend", "torch_chunk", "--device", "cpu", "--case", CASE.to_json()]
+    assert main([*argv, "--write-test", str(test_file)]) == 0
+    pytest_file = "import pytest, sys; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', sys.argv[1]]))"
+
+    def standalone() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", pytest_file, str(test_file)], capture_output=True, text=True,
+                              cwd=tmp_path)  # fmt: skip
+
+    assert standalone().returncode == 0, "the bundle as written passes"
+    marker = tmp_path / "code-ran"
+    data = torch.load(test_file.with_suffix(".pt"), weights_only=True)
+    torch.save({**data, "case_json": _Tampered(marker)}, test_file.with_suffix(".pt"))
+    done = standalone()
+    assert done.returncode == 1 and "Weights only load failed" in done.stdout, done.stdout[-2000:]
+    assert not marker.exists(), "loading the tampered bundle ran its code"
+
+
 def test_repro_names_a_bad_case(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as stopped:
         main(["repro", "--backend", "torch_chunk", "--device", "cpu", "--case", "kda-000000000000"])

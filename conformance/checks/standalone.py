@@ -120,7 +120,7 @@ def write_standalone(case: Case, backend: Backend, device: torch.device, poison:
 
         def test_{case.id.replace("-", "_")}_{backend.name}_{poison}():
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            d = torch.load(DATA, weights_only=False)
+            d = torch.load(DATA, weights_only=True)  # tensors and plain values only: a tampered file runs no code
             d = {{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in d.items()}}
             d["kwargs"] = {{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in d["kwargs"].items()}}
             pool, out, T = d["pool_before"].clone(), d["out_before"].clone(), d["tokens"]

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.command_line = "kda-conformance " + " ".join(shlex.quote(a) for a in _without_output_paths(argv))
-    console = Console()
+    console = Console(soft_wrap=True)  # long lines stay whole in a CI log, never cut at 80 columns
     # A time limit's SIGTERM stops a sweep like Ctrl-C does, so the records so far are kept.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:

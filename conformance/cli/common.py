@@ -10,6 +10,7 @@ from rich.console import Console
 
 from kda_cases.case import Case
 from kda_cases.corpus import load_corpus
+from kda_cases.grids import FIRST_SWEEP_LENGTHS
 from kda_conformance.running.config import (
     DEFAULT_CASE_TIMEOUT,
     ConfigError,
@@ -17,7 +18,9 @@ from kda_conformance.running.config import (
     RunConfig,
     build_config,
     parse_choices,
+    parse_count,
     parse_dtypes,
+    parse_head_dim,
     parse_lengths,
 )
 from kda_reference.run import FORMS
@@ -90,7 +93,10 @@ def add_out(parser: argparse.ArgumentParser) -> None:
 
 def add_grid(parser: argparse.ArgumentParser, default_dtypes: tuple[str, ...]) -> None:
     parser.add_argument(
-        "--lengths", type=typed(parse_lengths), default=None, help="sequence lengths, e.g. 37,64,65,130"
+        "--lengths",
+        type=typed(parse_lengths),
+        default=None,
+        help=f"sequence lengths (default: {','.join(map(str, FIRST_SWEEP_LENGTHS))})",
     )
     parser.add_argument(
         "--dtypes",
@@ -98,16 +104,34 @@ def add_grid(parser: argparse.ArgumentParser, default_dtypes: tuple[str, ...]) -
         default=default_dtypes,
         help=f"input dtypes (default: {','.join(default_dtypes)})",
     )
-    parser.add_argument("--heads", type=int, default=2, help="query/key heads (= value heads) per case")
-    parser.add_argument("--head-dim", type=int, default=64, help="K = V head dimension")
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--heads",
+        type=typed(lambda text: parse_count("heads", text)),
+        default=2,
+        help="query/key heads (= value heads) per case (default: 2)",
+    )
+    parser.add_argument(
+        "--head-dim",
+        type=typed(parse_head_dim),
+        default=64,
+        help="K = V head dimension, a multiple of 16 up to 256 (default: 64)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=typed(lambda text: parse_count("seed", text, lowest=0)),
+        default=None,
+        help="the cases' seed: the grid's inputs, or a profile's draw (default: 0 for the grid, fresh for a profile)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="print each record as it is measured")
 
 
 def add_regressions(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=5, help="earlier runs a run is compared with (default: 5)")
     parser.add_argument(
-        "--growth", type=float, default=1.5, help="flag a worst error/limit grown past this times the median"
+        "--growth",
+        type=float,
+        default=1.5,
+        help="flag a worst error/limit grown past this times the median (default: 1.5)",
     )
 
 

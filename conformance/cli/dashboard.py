@@ -10,7 +10,7 @@ from rich.console import Console
 from kda_conformance.cli.common import add_regressions
 from kda_reports.dashboard import build_dashboard
 from kda_reports.runfile import DEFAULT_OUT
-from kda_reports.store import load_store
+from kda_reports.store import StoreError, load_store
 
 NAME = "dashboard"
 HELP = "build the HTML tolerance dashboard from a run store"
@@ -40,5 +40,9 @@ def rebuild_dashboard(store_dir: Path, html: Path | None, window: int, growth: f
 
 
 def execute(args: argparse.Namespace, console: Console) -> int:
-    rebuild_dashboard(args.store, args.html, args.window, args.growth, console)
+    try:
+        rebuild_dashboard(args.store, args.html, args.window, args.growth, console)
+    except StoreError as exc:
+        console.print(f"[red]error:[/] --store: {exc}", highlight=False)
+        return 2
     return 0

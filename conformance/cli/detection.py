@@ -7,6 +7,7 @@ import argparse
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from rich.console import Console
 from kda_cases.profiles import PROFILES
 from kda_conformance.checks import CHECKS
 from kda_kernels import registry
-from kda_reports.detection import detection_markdown, detection_table
+from kda_reports.detection import detection_markdown, detection_problems, detection_table
 from kda_reports.runfile import DEFAULT_OUT
 
 NAME = "detection"
@@ -77,16 +78,25 @@ def run_detection(
     device: str = "cpu",
     seed: int | None = None,
     env: dict[str, str] | None = None,
+    echo: Callable[[str], None] | None = None,
 ) -> DetectionRun:
-    """Run the checks and the corpus for ``backends`` and tabulate what caught each."""
+    """Run the checks and the corpus for ``backends`` and tabulate what caught each; ``echo`` gets pytest's
+    output line by line as it comes (its progress), for a run that takes minutes."""
     command = pytest_command(backends, plugins, profile, device, out, seed)
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    lines = []
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as process:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if echo is not None:
+                echo(line.rstrip("\n"))
+    output = "".join(lines)
     files = sorted((Path(out) / "runs").glob("*.checks.json"))
     if not files:
-        raise RuntimeError(f"the detection run wrote no checks file (exit {done.returncode}):\n{done.stdout[-3000:]}")
+        raise RuntimeError(f"the detection run wrote no checks file (exit {process.returncode}):\n{output[-3000:]}")
     entries = json.loads(files[-1].read_text())
     titles = {name: check.title for name, check in CHECKS.items()}
-    return DetectionRun(detection_table(entries, backends, titles), entries, done.returncode, done.stdout, command)
+    return DetectionRun(detection_table(entries, backends, titles), entries, process.returncode, output, command)
 
 
 def execute(args: argparse.Namespace, console: Console) -> int:
@@ -103,10 +113,22 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     if not names:
         console.print("[red]error:[/] no backends: name them with --backend, or load a plugin that registers some")
         return 2
-    console.print(f"detection: {len(names)} backends, profile {args.profile}, device {args.device}")
-    run = run_detection(names, args.plugin, args.out, args.profile, args.device, args.seed)
+    # The plugins' backends (all of them by default, or with --plugin-backends) are the planted bugs, which
+    # must be caught; the backends named with --backend are correct ones, which must pass.
+    planted = [n for n in names if n in from_plugins and (args.plugin_backends or not args.backends)]
+    console.print(
+        f"detection: {len(planted)} planted, {len(names) - len(planted)} correct backends, profile {args.profile}, "
+        f"device {args.device}; pytest's progress follows",
+        highlight=False,
+    )
+    run = run_detection(
+        names, args.plugin, args.out, args.profile, args.device, args.seed, echo=lambda line: print(line, flush=True)
+    )
     markdown = detection_markdown(run.table, {n: b.description for n, b in backends.items()}, args.command_line)
     console.print(markdown, markup=False, highlight=False, soft_wrap=True)
     if args.table is not None:
         args.table.write_text(markdown)
-    return 0
+    problems = detection_problems(run.table, planted)
+    for problem in problems:
+        console.print(f"[red]detection:[/] {problem}", highlight=False, soft_wrap=True)
+    return 1 if problems else 0

@@ -23,10 +23,11 @@ from kda_conformance.cli.common import (
     typed,
 )
 from kda_conformance.cli.dashboard import rebuild_dashboard
-from kda_conformance.cli.sweep import SweepResult, summary_table, sweep
+from kda_conformance.cli.sweep import SweepResult, sweep
 from kda_conformance.running.config import RunConfig
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
+from kda_reports.console import record_table
 
 NAME = "run"
 HELP = "run the conformance sweep and write a report"
@@ -52,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="rebuild OUT/dashboard.html from every run under OUT afterwards (default: on)",
     )
+    parser.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="exit 0 when no case ran (every backend skipped every case); by default that is exit 5",
+    )
     add_regressions(parser)
     add_isolation(parser)
     add_reference_form(parser)
@@ -61,8 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="cases",
         type=typed(parse_case),
         metavar="JSON_OR_FILE",
-        help="run this case (JSON text or a .json file) instead of the sweep; repeatable; "
-        "every failure prints such a command",
+        help="run this case instead of the sweep: case JSON (seq_lens required, the other fields default as in "
+        "cases/case.py), a .json file or a corpus id; repeatable; every failure prints such a command",
     )
 
 
@@ -80,14 +86,18 @@ def profile_cases(config: RunConfig, examples: int | None, console: Console) -> 
     return pinned + drawn
 
 
-def report(result: SweepResult, console: Console) -> int:
+NOTHING_RAN = 5  # as pytest's "no tests ran"
+
+
+def report(result: SweepResult, console: Console, allow_empty: bool = False) -> int:
     """The summary of a finished sweep on the terminal; the exit code (1 when a case failed or a backend
-    raised, 130 when the sweep was stopped)."""
+    raised, 5 when nothing ran, unless ``allow_empty``, 130 when the sweep was stopped)."""
     frame, paths = result.frame, result.paths
     if result.interrupted:
         console.print(f"partial records: {paths['records']}")
         return 130
-    console.print(summary_table(frame))
+    for line in record_table(frame.to_dict("records")):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
     for row in frame[frame["verdict"] == "skip"].itertuples():
         console.print(f"[yellow]skip[/] {row.backend} {row.case_id} ({row.label}): {row.reason}")
     for message in result.failures:
@@ -98,7 +108,18 @@ def report(result: SweepResult, console: Console) -> int:
     console.print(f"run {frame['run_id'].iloc[0]}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     console.print(f"records: {paths['records']}\nsummary: {paths['summary_md']}")
     console.print("suite time by stage: " + "\n  ".join(CLOCK.lines()), highlight=False)
-    return 1 if counts.get("fail") or counts.get("error") or result.stopped else 0
+    if counts.get("fail") or counts.get("error") or result.stopped:
+        return 1
+    if not set(counts) - {"skip", "resource"} and not allow_empty:
+        reasons = frame["reason"].fillna("").value_counts()
+        console.print(
+            f"[red]nothing ran:[/] no case ran on any selected backend ({len(frame)} records, all skipped or out "
+            f"of memory); the most common reason: {reasons.index[0]!r}. Pass --allow-empty to accept such a run.",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return NOTHING_RAN
+    return 0
 
 
 def execute(args: argparse.Namespace, console: Console) -> int:
@@ -112,7 +133,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         cases = profile_cases(config, args.examples, console)
     else:
         cases = config.grid.cases()
-    code = report(sweep(Run(config), cases, console, args.verbose), console)
+    code = report(sweep(Run(config), cases, console, args.verbose), console, args.allow_empty)
     if args.dashboard and code != 130:
         rebuild_dashboard(config.out, None, args.window, args.growth, console)
     return code

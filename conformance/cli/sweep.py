@@ -3,6 +3,7 @@ the terminal, each record journaled as it is measured, the run's files and the f
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +11,6 @@ from pathlib import Path
 import pandas as pd
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from kda_cases.case import Case
 from kda_conformance.judging.repro import BUDGET_CHECK
@@ -20,8 +20,10 @@ from kda_conformance.running.runner import run_backend
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
 from kda_kernels import registry
-from kda_reports.console import record_line
+from kda_reports.console import RECORD_LINE_HEADER, record_line
 from kda_reports.findings import Finding
+
+PROGRESS_EVERY_S = 30.0
 
 
 @dataclass
@@ -52,6 +54,7 @@ def sweep(run: Run, cases: Sequence[Case], console: Console, verbose: bool = Fal
     CLOCK.drain()  # the run's timing file holds this run's time only
     failures: list[str] = []
     interrupted, stopped = False, ""
+    total, done, started, said = len(cases) * len(run.config.backends), 0, time.monotonic(), time.monotonic()
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -66,10 +69,20 @@ def sweep(run: Run, cases: Sequence[Case], console: Console, verbose: bool = Fal
             for findings in stream:
                 rows = run.record(findings)
                 if verbose:
-                    for row in rows:
-                        progress.console.print(record_line(row), highlight=False, soft_wrap=True)
+                    lines = [record_line(row) for row in rows]
+                    for line in [RECORD_LINE_HEADER, *lines] if done == 0 else lines:
+                        progress.console.print(line, highlight=False, markup=False, soft_wrap=True)
                 failures += [f.message() for f in findings if f.failed]
+                done += 1
                 progress.update(task, advance=1, description=f"{findings[0].backend} {findings[0].case.label}")
+                # Off a terminal (a CI log, | tee) the bar is not drawn: a line every so often instead.
+                if not console.is_terminal and (time.monotonic() - said >= PROGRESS_EVERY_S or done == total):
+                    said = time.monotonic()
+                    console.print(
+                        f"progress: {done} of {total} case x backend runs, {len(failures)} failures, "
+                        f"{said - started:.0f} s",
+                        highlight=False,
+                    )
         except KeyboardInterrupt:
             console.print(f"[yellow]interrupted after {len(run.rows)} records; writing them[/]")
             interrupted = True
@@ -83,27 +96,3 @@ def sweep(run: Run, cases: Sequence[Case], console: Console, verbose: bool = Fal
     paths = run.finish(complete=not (interrupted or stopped), keep_empty=True)
     assert run.frame is not None
     return SweepResult(run.frame, paths, failures, interrupted, stopped)
-
-
-def summary_table(frame: pd.DataFrame) -> Table:
-    table = Table(title="KDA conformance: max-abs error against the float64 reference")
-    for col in ("case", "backend", "tensor", "verdict", "max-abs", "budget", "rel-RMS", "s"):
-        table.add_column(col, justify="right" if col in ("max-abs", "budget", "rel-RMS", "s") else "left")
-    colors = {"pass": "green", "fail": "red", "error": "red", "skip": "yellow"}
-
-    def fmt(x: float) -> str:
-        return "" if pd.isna(x) else f"{x:.2e}"
-
-    for row in frame.itertuples():
-        verdict = f"[{colors.get(row.verdict, 'white')}]{row.verdict}[/]"
-        table.add_row(
-            f"{row.case_id}\n{row.label}",
-            row.backend,
-            row.tensor or "-",
-            verdict,
-            fmt(getattr(row, "max_abs", float("nan"))),
-            fmt(getattr(row, "budget", float("nan"))),
-            fmt(getattr(row, "rel_rms", float("nan"))),
-            f"{row.seconds:.2f}",
-        )
-    return table

@@ -89,6 +89,11 @@ class Judge:
         """Nothing wrong with what ``subject`` names (a check with no tensor to measure)."""
         return self._finding("pass", subject=subject, tensor=tensor)
 
+    def not_compared(self, tensor: str, reason: str) -> Finding:
+        """A tensor of the case that the result lacks and may lack (a backend that returns no checkpoint
+        states): a skip of that tensor, with the reason, beside the findings on the others."""
+        return self._finding("skip", tensor=tensor, reason=reason)
+
     def outcome(self, verdict: str, reason: str, seconds: float = 0.0) -> Finding:
         """A call that did not give tensors to judge: ``skip`` (unsupported) or ``error`` (it raised)."""
         return self._finding(verdict, reason=reason, seconds=seconds)

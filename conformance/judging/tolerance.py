@@ -62,10 +62,15 @@ class BudgetRule:
 DEFAULT_RULE = BudgetRule()
 
 
+class InvalidTruth(ValueError):
+    """The case cannot be judged: its float64 truth or its baseline is not finite. A budget from either
+    would be meaningless (a NaN limit, or the cap where the floor belongs), so it is an error of the suite's
+    case, named, and no backend's verdict."""
+
+
 def _limit(metric: str, factor: float, baseline: float, floor: float, cap: float) -> Limit:
     cap = max(cap, floor)
-    # A non-finite baseline means the baseline broke down: unbounded, so the cap decides.
-    scaled = factor * baseline if math.isfinite(baseline) else math.inf
+    scaled = factor * baseline
     if scaled >= cap:
         return Limit(metric, cap, baseline, floor, cap, "cap")
     if scaled >= floor:
@@ -104,6 +109,15 @@ def case_budgets(
     budgets = {}
     for measured in baseline:
         ref = getattr(truth, measured.tensor)
+        bad = int((~ref.isfinite()).sum())
+        if bad:
+            raise InvalidTruth(f"case {case.id}: the float64 truth's {measured.tensor} holds {bad} non-finite values")
+        errors = measured.errors
+        if errors.nonfinite or not (math.isfinite(errors.max_abs) and math.isfinite(errors.rel_rms)):
+            raise InvalidTruth(
+                f"case {case.id}: the baseline ({measured.tensor}) is not finite ({errors.nonfinite} non-finite "
+                "values): no budget can be derived from it"
+            )
         ref_max = float(ref.abs().max()) if ref.numel() else 0.0
         budgets[measured.tensor] = derive_budget(
             case, measured.tensor, measured.errors, ref_max, rule, elements=ref.numel()

@@ -61,6 +61,26 @@ def parse_lengths(text: str) -> tuple[int, ...]:
     return values
 
 
+def parse_count(what: str, text: str, lowest: int = 1) -> int:
+    """A whole number of at least ``lowest``; the error names ``what``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{what} must be an integer >= {lowest}, got {text!r}") from None
+    if value < lowest:
+        raise ValueError(f"{what} must be an integer >= {lowest}, got {value}")
+    return value
+
+
+def parse_head_dim(text: str) -> int:
+    """The grid's K = V: a multiple of 16 from 16 to 256, the head sizes the kernels tile (a case given as
+    JSON may have any)."""
+    value = parse_count("head dim", text)
+    if value % 16 or value > 256:
+        raise ValueError(f"head dim must be a multiple of 16 from 16 to 256, got {value}")
+    return value
+
+
 def parse_choices(what: str, text: str, allowed: Sequence[str]) -> tuple[str, ...]:
     """``"a,b"`` -> ``("a", "b")``, each one of ``allowed``; the error names ``what`` and the allowed values."""
     values = tuple(x.strip() for x in text.split(",") if x.strip())

@@ -4,7 +4,13 @@ ordinary exception (the kernel's own)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import os
 import re
+import signal
+import threading
+import time
 
 import torch
 
@@ -60,3 +66,28 @@ class DeviceLost(Exception):
     def __init__(self, findings: list, message: str) -> None:
         super().__init__(message)
         self.findings = findings
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Make this (worker) process end when ``parent_pid`` does, however the parent ends (SIGKILL included):
+    an orphaned worker stuck in a hung kernel would hold its GPU for good. On Linux the kernel sends SIGKILL
+    (prctl PR_SET_PDEATHSIG); elsewhere a thread watches for the parent to go."""
+    if os.getppid() != parent_pid:  # the parent is already gone
+        os._exit(1)
+    libc_name = ctypes.util.find_library("c")
+    if libc_name and os.uname().sysname == "Linux":
+        libc = ctypes.CDLL(libc_name, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0:
+            if os.getppid() != parent_pid:  # it ended between the check and the prctl
+                os._exit(1)
+            return
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()

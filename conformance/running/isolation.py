@@ -23,7 +23,7 @@ from kda_cases.case import Case
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running.config import DEFAULT_CASE_TIMEOUT, RunConfig
-from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost
+from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost, die_with_parent
 from kda_conformance.running.runner import run_backend
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
@@ -32,8 +32,10 @@ from kda_reports.findings import Finding
 STARTUP_TIMEOUT = 600.0  # seconds for a fresh worker to import torch, the suite and the plugins
 
 
-def _worker(conn: Connection, device: str, plugins: list[str]) -> None:
+def _worker(conn: Connection, device: str, plugins: list[str], parent_pid: int) -> None:
     from kda_kernels import registry
+
+    die_with_parent(parent_pid)
 
     for module in plugins:
         registry.load_plugin(module)
@@ -65,7 +67,9 @@ class IsolatedRunner:
 
     def _start(self) -> None:
         parent, child = self.context.Pipe()
-        self.process = self.context.Process(target=_worker, args=(child, str(self.device), self.plugins), daemon=True)
+        self.process = self.context.Process(
+            target=_worker, args=(child, str(self.device), self.plugins, os.getpid()), daemon=True
+        )
         self.process.start()
         child.close()
         self.conn = parent

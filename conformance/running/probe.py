@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import multiprocessing
+import os
 import signal
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -29,10 +30,13 @@ class ProbeResult:
     died: str = ""  # how the process ended, where it died or hung
 
 
-def _child(conn: Connection, case_json: str, backend: Backend, device: str, metadata: dict) -> None:
+def _child(conn: Connection, case_json: str, backend: Backend, device: str, metadata: dict, parent: int) -> None:
     import dataclasses
 
+    from kda_conformance.running.faults import die_with_parent
     from kda_conformance.running.runner import raised_at
+
+    die_with_parent(parent)
 
     inputs = materialize(Case.from_json(case_json), device)
     try:
@@ -55,7 +59,11 @@ def probe(case: Case, backend: Backend, device: torch.device, metadata: dict, ti
     """``backend`` on ``case`` with ``metadata`` passed in, in a spawned process (see the module docstring)."""
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
-    process = context.Process(target=_child, args=(child, case.to_json(), backend, str(device), metadata), daemon=True)
+    process = context.Process(
+        target=_child,
+        args=(child, case.to_json(), backend, str(device), metadata, os.getpid()),
+        daemon=True,
+    )
     process.start()
     child.close()
     try:

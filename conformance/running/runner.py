@@ -52,7 +52,7 @@ def run_backend(truth: CaseTruth, backend: Backend) -> list[Finding]:
             return [judge.outcome("resource", memory_report(exc, device), lap.seconds)]
         return [judge.outcome("error", raised_at(exc), lap.seconds)]
     with CLOCK.stage("compare", device):
-        return judge.result(
+        findings = judge.result(
             truth.reference,
             result,
             truth.budgets,
@@ -60,3 +60,11 @@ def run_backend(truth: CaseTruth, backend: Backend) -> list[Finding]:
             reference_form=truth.reference_form,
             reference_seconds=truth.reference_seconds,
         )
+    if case.checkpoints and result.checkpoint_states is None:  # never a silent pass on the checkpoints
+        count = f"the case's {len(case.checkpoints)} checkpoint states"
+        if backend.produces_checkpoints:
+            findings.append(judge.problem("", f"returned none of {count}", tensor="checkpoint_states"))
+        else:
+            reason = f"{backend.name} returns no checkpoint states: {count} are not compared"
+            findings.append(judge.not_compared("checkpoint_states", reason))
+    return findings

@@ -17,6 +17,7 @@ import pandas as pd
 from kda_cases.case import Case
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.judging.known import apply_known
+from kda_conformance.judging.tolerance import InvalidTruth
 from kda_conformance.running.config import RunConfig
 from kda_conformance.running.faults import DeviceLost, is_out_of_memory, is_sticky, memory_report
 from kda_conformance.running.memory import device_slot, release_cached_memory
@@ -25,7 +26,7 @@ from kda_conformance.running.search import ExampleLog
 from kda_conformance.running.stages import CLOCK
 from kda_conformance.running.truth import CaseTruth, case_truth
 from kda_kernels.protocol import Backend
-from kda_reports.findings import Finding
+from kda_reports.findings import SUITE_BACKEND, Finding
 from kda_reports.runfile import RunRecorder, atomic_write, merge_parts, run_stem
 from kda_reports.schema import record_rows
 
@@ -92,6 +93,9 @@ class Run:
             with device_slot(device, case, alone):
                 try:
                     findings = run(self.truth(case))
+                except InvalidTruth as exc:  # the case's fault, not the backend's: recorded under the suite
+                    reason = f"invalid case (not {backend.name}'s error): {exc}"
+                    findings = [dataclasses.replace(judge.outcome("error", reason), backend=SUITE_BACKEND)]
                 except Exception as exc:
                     if is_out_of_memory(exc):
                         findings = [judge.outcome("resource", memory_report(exc, device))]
