@@ -55,6 +55,16 @@ class Profile:
     # dtype, whatever Hypothesis draws.
     long_dtypes: tuple[str, ...] = ()
     long_tokens: int = 131072
+    # Value heads, up to this (0: ``max_heads``): grouped value heads (GVA) with two query heads or more, where
+    # a wrong value-to-query head mapping shows (with one query head it changes nothing).
+    max_v_heads: int = 0
+    # Whether the run includes the sentinels (cases/sentinels.py): the same 47 cases every night, each with
+    # a history of its own. Up to 128K tokens x 8 value heads x 128^2: the GPU profiles only.
+    sentinels: bool = False
+
+    @property
+    def value_heads_limit(self) -> int:
+        return self.max_v_heads or self.max_heads
 
     def corpus_skip(self, case: Case, interpreted: bool) -> str | None:
         """Why a corpus case does not run in this profile (None when it runs)."""
@@ -105,6 +115,7 @@ PROFILES: dict[str, Profile] = {
             safe_gates_only=True,
             corpus_max_tokens=256,
             corpus_max_work=2**23,
+            max_v_heads=4,
         ),
         # 12 examples per check and backend: with five backends, 500 drawn cases and more a night.
         Profile(
@@ -121,6 +132,7 @@ PROFILES: dict[str, Profile] = {
             max_work=2**35,
             kernel_configs=3,
             long_dtypes=("bf16", "fp16", "fp32", "bf16"),
+            sentinels=True,
         ),
         Profile(
             "long",
@@ -136,6 +148,7 @@ PROFILES: dict[str, Profile] = {
             max_work=2**35,
             kernel_configs=2,
             long_dtypes=DTYPES,
+            sentinels=True,
         ),
     )
 }

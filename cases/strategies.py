@@ -100,7 +100,7 @@ def cases(draw: st.DrawFn, profile: Profile) -> Case:
         budget = min(budget, max(profile.min_length, profile.max_work // per_token))
     lens, packed = draw(seq_lens(profile, budget, config.get("packed")))
     heads = draw(st.integers(min_value=1, max_value=profile.max_heads))
-    group = draw(st.sampled_from([g for g in (1, 2, 4) if heads * g <= profile.max_heads] or [1]))
+    group = draw(st.sampled_from([g for g in (1, 2, 4) if heads * g <= profile.value_heads_limit] or [1]))
     head_k_dim = draw(st.sampled_from(profile.head_dims))
     head_v_dim = draw(st.one_of(st.just(head_k_dim), st.sampled_from(profile.head_dims)))
     forms = ("lower_bound", "lower_bound", "log") if profile.safe_gates_only else ("lower_bound", "softplus", "log")

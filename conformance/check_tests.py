@@ -7,9 +7,10 @@ import dataclasses
 from collections.abc import Callable
 
 import pytest
-from hypothesis import given, target
+from hypothesis import event, given, target
 from hypothesis import strategies as st
 
+from kda_cases.coverage import axis_values
 from kda_conformance.checks import CHECKS, Check
 from kda_conformance.running.session import Run
 from kda_kernels.protocol import Backend
@@ -50,6 +51,8 @@ def check_test(check: Check) -> Callable[..., None]:
         profile = kda_run.config.profile
         assert profile is not None
         drawn = check.draw(data, profile, backend)
+        for axis, value in axis_values(drawn.case).items():  # Hypothesis's statistics: the axes reached
+            event(f"{axis}: {value}")
         findings = kda_checked(
             check.name, drawn.case, backend, drawn.params, lambda truth: check.run(truth, backend, drawn.params)
         )

@@ -229,6 +229,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "long_case" in metafunc.fixturenames:
         cases = run.config.long_cases()
         metafunc.parametrize("long_case", cases, ids=[c.id for c in cases])
+    if "sentinel" in metafunc.fixturenames:
+        cases = run.config.sentinel_cases()
+        metafunc.parametrize("sentinel", cases, ids=[c.id for c in cases])
 
 
 @pytest.fixture(scope="session")
@@ -347,8 +350,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     device = run.config.device
     profile = run.config.profile
     assert profile is not None
-    if not run.config.long_cases():  # profiles without long cases: no "empty parameter set" skip line
-        unused = [item for item in items if getattr(item, "originalname", None) == "test_long_case"]
+    # Profiles without long cases or sentinels: no "empty parameter set" skip lines.
+    empty = {"test_long_case"} if not run.config.long_cases() else set()
+    empty |= {"test_sentinel"} if not run.config.sentinel_cases() else set()
+    if empty:
+        unused = [item for item in items if getattr(item, "originalname", None) in empty]
         config.hook.pytest_deselected(items=unused)
         items[:] = [item for item in items if item not in unused]
     if run.config.shard is not None:  # this host's share of the tests; the other hosts run the rest
@@ -380,8 +386,8 @@ def _case_of(item: pytest.Item) -> str | None:
     params = getattr(getattr(item, "callspec", None), "params", {})
     if "entry" in params:
         return params["entry"].case.id
-    long_case = params.get("long_case")
-    return long_case.id if isinstance(long_case, Case) else None
+    case = params.get("long_case", params.get("sentinel"))
+    return case.id if isinstance(case, Case) else None
 
 
 def _corpus_cases_outermost(items: list[pytest.Item]) -> None:

@@ -1,6 +1,6 @@
-"""The committed corpus (cases/corpus/*.json) against every selected backend, in every profile, and the
-run's long cases (the nightly and long profiles: 128K tokens in each dtype, new each night): the budget
-check on each."""
+"""The committed corpus (cases/corpus/*.json) against every selected backend, in every profile; the run's
+long cases (the nightly and long profiles: 128K tokens in each dtype, new each night) and the sentinels
+(the same every night): the budget check on each."""
 
 from __future__ import annotations
 
@@ -46,7 +46,17 @@ def test_corpus_case(
 @pytest.mark.kda_device_dependent
 def test_long_case(long_case: Case, kda_backend: Backend, kda_run: Run, kda_checked: Callable) -> None:
     """A long case of the run (moved into the backend's envelope), within its budgets."""
-    case, backend = kda_backend.fit(long_case), kda_backend
+    _within_budget(kda_backend.fit(long_case), kda_backend, kda_run, kda_checked, "long case of the run")
+
+
+@pytest.mark.kda_device_dependent
+def test_sentinel(sentinel: Case, kda_backend: Backend, kda_run: Run, kda_checked: Callable) -> None:
+    """A sentinel (cases/sentinels.json: the same inputs every night, each with its own error history,
+    whose growth reports/regressions.py flags), within its budgets."""
+    _within_budget(sentinel, kda_backend, kda_run, kda_checked, "sentinel")
+
+
+def _within_budget(case: Case, backend: Backend, kda_run: Run, kda_checked: Callable, what: str) -> None:
     supported = backend.supports(case)
     if not supported:
         pytest.skip(f"{backend.name}: {supported.reason}")
@@ -54,5 +64,5 @@ def test_long_case(long_case: Case, kda_backend: Backend, kda_run: Run, kda_chec
     skipped = [f for f in findings if f.verdict in ("skip", "resource")]
     if skipped and len(skipped) == len(findings):  # (a skip of one tensor beside judged ones is recorded)
         pytest.skip(f"{backend.name}: {skipped[0].verdict}: {skipped[0].reason}")
-    report = failure_report(findings, f"long case of the run ({case.total_tokens} tokens)", kda_run.config.fails)
+    report = failure_report(findings, f"{what} ({case.total_tokens} tokens)", kda_run.config.fails)
     assert report is None, report

@@ -16,8 +16,9 @@ from pathlib import Path
 import pandas as pd
 import plotly.graph_objects as go
 
-from kda_reports.regressions import GROUP, find_regressions, longest, nightly_groups, record_worst
-from kda_reports.runfile import atomic_write
+from kda_cases.sentinels import SENTINEL_GROWTH
+from kda_reports.regressions import GROUP, find_regressions, longest, nightly_groups, record_worst, sentinel_worst
+from kda_reports.runfile import atomic_write, record_coverage
 from kda_reports.store import Store
 
 STYLE = """
@@ -113,6 +114,28 @@ def trends(groups: pd.DataFrame, runs: pd.DataFrame) -> go.Figure:
     return figure
 
 
+def sentinel_trends(records: pd.DataFrame, runs: pd.DataFrame) -> go.Figure:
+    """Each sentinel's worst error/limit per backend over the runs (1 is the limit)."""
+    figure = go.Figure()
+    dates = dict(zip(runs["run_id"], runs.get("env_date", runs["run_id"]), strict=True))
+    worst = sentinel_worst(records)
+    worst = worst[worst["worst"].map(math.isfinite).astype(bool)]
+    per_sentinel = worst.groupby(["run_id", "backend", "case_id", "label"], sort=False)["worst"].max().reset_index()
+    order = {run_id: i for i, run_id in enumerate(runs["run_id"])}
+    for (backend, _, label), part in per_sentinel.groupby(["backend", "case_id", "label"]):
+        part = part.assign(night=part["run_id"].map(order)).sort_values("night")
+        figure.add_trace(
+            go.Scatter(
+                x=[dates[r] for r in part["run_id"]], y=part["worst"], mode="lines+markers", name=f"{backend} {label}"
+            )
+        )
+    figure.add_hline(y=1.0, line_dash="dash", line_color="#b00020", annotation_text="limit")
+    figure.update_yaxes(type="log", title="worst error / limit")
+    figure.update_xaxes(title="run")
+    figure.update_layout(title="Sentinels: the same inputs every night", showlegend=len(figure.data) <= 40)
+    return figure
+
+
 def observations(records: pd.DataFrame) -> pd.DataFrame:
     """Cases per backend x check x observation (the records' ``observed`` column), with their verdicts."""
     if "observed" not in records:
@@ -163,12 +186,21 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
             _figure_html(error_vs_length(last), "error-vs-length", first=True),
             "<h2>Trends</h2>",
             _figure_html(trends(nightly_groups(records), runs), "trends", first=False),
+            "<h2>Sentinel trends</h2>",
+            "<p class='note'>The sentinels (cases/sentinels.json) run with the same inputs every night: each "
+            f"line is one sentinel on one backend; growth past {SENTINEL_GROWTH:g} times its median is flagged "
+            "above, within the budget or not.</p>",
+            _figure_html(sentinel_trends(records, runs), "sentinel-trends", first=False),
             "<h2>Worst cases of the last run</h2>",
             _table(worst_table, "worst", code_columns=("repro",)),
             "<h2>What the checks observed, last run</h2>",
             "<p class='note'>Beyond pass and fail: batch invariance, padded tails, metadata patterns, "
             "determinism, known issues (cases per backend, check and observation).</p>",
             _table(observations(last), "observations"),
+            "<h2>Axis coverage, last run</h2>",
+            "<p class='note'>Distinct cases per value of each axis (cases/coverage.py): the values a run "
+            "did not reach are where its bugs could hide.</p>",
+            _table(record_coverage(last), "coverage"),
         ]
     if store.problems:
         parts += ["<h2>Files skipped or partly read</h2><ul>"]

@@ -17,6 +17,7 @@ import math
 
 import pandas as pd
 
+from kda_cases.sentinels import SENTINEL_GROWTH, sentinel_ids
 from kda_reports.findings import FAILED, worst_ratio
 
 ENV_KEYS = {
@@ -105,8 +106,54 @@ def environment_change(runs: pd.DataFrame, before: str, after: str) -> str:
     return "; ".join(parts) or "no change of environment or suite (other cases drawn, or nondeterminism)"
 
 
+def sentinel_worst(records: pd.DataFrame) -> pd.DataFrame:
+    """Per run x backend x sentinel x tensor: the worst error/limit (the sentinels' own trends)."""
+    ids = sentinel_ids()
+    measured = records[records["case_id"].isin(ids) & records["verdict"].isin(["pass", *FAILED, "warn", "known"])]
+    if measured.empty:
+        return pd.DataFrame(columns=["run_id", "backend", "case_id", "label", "tensor", "worst", "repro"])
+    measured = measured.assign(worst=record_worst(measured), tensor=measured["tensor"].fillna("").replace("", "(run)"))
+    grouped = measured.groupby(["run_id", "backend", "case_id", "tensor"], sort=False)
+    return grouped.agg(worst=("worst", "max"), label=("label", "first"), repro=("repro", "first")).reset_index()
+
+
+def sentinel_flags(records: pd.DataFrame, runs: list[str], cause: str, growth: float = SENTINEL_GROWTH) -> list[dict]:
+    """ "sentinel growth" flags: a sentinel whose error/limit tonight (the last of ``runs``) passed ``growth``
+    times its median over the earlier ``runs``, within its budget or not. Same inputs every night, so for a
+    deterministic kernel any growth is the kernel's (or its environment's)."""
+    trends = sentinel_worst(records[records["run_id"].isin(runs)])
+    if trends.empty:
+        return []
+    tonight = trends[trends["run_id"] == runs[-1]]
+    before = trends[trends["run_id"] != runs[-1]].groupby(["backend", "case_id", "tensor"])["worst"].median()
+    flags = []
+    for row in tonight.to_dict("records"):
+        median = before.get((row["backend"], row["case_id"], row["tensor"]), math.nan)
+        if median > 0 and math.isfinite(median) and row["worst"] > growth * median:
+            flags.append(
+                {
+                    "kind": "sentinel growth",
+                    "backend": row["backend"],
+                    "check": "budget",
+                    "family": f"sentinel {row['label']}",
+                    "tensor": row["tensor"],
+                    "tonight": row["worst"],
+                    "before": median,
+                    "cause": cause,
+                    "case_id": row["case_id"],
+                    "repro": row["repro"],
+                }
+            )
+    return flags
+
+
 def find_regressions(
-    records: pd.DataFrame, runs: pd.DataFrame, window: int = 5, growth: float = 1.5, floor: float = 0.1
+    records: pd.DataFrame,
+    runs: pd.DataFrame,
+    window: int = 5,
+    growth: float = 1.5,
+    floor: float = 0.1,
+    sentinel_growth: float = SENTINEL_GROWTH,
 ) -> pd.DataFrame:
     """Flags for the latest run against the ``window`` runs before it (see the module's docstring)."""
     columns = ["kind", *GROUP, "tonight", "before", "cause", "case_id", "repro"]
@@ -140,6 +187,7 @@ def find_regressions(
             flags.append({"kind": kind, **dict(zip(GROUP, key, strict=True)), **entry})
         elif row["worst"] > floor and before > 0 and row["worst"] > growth * before:
             flags.append({"kind": "error growth", **dict(zip(GROUP, key, strict=True)), **entry})
+    flags += sentinel_flags(records, order[-1 - window :], cause, sentinel_growth)
     for key, was in last.iterrows():
         if was["failed"] and key in now.index and not now.loc[key]["failed"]:
             entry = {"tonight": now.loc[key]["worst"], "before": median.get(key, math.nan), "cause": cause}

@@ -17,6 +17,8 @@ from typing import IO
 
 import pandas as pd
 
+from kda_cases.case import Case
+from kda_cases.coverage import coverage, coverage_markdown
 from kda_reports.findings import worst_ratio
 from kda_reports.schema import conform_records
 
@@ -59,7 +61,8 @@ def write_run(records: pd.DataFrame, env: dict, out_dir: Path, stem: str) -> dic
     atomic_write(paths["records"], lambda p: records.to_parquet(p, index=False))
     table = summary(records)
     atomic_write(paths["summary_csv"], lambda p: table.to_csv(p, index=False))
-    atomic_write(paths["summary_md"], lambda p: p.write_text(summary_markdown(table, env, stem)))
+    reached = record_coverage(records)
+    atomic_write(paths["summary_md"], lambda p: p.write_text(summary_markdown(table, env, stem, reached)))
     return paths
 
 
@@ -181,7 +184,7 @@ def summary(records: pd.DataFrame) -> pd.DataFrame:
     return records[cols].sort_values(["backend", "case_id", "tensor"], kind="stable").reset_index(drop=True)
 
 
-def summary_markdown(table: pd.DataFrame, env: dict, run_id: str) -> str:
+def summary_markdown(table: pd.DataFrame, env: dict, run_id: str, coverage_table: pd.DataFrame | None = None) -> str:
     counts = table["verdict"].value_counts().to_dict() if len(table) else {}
     head = [
         f"# KDA conformance run {run_id}",
@@ -204,7 +207,17 @@ def summary_markdown(table: pd.DataFrame, env: dict, run_id: str) -> str:
         top = ranked.sort_values("worst", ascending=False).head(WORST_SHOWN).drop(columns="worst")
         worst = ["## Worst cases (largest error / limit)", "", _formatted(top).to_markdown(index=False), ""]
     every = ["## Every record", "", _formatted(table).to_markdown(index=False), ""]
-    return "\n".join(head + worst + every)
+    reached = []
+    if coverage_table is not None and len(coverage_table):
+        reached = ["## Axis coverage (distinct cases per value)", "", coverage_markdown(coverage_table), ""]
+    return "\n".join(head + worst + reached + every)
+
+
+def record_coverage(records: pd.DataFrame) -> pd.DataFrame:
+    """The axis coverage (cases/coverage.py) of the distinct cases of a run's records."""
+    if records.empty or "case_json" not in records:
+        return coverage([])
+    return coverage(Case.from_json(text) for text in records["case_json"].dropna().unique())
 
 
 def _formatted(table: pd.DataFrame) -> pd.DataFrame:

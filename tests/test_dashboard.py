@@ -295,3 +295,25 @@ def test_a_new_kernel_shape_is_not_judged_against_another_shapes_history() -> No
     # Not "new failure ... no change of environment or suite" against K = 64's history: a family of its own.
     assert list(flags["kind"]) == ["failure (family not measured the night before)"]
     assert "K16V16" in flags["family"].iloc[0]
+
+
+def test_a_sentinel_flags_an_error_grown_within_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel whose error grew 1.4 times passes the budget rule; against three correct nights, the
+    sentinel's trend flags it after one night."""
+    from kda_cases.sentinels import SENTINEL_GROWTH, load_sentinels
+
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    sentinel = min((c for c in load_sentinels() if c.dtype == "fp32"), key=lambda c: c.total_tokens)
+    argv = ["run", "--plugin", "kda_behaviours", "--backend", "test_drifting_error", "--device", "cpu"]
+    argv += ["--case", sentinel.to_json(), "--out", str(tmp_path), "--no-dashboard"]
+    for scale in ("1", "1", "1", "1.4"):
+        monkeypatch.setenv("KDA_TEST_ERROR_SCALE", scale)
+        assert main(argv) == 0, "within budget every night"
+    store = load_store(tmp_path)
+    assert set(store.records["verdict"]) == {"pass"}
+    flags = find_regressions(store.records, store.runs)
+    grown = flags[flags["kind"] == "sentinel growth"]
+    assert len(grown) >= 1 and set(grown["case_id"]) == {sentinel.id}
+    assert (grown["tonight"] / grown["before"]).between(SENTINEL_GROWTH, 1.5).all()
+    assert main(["dashboard", "--store", str(tmp_path)]) == 0
+    assert "Sentinels: the same inputs every night" in (tmp_path / "dashboard.html").read_text()

@@ -27,7 +27,8 @@ def test_drawn_cases_respect_their_profile(name: str) -> None:
         seen.append(case)
         assert case.total_tokens <= profile.max_total_tokens
         assert case.max_len >= profile.min_length
-        assert case.num_v_heads <= profile.max_heads and case.head_k_dim in profile.head_dims
+        assert case.num_heads <= profile.max_heads and case.num_v_heads <= profile.value_heads_limit
+        assert case.head_k_dim in profile.head_dims
         assert case.dtype in profile.dtypes
         if profile.safe_gates_only:
             assert case.safe_gate and case.lower_bound is not None
@@ -37,6 +38,30 @@ def test_drawn_cases_respect_their_profile(name: str) -> None:
     check()
     lens = {n for case in seen for n in case.seq_lens}
     assert lens & set(BOUNDARY_LENGTHS), "no boundary length drawn"
+
+
+def test_the_ci_profile_reaches_every_listed_axis_value() -> None:
+    """The ci profile's cases (its corpus cases and the cases its checks draw) leave no value of
+    cases/coverage.py's CI_REQUIRED unreached: GVA with two query heads, fp32 and fp16 across chunk
+    boundaries with and without an initial state, every regime, packing with a zero-length member, ..."""
+    from kda_cases.corpus import load_corpus
+    from kda_cases.coverage import coverage, unreached
+    from kda_conformance.checks import CHECKS
+
+    ci = get_profile("ci")
+    drawn = draw_cases(ci, ci.max_examples * len(CHECKS))
+    pinned = [e.case for e in load_corpus() if ci.corpus_skip(e.case, interpreted=True) is None]
+    assert unreached(coverage([*drawn, *pinned])) == []
+
+
+def test_coverage_names_what_a_set_of_cases_leaves_unreached() -> None:
+    from kda_cases.case import Case
+    from kda_cases.coverage import coverage, unreached
+
+    table = coverage([Case(seq_lens=(37,), num_heads=2, num_v_heads=4)])
+    assert ("heads", "GVA, H >= 2") in set(zip(table["axis"], table["value"], strict=True))
+    missing = unreached(table)
+    assert "dtype: fp32" in missing and "heads: GVA, H >= 2" not in missing
 
 
 def test_axes_are_all_reached_in_the_nightly_profile() -> None:

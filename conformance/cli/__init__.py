@@ -10,7 +10,19 @@ from types import ModuleType
 
 from rich.console import Console
 
-from kda_conformance.cli import benchmark, calibrate, checks, corpus, dashboard, detection, diff, nightly, repro, run
+from kda_conformance.cli import (
+    benchmark,
+    calibrate,
+    checks,
+    corpus,
+    dashboard,
+    detection,
+    diff,
+    minimize,
+    nightly,
+    repro,
+    run,
+)
 
 COMMANDS: tuple[ModuleType, ...] = (
     run,
@@ -18,6 +30,7 @@ COMMANDS: tuple[ModuleType, ...] = (
     dashboard,
     corpus,
     repro,
+    minimize,
     detection,
     calibrate,
     checks,

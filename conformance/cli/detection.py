@@ -14,11 +14,12 @@ from pathlib import Path
 import pandas as pd
 from rich.console import Console
 
+from kda_cases.coverage import coverage_markdown
 from kda_cases.profiles import PROFILES
 from kda_conformance.checks import CHECKS
 from kda_kernels import registry
 from kda_reports.detection import detection_markdown, detection_problems, detection_table
-from kda_reports.runfile import DEFAULT_OUT
+from kda_reports.runfile import DEFAULT_OUT, read_run, record_coverage
 
 NAME = "detection"
 HELP = "run the properties and the corpus for some backends (say, planted bugs) and tabulate what caught each"
@@ -125,6 +126,11 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         names, args.plugin, args.out, args.profile, args.device, args.seed, echo=lambda line: print(line, flush=True)
     )
     markdown = detection_markdown(run.table, {n: b.description for n, b in backends.items()}, args.command_line)
+    runs = sorted((Path(args.out) / "runs").glob("*.parquet"), key=lambda p: p.stat().st_mtime)
+    if runs:  # the run just written: which axis values its cases reached
+        reached = coverage_markdown(record_coverage(read_run(runs[-1])))
+        markdown += "\n## Axis coverage of the run's cases\n\nDistinct cases per value (cases/coverage.py).\n\n"
+        markdown += reached + "\n"
     console.print(markdown, markup=False, highlight=False, soft_wrap=True)
     if args.table is not None:
         args.table.write_text(markdown)

@@ -22,6 +22,7 @@ from kda_cases.case import DTYPES, Case
 from kda_cases.devices import resolve_device
 from kda_cases.grids import FIRST_SWEEP_DTYPES, FIRST_SWEEP_LENGTHS, first_sweep_cases, long_cases
 from kda_cases.profiles import Profile, get_profile
+from kda_cases.sentinels import load_sentinels
 from kda_cases.strategies import kernel_pool_lines, with_kernel_pool
 from kda_kernels import registry
 from kda_reference.run import FORM_VARIABLE, FORMS
@@ -190,6 +191,10 @@ class RunConfig:
         if self.profile is None or not self.profile.long_dtypes:
             return []
         return long_cases(self.profile.long_dtypes, self.profile.long_tokens, self.seed)
+
+    def sentinel_cases(self) -> list[Case]:
+        """The sentinels (cases/sentinels.json) where the profile runs them."""
+        return load_sentinels() if self.profile is not None and self.profile.sentinels else []
 
     def kernel_pool_lines(self) -> list[str]:
         return [] if self.profile is None else kernel_pool_lines(self.profile)

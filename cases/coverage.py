@@ -1,0 +1,138 @@
+"""Axis coverage: which values of each axis a set of cases reached.
+
+Bugs hide in axis values a sweep never draws: grouped value heads with one query head (where a wrong head
+mapping changes nothing), fp32 cases inside one chunk (where a carried-state bug never shows), no case
+past 64K tokens. Every run tabulates its cases' values here (the run's summary; pytest's Hypothesis
+statistics through ``event``), and a test holds the ``ci`` profile to ``CI_REQUIRED``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import pandas as pd
+
+from kda_cases.case import Case
+
+CHUNK = 64  # the chunk of FLA's and AITER's default pipelines; FlashKDA's are 16 and 32, inside it
+
+
+def _band(case: Case) -> str:
+    longest = case.max_len
+    for top, name in ((16, "1-16"), (64, "17-64"), (2048, "65-2048"), (16384, "2049-16K"), (65536, "16K-64K")):
+        if longest <= top:
+            return name
+    return "64K+"
+
+
+def _boundary(case: Case) -> str:
+    """Where the longest sequence ends against the 64-token chunks: the classes chunk bugs differ on."""
+    longest = case.max_len
+    if longest <= CHUNK:
+        return "one chunk" if longest < CHUNK else "one full chunk"
+    if longest % CHUNK == 0:
+        return "ends on a chunk boundary"
+    if longest % CHUNK == 1:
+        return "one past a boundary"
+    return "crosses chunk boundaries"
+
+
+def _heads(case: Case) -> str:
+    if case.num_v_heads == case.num_heads:
+        return "H = HV = 1" if case.num_heads == 1 else "H = HV >= 2"
+    return "GVA, H = 1" if case.num_heads == 1 else "GVA, H >= 2"
+
+
+def _packing(case: Case) -> str:
+    if not case.packed:
+        return "one sequence" if case.num_seqs == 1 else "[B, T] batch"
+    if case.has_empty_sequence:
+        return "packed, a zero-length member"
+    return "packed, one sequence" if case.num_seqs == 1 else "packed"
+
+
+def _precision_edge(case: Case) -> str:
+    """fp32 and fp16 across chunk boundaries, with and without an initial state: where bugs of the
+    carried state show (in bf16 they drown in rounding)."""
+    if case.dtype == "bf16" or case.max_len <= CHUNK:
+        return "-"
+    return f"{case.dtype} across chunks, " + ("with h0" if case.has_initial_state else "no h0")
+
+
+AXES: dict[str, Callable[[Case], str]] = {
+    "length band": _band,
+    "chunk boundary": _boundary,
+    "heads": _heads,
+    "dtype": lambda c: c.dtype,
+    "fp32/fp16 across chunks": _precision_edge,
+    "gate": lambda c: c.gate,
+    "gate regime": lambda c: c.gate_regime,
+    "key regime": lambda c: c.key_regime,
+    "initial state": lambda c: c.initial_state,
+    "state layout": lambda c: c.state_layout,
+    "state dtype": lambda c: c.state_dtype,
+    "packing": _packing,
+    "checkpoints": lambda c: "some" if c.checkpoints else "none",
+}
+
+# What the ci profile (its corpus cases and its drawn ones) must reach: a test fails when one goes unreached.
+CI_REQUIRED: dict[str, tuple[str, ...]] = {
+    "length band": ("1-16", "17-64", "65-2048"),
+    "chunk boundary": (
+        "one chunk",
+        "one full chunk",
+        "ends on a chunk boundary",
+        "one past a boundary",
+        "crosses chunk boundaries",
+    ),
+    "heads": ("H = HV = 1", "H = HV >= 2", "GVA, H = 1", "GVA, H >= 2"),
+    "dtype": ("bf16", "fp16", "fp32"),
+    "fp32/fp16 across chunks": (
+        "fp32 across chunks, no h0",
+        "fp32 across chunks, with h0",
+        "fp16 across chunks, no h0",
+        "fp16 across chunks, with h0",
+    ),
+    "gate": ("lower_bound", "log"),
+    "gate regime": ("typical", "weak", "strong", "reset"),
+    "key regime": ("random", "correlated", "repeated"),
+    "initial state": ("none", "random", "large"),
+    "state layout": ("k_first", "v_first"),
+    "state dtype": ("fp32", "bf16"),
+    "packing": ("one sequence", "[B, T] batch", "packed", "packed, a zero-length member"),
+    "checkpoints": ("none", "some"),
+}
+
+
+def axis_values(case: Case) -> dict[str, str]:
+    """The value of every axis for one case."""
+    return {axis: value(case) for axis, value in AXES.items()}
+
+
+def coverage(cases: Iterable[Case]) -> pd.DataFrame:
+    """Distinct cases per axis and value (columns axis, value, cases), in AXES order."""
+    counts: dict[tuple[str, str], set[str]] = {}
+    for case in cases:
+        for axis, value in axis_values(case).items():
+            counts.setdefault((axis, value), set()).add(case.id)
+    rows = [{"axis": axis, "value": value, "cases": len(ids)} for (axis, value), ids in counts.items()]
+    order = {axis: i for i, axis in enumerate(AXES)}
+    table = pd.DataFrame(rows, columns=["axis", "value", "cases"])
+    return table.sort_values(["axis", "value"], key=lambda s: s.map(order) if s.name == "axis" else s).reset_index(
+        drop=True
+    )
+
+
+def unreached(table: pd.DataFrame, required: dict[str, tuple[str, ...]] = CI_REQUIRED) -> list[str]:
+    """The required ``axis: value`` pairs that ``table`` (from ``coverage``) does not hold."""
+    reached = {(row["axis"], row["value"]) for row in table.to_dict("records")}
+    return [f"{axis}: {value}" for axis, values in required.items() for value in values if (axis, value) not in reached]
+
+
+def coverage_markdown(table: pd.DataFrame) -> str:
+    """The coverage table as markdown, one row per axis: each value reached with its number of cases."""
+    lines = ["| axis | values reached (cases) |", "|---|---|"]
+    for axis, part in table.groupby("axis", sort=False):
+        reached = ", ".join(f"{v} ({n})" for v, n in zip(part["value"], part["cases"], strict=True))
+        lines.append(f"| {axis} | {reached} |")
+    return "\n".join(lines)

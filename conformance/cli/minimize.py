@@ -1,0 +1,125 @@
+"""``kda-conformance minimize``: a smaller case that fails the same check the same way, within a time budget
+(conformance/checks/minimize.py), with its repro line and, on request, a standalone test."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+
+from rich.console import Console
+
+from kda_cases.case import Case
+from kda_conformance.checks import CHECKS, get_check
+from kda_conformance.checks.minimize import minimize
+from kda_conformance.checks.standalone import write_standalone
+from kda_conformance.cli.common import add_device, config_from_args, parse_case, typed
+from kda_conformance.judging.repro import BUDGET_CHECK, repro_line
+from kda_kernels import registry
+from kda_reports.findings import FAILED
+from kda_reports.runfile import read_run
+
+NAME = "minimize"
+HELP = "search a smaller case that fails the same check the same way, and print its repro line"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--case", type=typed(parse_case), metavar="JSON_FILE_OR_ID", help="the failing case: JSON, a file or an id"
+    )
+    source.add_argument(
+        "--from-run",
+        type=Path,
+        metavar="RUN_FILE",
+        help="a run's records (.parquet or .partial.jsonl): its first failure (case, backend, check, parameters)",
+    )
+    parser.add_argument("--backend", metavar="NAME", help="the backend (with --case; --from-run names its own)")
+    parser.add_argument(
+        "--plugin", action="append", default=[], metavar="MODULE", help="module that registers backends (repeatable)"
+    )
+    add_device(parser)
+    parser.add_argument(
+        "--check", default=BUDGET_CHECK, choices=list(CHECKS), help=f"which check (default: {BUDGET_CHECK})"
+    )
+    for param in {p.name: p for check in CHECKS.values() for p in check.params}.values():
+        parser.add_argument(
+            f"--{param.name}", type=typed(param.parse), choices=param.choices, default=None, help=param.help
+        )
+    parser.add_argument(
+        "--budget-s", type=float, default=300.0, metavar="S", help="time the search may take (default: 300 s)"
+    )
+    parser.add_argument(
+        "--write-test", type=Path, default=None, metavar="FILE", help="also write the minimal case's standalone test"
+    )
+
+
+def _first_failure(path: Path) -> tuple[Case, str, str, dict[str, str]]:
+    """Case, backend, check and the check's parameters (read back from the repro line) of a run's first
+    failed record."""
+    records = read_run(path)
+    failed = records[records["verdict"].isin(FAILED)]
+    if failed.empty:
+        raise ValueError(f"{path.name} holds no failure")
+    row = failed.iloc[0]
+    words = shlex.split(str(row.get("repro") or ""))
+    names = {p.name for check in CHECKS.values() for p in check.params}
+    params = {w[2:]: words[i + 1] for i, w in enumerate(words[:-1]) if w.startswith("--") and w[2:] in names}
+    check = str(row.get("check") or BUDGET_CHECK)
+    return Case.from_json(row["case_json"]), str(row["backend"]), check, params
+
+
+def execute(args: argparse.Namespace, console: Console) -> int:
+    if args.from_run is not None:
+        try:
+            case, backend_name, check_name, given = _first_failure(args.from_run)
+        except (OSError, ValueError) as exc:
+            console.print(f"[red]error:[/] --from-run: {exc}", highlight=False)
+            return 2
+        check = get_check(check_name)
+        params = {p.name: p.parse(given[p.name]) if p.name in given else None for p in check.params}
+    else:
+        if not args.backend:
+            console.print("[red]error:[/] --case needs --backend NAME")
+            return 2
+        case, backend_name, check = args.case, args.backend, get_check(args.check)
+        params = {p.name: getattr(args, p.name) for p in check.params}
+    missing = [name for name, value in params.items() if value is None]
+    if missing:
+        console.print(f"[red]error:[/] check {check.name} needs " + ", ".join(f"--{name}" for name in missing))
+        return 2
+    args.backends = [backend_name]
+    config = config_from_args(args, console)
+    if config is None:
+        return 2
+    device, backend = config.device, registry.get(backend_name)
+    console.print(f"minimizing {case.id} ({case.label}) on {backend.name}, check {check.name}", highlight=False)
+    try:
+        result = minimize(
+            check,
+            check.prepare(case, backend),
+            backend,
+            device,
+            params,
+            args.budget_s,
+            progress=lambda line: console.print(f"  {line}", highlight=False),
+        )
+    except ValueError as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False)
+        return 2
+    small = result.case
+    how = "the time budget ran out" if result.stopped_by_budget else "no smaller case fails the same way"
+    console.print(
+        f"minimal case after {result.tried} tries in {result.seconds:.0f} s ({how}): {small.id} ({small.label}); "
+        f"{result.original.total_tokens} -> {small.total_tokens} tokens, {result.original.num_seqs} -> "
+        f"{small.num_seqs} sequences, heads {result.original.num_heads}/{result.original.num_v_heads} -> "
+        f"{small.num_heads}/{small.num_v_heads}, K x V {result.original.head_k_dim}x{result.original.head_v_dim} "
+        f"-> {small.head_k_dim}x{small.head_v_dim}; still {result.failure[1]} {result.failure[0]}".rstrip(),
+        highlight=False,
+    )
+    console.print(f"case: {small.to_json()}", highlight=False, markup=False)
+    console.print(f"repro: {repro_line(check.name, small, backend.name, device, params)}", highlight=False)
+    if args.write_test is not None:
+        test, data = write_standalone(small, backend, device, str(params.get("poison") or "nan"), args.write_test)
+        console.print(f"standalone test: {test} (data {data}); run it with: pytest {test}")
+    return 0
