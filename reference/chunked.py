@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from kda_cases.materialize import KDAOptions
-from kda_reference.prepared import Prepared, prepare
+from kda_reference.prepared import Raw, check_inputs
 from kda_reference.recurrent import ReferenceResult
 
 DEFAULT_CHUNK = 64
@@ -45,6 +45,9 @@ DEFAULT_CHUNK = 64
 FACTORED_SPAN = 1200.0
 # Elements of the [x, C, C, K] pairwise-decay temporaries built at once.
 _PAIRWISE_BLOCK = 1 << 25
+# The exact form's block of chunks: about this many elements per [chunks x heads, C, K] temporary (256 MiB
+# in float64; at 16 heads x 128^2, 256 chunks of 64 tokens), so its memory stays bounded at any length.
+EXACT_BLOCK_ELEMENTS = 1 << 25
 
 
 def kda_chunked(
@@ -57,18 +60,24 @@ def kda_chunked(
     *,
     chunk_size: int = DEFAULT_CHUNK,
     working_dtype: torch.dtype | None = None,
+    block_elements: int | None = None,
 ) -> ReferenceResult:
     """KDA with ``kda_recurrent``'s arguments and conventions, computed chunk by chunk.
 
     Returns float64 tensors when ``working_dtype`` is None, else float32 ones
-    (the caller casts outputs and states to the dtypes it stores).
+    (the caller casts outputs and states to the dtypes it stores). The exact form works through the
+    chunks a block at a time (about ``block_elements`` elements per ``[chunks x heads, C, K]`` temporary),
+    so its memory beyond the inputs and outputs does not grow with the tokens; the working-precision
+    baseline takes every chunk in one block (its arithmetic, which sets the budgets, unchanged).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
     if working_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"working_dtype must be None, bfloat16, float16 or float32, got {working_dtype}")
+    if block_elements is not None and block_elements < 1:
+        raise ValueError(f"block_elements must be a positive integer, got {block_elements}")
     compute = torch.float64 if working_dtype is None else torch.float32
-    p = prepare(q, k, v, g, beta, options or KDAOptions(), compute)
+    raw = check_inputs(q, k, v, g, beta, options or KDAOptions(), compute)
     if working_dtype is None or working_dtype == compute:
 
         def rounded(x: torch.Tensor) -> torch.Tensor:
@@ -78,23 +87,73 @@ def kda_chunked(
         def rounded(x: torch.Tensor) -> torch.Tensor:
             return x.to(working_dtype).to(compute)
 
-    return _chunked(p, chunk_size, rounded, exact=working_dtype is None)
+    exact = working_dtype is None
+    block = (block_elements or EXACT_BLOCK_ELEMENTS) if exact else None
+    return _chunked(raw, chunk_size, rounded, exact, block)
 
 
-def _chunked(p: Prepared, C: int, r: Callable[[torch.Tensor], torch.Tensor], exact: bool) -> ReferenceResult:
-    B, T, HV, K = p.q.shape
-    V = p.v.shape[-1]
-    device, dtype = p.q.device, p.q.dtype
-    plan = _ChunkPlan.build(p.bounds, T, C, B * T, device)
-    M, X = plan.chunks, plan.chunks * HV  # X: (chunk, head) pairs, the batch of every matmul below
+def _chunked(
+    raw: Raw, C: int, r: Callable[[torch.Tensor], torch.Tensor], exact: bool, block_elements: int | None
+) -> ReferenceResult:
+    B, T = raw.q.shape[:2]
+    HV, K, V = raw.v.shape[2], raw.q.shape[-1], raw.v.shape[-1]
+    device, dtype = raw.q.device, raw.dtype
+    plan = _ChunkPlan.build(raw.bounds, T, C, B * T, device)
+    M, steps = plan.chunks, len(plan.active)
+    ends = [*plan.offsets[1:], M]  # one past the last chunk of each step
+    per_chunk = HV * C * max(K, V)
+    most = M if block_elements is None else max(1, block_elements // per_chunk)
 
-    # One gather for all five inputs, [B*T, HV, D] -> [X, C, D]; padding reads an appended zero row
-    # (k = v = q = beta = 0, g = 0: padded tokens change nothing).
-    sizes = [K, K, V, K, 1]
-    flat = torch.cat([x.reshape(B * T, HV, -1) for x in (p.q, p.k, p.v, p.g, p.beta.unsqueeze(-1))], dim=-1)
-    flat = torch.cat([flat, flat.new_zeros(1, HV, flat.shape[-1])])
-    chunks = flat[plan.rows].transpose(1, 2).reshape(X, C, -1)
-    q, k, v, g, beta = chunks.split(sizes, dim=-1)
+    o = torch.zeros(B * T + 1, HV, V, dtype=dtype, device=device)  # the last row takes the padding
+    final = raw.h0.clone()  # sequences with no tokens keep their initial state
+    saved = torch.zeros(len(raw.checkpoints), HV, K, V, dtype=dtype, device=device)
+    # The states entering the next block's first step, of the sequences still going on there.
+    entering = raw.h0[plan.order[: plan.active[0]]].reshape(-1, K, V) if M else raw.h0.new_zeros(0, K, V)
+    first = 0
+    while first < steps:
+        last = first + 1  # one past the block's last step: whole steps, at most `most` chunks (at least one step)
+        while last < steps and ends[last] - plan.offsets[first] <= most:
+            last += 1
+        entering = _block(raw, plan, first, last, C, r, exact, entering, o, final, saved)
+        first = last
+
+    o = o[: B * T].reshape(B, T, HV, V)
+    if raw.state_v_first:
+        final, saved = final.transpose(-1, -2), saved.transpose(-1, -2)
+    return ReferenceResult(o=o, final_state=final.contiguous(), checkpoint_states=saved.contiguous())
+
+
+def _block(
+    raw: Raw,
+    plan: _ChunkPlan,
+    first: int,
+    last: int,
+    C: int,
+    r: Callable[[torch.Tensor], torch.Tensor],
+    exact: bool,
+    entering: torch.Tensor,
+    o: torch.Tensor,
+    final: torch.Tensor,
+    saved: torch.Tensor,
+) -> torch.Tensor:
+    """Steps ``first`` to ``last`` - 1 of ``plan``: their outputs into ``o``, the final states of the
+    sequences that end there into ``final``, their checkpoints into ``saved``; returns the states entering
+    step ``last``. ``entering``: the states entering step ``first``."""
+    HV, K, V = raw.v.shape[2], raw.q.shape[-1], raw.v.shape[-1]
+    device, dtype = raw.q.device, raw.dtype
+    c0 = plan.offsets[first]
+    c1 = plan.offsets[last] if last < len(plan.offsets) else plan.chunks
+    X = (c1 - c0) * HV  # (chunk, head) pairs, the batch of every matmul below
+
+    # The block's tokens, preprocessed, [chunks*C, HV, D] -> [X, C, D]; padding rows are zeros (k = v = q =
+    # beta = 0, g = 0: padded tokens change nothing).
+    rows = plan.rows[c0:c1]
+    # One tensor for all five, as the matmuls below always saw them (the baseline's bits depend on it).
+    whole = c0 == 0 and c1 == plan.chunks
+    flat = torch.cat([x.reshape(x.shape[0], HV, -1) for x in raw.rows(rows.reshape(-1), whole)], dim=-1)
+    chunks = flat.reshape(c1 - c0, C, HV, -1).transpose(1, 2).reshape(X, C, -1)
+    q, k, v, g, beta = chunks.split([K, K, V, K, 1], dim=-1)
+    del flat
     G = g.cumsum(dim=1)
     G_last = G[:, -1:, :]  # padding has g = 0, so this is the decay through the last real token
 
@@ -122,50 +181,50 @@ def _chunked(p: Prepared, C: int, r: Callable[[torch.Tensor], torch.Tensor], exa
     # chunks of step j are one contiguous block and every step is a few batched matmuls on views.
     S_in = torch.empty(X, K, V, dtype=dtype, device=device)
     U = torch.empty(X, C, V, dtype=dtype, device=device)
-    final = p.h0.clone()  # sequences with no tokens keep their initial state
-    if M:
-        S_in[: plan.active[0] * HV] = p.h0[plan.order[: plan.active[0]]].reshape(-1, K, V)
-    for j, (offset, active) in enumerate(zip(plan.offsets, plan.active, strict=True)):
-        rows = slice(offset * HV, (offset + active) * HV)
-        S = S_in[rows]
+    S_in[: plan.active[first] * HV] = entering
+    for j in range(first, last):
+        offset, active = plan.offsets[j] - c0, plan.active[j]
+        here = slice(offset * HV, (offset + active) * HV)
+        S = S_in[here]
         if exact:
-            torch.baddbmm(u[rows], w[rows], S, alpha=-1, out=U[rows])
+            torch.baddbmm(u[here], w[here], S, alpha=-1, out=U[here])
         else:
-            U[rows] = r(u[rows] - w[rows] @ r(S))
-        decayed = decay_end[rows] * S
+            U[here] = r(u[here] - w[here] @ r(S))
+        decayed = decay_end[here] * S
         going_on = plan.active[j + 1] if j + 1 < len(plan.active) else 0
-        if going_on == active:
-            nxt_rows = slice(plan.offsets[j + 1] * HV, (plan.offsets[j + 1] + active) * HV)
+        if going_on == active and j + 1 < last:
+            following = slice((plan.offsets[j + 1] - c0) * HV, (plan.offsets[j + 1] - c0 + active) * HV)
             if exact:
-                torch.baddbmm(decayed, k_to_end[rows], U[rows], out=S_in[nxt_rows])
+                torch.baddbmm(decayed, k_to_end[here], U[here], out=S_in[following])
             else:
-                S_in[nxt_rows] = decayed + k_to_end[rows] @ U[rows]
+                S_in[following] = decayed + k_to_end[here] @ U[here]
             continue
-        nxt = torch.baddbmm(decayed, k_to_end[rows], U[rows]) if exact else decayed + k_to_end[rows] @ U[rows]
-        if going_on:
-            S_in[plan.offsets[j + 1] * HV : (plan.offsets[j + 1] + going_on) * HV] = nxt[: going_on * HV]
+        nxt = torch.baddbmm(decayed, k_to_end[here], U[here]) if exact else decayed + k_to_end[here] @ U[here]
+        if going_on and j + 1 < last:
+            start = (plan.offsets[j + 1] - c0) * HV
+            S_in[start : start + going_on * HV] = nxt[: going_on * HV]
+        elif going_on:
+            entering = nxt[: going_on * HV].clone()
         final[plan.order[going_on:active]] = nxt[going_on * HV :].reshape(-1, HV, K, V)
 
     out = torch.baddbmm(A @ U, q_decayed, S_in) if exact else q_decayed @ r(S_in) + A @ U
-    saved = torch.zeros(len(p.checkpoints), HV, K, V, dtype=dtype, device=device)
-    for number, (seq, tokens) in enumerate(p.checkpoints):
+    for number, (seq, tokens) in enumerate(raw.checkpoints):
         if tokens == 0:
-            saved[number] = p.h0[seq]
+            saved[number] = raw.h0[seq]
             continue
         # The state after `tokens` tokens: the state entering their chunk, decayed to the last of them,
         # plus the partial sum over the chunk's tokens so far.
         step, t = (tokens - 1) // C, (tokens - 1) % C + 1
-        rows = slice((plan.offsets[step] + plan.rank[seq]) * HV, (plan.offsets[step] + plan.rank[seq] + 1) * HV)
-        G_at = G[rows, t - 1 : t, :]
-        to_at = r(k[rows, :t] * torch.exp(G_at - G[rows, :t]))
-        saved[number] = torch.exp(G_at).transpose(-1, -2) * S_in[rows] + to_at.transpose(-1, -2) @ U[rows, :t]
+        if not first <= step < last:
+            continue
+        at = (plan.offsets[step] - c0 + plan.rank[seq]) * HV
+        here = slice(at, at + HV)
+        G_at = G[here, t - 1 : t, :]
+        to_at = r(k[here, :t] * torch.exp(G_at - G[here, :t]))
+        saved[number] = torch.exp(G_at).transpose(-1, -2) * S_in[here] + to_at.transpose(-1, -2) @ U[here, :t]
 
-    o = torch.zeros(B * T + 1, HV, V, dtype=dtype, device=device)  # the last row takes the padding
-    o[plan.rows] = out.reshape(M, HV, C, V).transpose(1, 2)
-    o = o[: B * T].reshape(B, T, HV, V)
-    if p.state_v_first:
-        final, saved = final.transpose(-1, -2), saved.transpose(-1, -2)
-    return ReferenceResult(o=o, final_state=final.contiguous(), checkpoint_states=saved.contiguous())
+    o[rows] = out.reshape(c1 - c0, HV, C, V).transpose(1, 2)
+    return entering
 
 
 @dataclass(frozen=True)

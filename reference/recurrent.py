@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kda_cases.materialize import KDAOptions
-from kda_reference.prepared import Prepared, prepare
+from kda_reference.prepared import Prepared, check_inputs
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def kda_recurrent(
     ``options.checkpoints`` lists ``(sequence, tokens)`` pairs: the state of that sequence
     after its first ``tokens`` tokens (0 gives its initial state).
     """
-    return _token_loop(prepare(q, k, v, g, beta, options or KDAOptions(), torch.float64))
+    return _token_loop(check_inputs(q, k, v, g, beta, options or KDAOptions(), torch.float64).prepared())
 
 
 def _token_loop(p: Prepared) -> ReferenceResult:

@@ -29,11 +29,17 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) / max(scale, 1e-300) if a.numel() else 0.0
 
 
-def both(case: Case, chunk_size: int = 64, device: str = "cpu"):  # type: ignore[no-untyped-def]
+def both(case: Case, chunk_size: int = 64, device: str = "cpu", block_elements: int | None = None):  # type: ignore[no-untyped-def]
     inputs = materialize(case, device)
     loop = kda_recurrent(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.options)
-    chunked = kda_chunked(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.options, chunk_size=chunk_size)
+    x = inputs
+    chunked = kda_chunked(x.q, x.k, x.v, x.g, x.beta, x.options, chunk_size=chunk_size, block_elements=block_elements)
     return loop, chunked
+
+
+# Blocks of one step (a chunk of every sequence still going on) and of a few chunks: the exact form in
+# bounded memory carries the states across blocks.
+BLOCKS = [None, 1, 3 * 64 * 32 * 2]
 
 
 BASE = Case(seq_lens=(70,), num_heads=2, num_v_heads=2, head_k_dim=32, head_v_dim=16, dtype="fp32")
@@ -62,9 +68,10 @@ AXES = {
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_elements", BLOCKS)
 @pytest.mark.parametrize("name", list(AXES))
-def test_chunked_equals_token_loop(name: str, device: str) -> None:
-    loop, chunked = both(AXES[name], device=device)
+def test_chunked_equals_token_loop(name: str, device: str, block_elements: int | None) -> None:
+    loop, chunked = both(AXES[name], device=device, block_elements=block_elements)
     assert relative(chunked.o, loop.o) <= 1e-10
     assert relative(chunked.final_state, loop.final_state) <= 1e-10
     assert relative(chunked.checkpoint_states, loop.checkpoint_states) <= 1e-10
@@ -90,9 +97,10 @@ EVERY_AXIS = Profile("forms", 40, 400, 1, 4, 4, (16, 32), DTYPES, True, False)
     suppress_health_check=[HealthCheck.too_slow],
 )
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_elements", [None, 1])
 @given(case=cases(EVERY_AXIS))
-def test_chunked_equals_token_loop_on_drawn_cases(device: str, case: Case) -> None:
-    loop, chunked = both(case, device=device)
+def test_chunked_equals_token_loop_on_drawn_cases(device: str, block_elements: int | None, case: Case) -> None:
+    loop, chunked = both(case, device=device, block_elements=block_elements)
     assert relative(chunked.o, loop.o) <= 1e-10
     assert relative(chunked.final_state, loop.final_state) <= 1e-10
     assert relative(chunked.checkpoint_states, loop.checkpoint_states) <= 1e-10

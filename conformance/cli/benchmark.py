@@ -11,7 +11,9 @@ Every contender gets one untimed warm-up call (the loops at a short length:
 kernel caches, the allocator, Triton's compile and autotune) and the median of
 ``--repeats`` timed calls (one for the loops, whose calls take seconds); on a
 GPU every timing is synchronized. It prints seconds, each contender's time
-over the chunked form's, the peak memory of each call, and a roofline of the
+over the chunked form's, the time to draw the inputs, the chunked form's peak memory (on a GPU the
+allocator's peak during its calls; on the CPU the process's high-water mark after them, inputs
+included), and a roofline of the
 chunked form: its matmul flops against the device's measured float64 matmul
 rate, the bytes it allocates (each written at least once, read at least once)
 against the measured copy bandwidth.
@@ -23,6 +25,7 @@ against the measured copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -130,7 +133,8 @@ def run_benchmark(args: argparse.Namespace) -> list[str]:
         "",
     ]
     contenders = ["loop", "chunked", "fla_naive_fp32", *(b.name for b in backends)]
-    header = ["T", *(f"{c} s" for c in contenders), *(f"{c} / chunked" for c in contenders if c != "chunked")]
+    header = ["T", "inputs s", *(f"{c} s" for c in contenders)]
+    header += [f"{c} / chunked" for c in contenders if c != "chunked"]
     header += ["chunked peak GiB", "chunked GFLOP", "chunked GiB allocated", "roofline s", "chunked / roofline"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     print("\n".join(lines), flush=True)
@@ -141,7 +145,12 @@ def run_benchmark(args: argparse.Namespace) -> list[str]:
     if naive_short is not None:
         naive_short()
     for T in (int(t) for t in args.lengths.split(",")):
+        # Drawing the inputs (on the CPU, from the case's seed) is part of every case's cost.
+        synchronize(device)
+        start = time.perf_counter()
         x = materialize(benchmark_case(T, args.heads, args.head_dim), device)
+        synchronize(device)
+        inputs_seconds = time.perf_counter() - start
         calls: dict[str, Callable[[], object] | None] = dict(_forms(x))
         calls["fla_naive_fp32"] = _fla_naive(x)
         for backend in backends:
@@ -164,11 +173,13 @@ def run_benchmark(args: argparse.Namespace) -> list[str]:
             seconds[contender] = s
             if contender == "chunked":
                 chunked_peak, chunked_allocated = peak, allocated
+                if device.type == "cpu":  # the process's high-water mark: the lengths go up, the loop before
+                    chunked_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         flops = chunked_flops(T, args.heads, args.head_dim, args.head_dim)
         moved = 2 * chunked_allocated * 2**30  # every allocated byte written once and read at least once
         roofline = max(flops / rate, moved / bandwidth if moved == moved else 0.0)
         base = seconds["chunked"]
-        row = [str(T), *(f"{seconds[c]:.4g}" for c in contenders)]
+        row = [str(T), f"{inputs_seconds:.3g}", *(f"{seconds[c]:.4g}" for c in contenders)]
         row += [f"{seconds[c] / base:.3g}" for c in contenders if c != "chunked"]
         row += [f"{chunked_peak:.3g}", f"{flops / 1e9:.4g}", f"{chunked_allocated:.4g}", f"{roofline:.3g}"]
         row += [f"{base / roofline:.3g}"]
