@@ -16,8 +16,9 @@ every axis, on the CPU and on a GPU), and the fast one: A and L are two matmuls
 of ``Q exp(G - m)`` and ``K exp(G - m)`` with ``K exp(m - G)`` (``m`` the middle
 of the chunk's range of G, so neither factor leaves float64's exponent range),
 u and w one triangular solve, and the only sequential part, the state entering
-each chunk, a few batched matmuls per step. The outputs come from those states
-in one product after the loop.
+each chunk, one matmul per step (``_exact_states``). The outputs come from those
+states in one product after the loop. It works through the chunks a block at a
+time, so its memory beyond the inputs and outputs does not grow with the tokens.
 
 A ``working_dtype`` such as bfloat16 gives the same-precision baseline the
 tolerance policy measures kernels against: float32 arithmetic and state, with
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,9 +45,11 @@ DEFAULT_CHUNK = 64
 FACTORED_SPAN = 1200.0
 # Elements of the [x, C, C, K] pairwise-decay temporaries built at once.
 _PAIRWISE_BLOCK = 1 << 25
-# The exact form's block of chunks: about this many elements per [chunks x heads, C, K] temporary (256 MiB
-# in float64; at 16 heads x 128^2, 256 chunks of 64 tokens), so its memory stays bounded at any length.
-EXACT_BLOCK_ELEMENTS = 1 << 25
+# Rows of A and L per band of pairwise decays.
+_PAIRWISE_ROWS = 16
+# The exact form's block of chunks: about this many elements per [chunks x heads, C, K] temporary (128 MiB
+# in float64; at 16 heads x 128^2, 128 chunks of 64 tokens), so its memory stays bounded at any length.
+EXACT_BLOCK_ELEMENTS = 1 << 24
 
 
 def kda_chunked(
@@ -78,23 +80,13 @@ def kda_chunked(
         raise ValueError(f"block_elements must be a positive integer, got {block_elements}")
     compute = torch.float64 if working_dtype is None else torch.float32
     raw = check_inputs(q, k, v, g, beta, options or KDAOptions(), compute)
-    if working_dtype is None or working_dtype == compute:
-
-        def rounded(x: torch.Tensor) -> torch.Tensor:
-            return x
-    else:
-
-        def rounded(x: torch.Tensor) -> torch.Tensor:
-            return x.to(working_dtype).to(compute)
-
+    rounded = Rounding(working_dtype or compute, compute)
     exact = working_dtype is None
     block = (block_elements or EXACT_BLOCK_ELEMENTS) if exact else None
     return _chunked(raw, chunk_size, rounded, exact, block)
 
 
-def _chunked(
-    raw: Raw, C: int, r: Callable[[torch.Tensor], torch.Tensor], exact: bool, block_elements: int | None
-) -> ReferenceResult:
+def _chunked(raw: Raw, C: int, r: Rounding, exact: bool, block_elements: int | None) -> ReferenceResult:
     B, T = raw.q.shape[:2]
     HV, K, V = raw.v.shape[2], raw.q.shape[-1], raw.v.shape[-1]
     device, dtype = raw.q.device, raw.dtype
@@ -129,7 +121,7 @@ def _block(
     first: int,
     last: int,
     C: int,
-    r: Callable[[torch.Tensor], torch.Tensor],
+    r: Rounding,
     exact: bool,
     entering: torch.Tensor,
     o: torch.Tensor,
@@ -178,36 +170,15 @@ def _block(
     decay_end = torch.exp(G_last).transpose(1, 2)  # [X, K, 1]
 
     # The only sequential part: the state entering each chunk. Chunks are stored step-major, so the
-    # chunks of step j are one contiguous block and every step is a few batched matmuls on views.
+    # chunks of step j are one contiguous block and every step works on views.
     S_in = torch.empty(X, K, V, dtype=dtype, device=device)
-    U = torch.empty(X, C, V, dtype=dtype, device=device)
     S_in[: plan.active[first] * HV] = entering
-    for j in range(first, last):
-        offset, active = plan.offsets[j] - c0, plan.active[j]
-        here = slice(offset * HV, (offset + active) * HV)
-        S = S_in[here]
-        if exact:
-            torch.baddbmm(u[here], w[here], S, alpha=-1, out=U[here])
-        else:
-            U[here] = r(u[here] - w[here] @ r(S))
-        decayed = decay_end[here] * S
-        going_on = plan.active[j + 1] if j + 1 < len(plan.active) else 0
-        if going_on == active and j + 1 < last:
-            following = slice((plan.offsets[j + 1] - c0) * HV, (plan.offsets[j + 1] - c0 + active) * HV)
-            if exact:
-                torch.baddbmm(decayed, k_to_end[here], U[here], out=S_in[following])
-            else:
-                S_in[following] = decayed + k_to_end[here] @ U[here]
-            continue
-        nxt = torch.baddbmm(decayed, k_to_end[here], U[here]) if exact else decayed + k_to_end[here] @ U[here]
-        if going_on and j + 1 < last:
-            start = (plan.offsets[j + 1] - c0) * HV
-            S_in[start : start + going_on * HV] = nxt[: going_on * HV]
-        elif going_on:
-            entering = nxt[: going_on * HV].clone()
-        final[plan.order[going_on:active]] = nxt[going_on * HV :].reshape(-1, HV, K, V)
-
-    out = torch.baddbmm(A @ U, q_decayed, S_in) if exact else q_decayed @ r(S_in) + A @ U
+    if exact:
+        U, entering = _exact_states(plan, first, last, c0, HV, u, w, k_to_end, decay_end, S_in, final, entering)
+        out = torch.baddbmm(A @ U, q_decayed, S_in)
+    else:
+        U, entering = _rounded_states(plan, first, last, c0, HV, r, u, w, k_to_end, decay_end, S_in, final, entering)
+        out = q_decayed @ r(S_in) + A @ U
     for number, (seq, tokens) in enumerate(raw.checkpoints):
         if tokens == 0:
             saved[number] = raw.h0[seq]
@@ -225,6 +196,94 @@ def _block(
 
     o[rows] = out.reshape(c1 - c0, HV, C, V).transpose(1, 2)
     return entering
+
+
+def _exact_states(
+    plan: _ChunkPlan,
+    first: int,
+    last: int,
+    c0: int,
+    HV: int,
+    u: torch.Tensor,
+    w: torch.Tensor,
+    k_to_end: torch.Tensor,
+    decay_end: torch.Tensor,
+    S_in: torch.Tensor,
+    final: torch.Tensor,
+    entering: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The states entering steps ``first`` to ``last`` - 1 into ``S_in`` (its first step's already there),
+    in float64; returns ``U = u - w S_in`` and the states entering step ``last``.
+
+    Per chunk the state map is affine, ``S' = M S + b`` with ``M = diag(exp(G_C)) - K_end^T w`` and
+    ``b = K_end^T u``, so M and b are batched products for the whole block and each step is one
+    in-place matmul into the slots of the next step, which hold b beforehand: one launch per step,
+    where launches, not the GPU, bound the loop."""
+    K, V = S_in.shape[-2:]
+    M = torch.bmm(k_to_end, w).neg_()
+    M.diagonal(dim1=-2, dim2=-1).add_(decay_end.squeeze(-1))
+    b = torch.bmm(k_to_end, u)
+    # Each slot past the first step holds b of the same sequence's chunk one step before.
+    source = [plan.offsets[j - 1] - c0 + rank for j in range(first + 1, last) for rank in range(plan.active[j])]
+    if source:
+        chunks = torch.tensor(source, dtype=torch.long, device=S_in.device)
+        heads = (chunks[:, None] * HV + torch.arange(HV, device=S_in.device)).reshape(-1)
+        S_in[plan.active[first] * HV :] = b[heads]
+    for j in range(first, last):
+        offset, active = plan.offsets[j] - c0, plan.active[j]
+        going_on = plan.active[j + 1] if j + 1 < len(plan.active) else 0
+        here, going = offset * HV, going_on * HV
+        if going_on and j + 1 < last:
+            following = (plan.offsets[j + 1] - c0) * HV
+            S_in[following : following + going].baddbmm_(M[here : here + going], S_in[here : here + going])
+        elif going_on:
+            entering = torch.baddbmm(b[here : here + going], M[here : here + going], S_in[here : here + going])
+        if going_on < active:
+            ending = slice(here + going, (offset + active) * HV)
+            done = torch.baddbmm(b[ending], M[ending], S_in[ending])
+            final[plan.order[going_on:active]] = done.reshape(-1, HV, K, V)
+    return torch.baddbmm(u, w, S_in, alpha=-1), entering
+
+
+def _rounded_states(
+    plan: _ChunkPlan,
+    first: int,
+    last: int,
+    c0: int,
+    HV: int,
+    r: Rounding,
+    u: torch.Tensor,
+    w: torch.Tensor,
+    k_to_end: torch.Tensor,
+    decay_end: torch.Tensor,
+    S_in: torch.Tensor,
+    final: torch.Tensor,
+    entering: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_exact_states`` at working precision, rounding where the kernels store: the corrected values U
+    of each chunk and the state they multiply, then the next state from them (the order of operations
+    the budgets were set with, kept bit for bit)."""
+    K, V = S_in.shape[-2:]
+    U = torch.empty(u.shape[0], u.shape[1], V, dtype=u.dtype, device=u.device)
+    for j in range(first, last):
+        offset, active = plan.offsets[j] - c0, plan.active[j]
+        here = slice(offset * HV, (offset + active) * HV)
+        S = S_in[here]
+        U[here] = r(u[here] - w[here] @ r(S))
+        decayed = decay_end[here] * S
+        going_on = plan.active[j + 1] if j + 1 < len(plan.active) else 0
+        if going_on == active and j + 1 < last:
+            following = slice((plan.offsets[j + 1] - c0) * HV, (plan.offsets[j + 1] - c0 + active) * HV)
+            S_in[following] = decayed + k_to_end[here] @ U[here]
+            continue
+        nxt = decayed + k_to_end[here] @ U[here]
+        if going_on and j + 1 < last:
+            start = (plan.offsets[j + 1] - c0) * HV
+            S_in[start : start + going_on * HV] = nxt[: going_on * HV]
+        elif going_on:
+            entering = nxt[: going_on * HV].clone()
+        final[plan.order[going_on:active]] = nxt[going_on * HV :].reshape(-1, HV, K, V)
+    return U, entering
 
 
 @dataclass(frozen=True)
@@ -276,24 +335,51 @@ def _intra_exact(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[tor
     L = (k * ahead) @ k_behind
     too_wide = ((top - bottom) > FACTORED_SPAN).any(dim=-1).squeeze(1).nonzero().squeeze(1)
     if too_wide.numel():
-        A[too_wide], L[too_wide] = _pairwise(q[too_wide], k[too_wide], G[too_wide], lambda x: x)
+        A[too_wide], L[too_wide] = _pairwise(q[too_wide], k[too_wide], G[too_wide], Rounding(q.dtype, q.dtype))
     return A, L
 
 
-def _pairwise(
-    q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, r: Callable[[torch.Tensor], torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A and L from the pairwise decays exp(G_t - G_s) themselves (s <= t), built a block at a time."""
+def _pairwise(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, r: Rounding) -> tuple[torch.Tensor, torch.Tensor]:
+    """A and L from the pairwise decays exp(G_t - G_s) themselves (s <= t), built a block at a time.
+
+    Rows go in bands of ``_PAIRWISE_ROWS``, each only as wide as its last row's ``s <= t`` (the pairs
+    above the diagonal are cleared by the caller's ``tril``): every pair that counts is the same
+    elementwise product and the same sum over K as over the whole square, in about 60 % of the work."""
     X, C, K = q.shape
-    A = torch.empty(X, C, C, dtype=q.dtype, device=q.device)
-    L = torch.empty_like(A)
-    step = max(1, _PAIRWISE_BLOCK // max(1, C * C * K))
+    A = torch.zeros(X, C, C, dtype=q.dtype, device=q.device)
+    L = torch.zeros_like(A)
     inclusive = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    for lo in range(0, X, step):
-        hi = min(X, lo + step)
-        exponent = G[lo:hi, :, None, :] - G[lo:hi, None, :, :]  # [x, t, s, K]
-        D = torch.exp(exponent.masked_fill(~inclusive[:, :, None], -math.inf))
-        A[lo:hi] = (r(q[lo:hi, :, None, :] * D) * k[lo:hi, None, :, :]).sum(-1)
-        L[lo:hi] = (r(k[lo:hi, :, None, :] * D) * k[lo:hi, None, :, :]).sum(-1)
-        del exponent, D
+    for t0 in range(0, C, _PAIRWISE_ROWS):
+        t1 = min(C, t0 + _PAIRWISE_ROWS)
+        above = ~inclusive[t0:t1, :t1, None]
+        step = max(1, _PAIRWISE_BLOCK // ((t1 - t0) * t1 * K))
+        for lo in range(0, X, step):
+            hi = min(X, lo + step)
+            exponent = G[lo:hi, t0:t1, None, :] - G[lo:hi, None, :t1, :]  # [x, t, s, K]
+            D = torch.exp(exponent.masked_fill_(above, -math.inf))
+            keys = k[lo:hi, None, :t1, :]
+            A[lo:hi, t0:t1, :t1] = (r.product(q[lo:hi, t0:t1, None, :], D) * keys).sum(-1)
+            L[lo:hi, t0:t1, :t1] = (r.product(k[lo:hi, t0:t1, None, :], D) * keys).sum(-1)
+            del exponent, D
     return A, L
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """Where the baseline rounds: to ``store`` (the dtype a kernel keeps an intermediate in) and back to
+    ``compute``; nothing when the two are equal (the exact form, a float32 baseline)."""
+
+    store: torch.dtype
+    compute: torch.dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.store == self.compute else x.to(self.store).to(self.compute)
+
+    def product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``self(a * b)`` in one pass: multiplied in ``compute`` and written rounded to ``store`` (same
+        bits: both round the compute dtype's product to nearest even), read back as ``compute`` by the
+        next product's type promotion."""
+        if self.store == self.compute:
+            return a * b
+        shape = torch.broadcast_shapes(a.shape, b.shape)
+        return torch.mul(a, b, out=torch.empty(shape, dtype=self.store, device=a.device))

@@ -11,9 +11,9 @@ Every contender gets one untimed warm-up call (the loops at a short length:
 kernel caches, the allocator, Triton's compile and autotune) and the median of
 ``--repeats`` timed calls (one for the loops, whose calls take seconds); on a
 GPU every timing is synchronized. It prints seconds, each contender's time
-over the chunked form's, the time to draw the inputs, the chunked form's peak memory (on a GPU the
-allocator's peak during its calls; on the CPU the process's high-water mark after them, inputs
-included), and a roofline of the
+over the chunked form's, the time to draw the inputs, peak memory (on a GPU the allocator's peak
+during each contender's calls, inputs and outputs included; on the CPU only the chunked form's: the
+process's high-water mark after its calls), and a roofline of the
 chunked form: its matmul flops against the device's measured float64 matmul
 rate, the bytes it allocates (each written at least once, read at least once)
 against the measured copy bandwidth.
@@ -135,7 +135,8 @@ def run_benchmark(args: argparse.Namespace) -> list[str]:
     contenders = ["loop", "chunked", "fla_naive_fp32", *(b.name for b in backends)]
     header = ["T", "inputs s", *(f"{c} s" for c in contenders)]
     header += [f"{c} / chunked" for c in contenders if c != "chunked"]
-    header += ["chunked peak GiB", "chunked GFLOP", "chunked GiB allocated", "roofline s", "chunked / roofline"]
+    header += [f"{c} peak GiB" for c in contenders]
+    header += ["chunked GFLOP", "chunked GiB allocated", "roofline s", "chunked / roofline"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     print("\n".join(lines), flush=True)
     # Warm the loops' kernels at a short length, so their long timings hold no first-call cost.
@@ -158,7 +159,8 @@ def run_benchmark(args: argparse.Namespace) -> list[str]:
             supported = backend.supports(x.case) if available else available
             calls[backend.name] = (lambda b=backend, x=x: b.run(x)) if supported else None
         seconds: dict[str, float] = {}
-        chunked_peak = chunked_allocated = float("nan")
+        peaks = dict.fromkeys(calls, float("nan"))
+        chunked_allocated = float("nan")
         for contender, call in calls.items():
             if call is None:
                 seconds[contender] = float("nan")
@@ -170,18 +172,19 @@ def run_benchmark(args: argparse.Namespace) -> list[str]:
             if not loop_like:
                 call()  # warm-up: compile, autotune, allocator
             s, peak, allocated = _timed(call, device, 1 if loop_like else args.repeats)
-            seconds[contender] = s
+            seconds[contender], peaks[contender] = s, peak
             if contender == "chunked":
-                chunked_peak, chunked_allocated = peak, allocated
+                chunked_allocated = allocated
                 if device.type == "cpu":  # the process's high-water mark: the lengths go up, the loop before
-                    chunked_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+                    peaks[contender] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         flops = chunked_flops(T, args.heads, args.head_dim, args.head_dim)
         moved = 2 * chunked_allocated * 2**30  # every allocated byte written once and read at least once
         roofline = max(flops / rate, moved / bandwidth if moved == moved else 0.0)
         base = seconds["chunked"]
         row = [str(T), f"{inputs_seconds:.3g}", *(f"{seconds[c]:.4g}" for c in contenders)]
         row += [f"{seconds[c] / base:.3g}" for c in contenders if c != "chunked"]
-        row += [f"{chunked_peak:.3g}", f"{flops / 1e9:.4g}", f"{chunked_allocated:.4g}", f"{roofline:.3g}"]
+        row += [f"{peaks[c]:.3g}" for c in contenders]
+        row += [f"{flops / 1e9:.4g}", f"{chunked_allocated:.4g}", f"{roofline:.3g}"]
         row += [f"{base / roofline:.3g}"]
         lines.append("| " + " | ".join(row) + " |")
         print(lines[-1], flush=True)

@@ -31,12 +31,12 @@ SHARES = 16
 # Of a GPU's memory, what the shares divide: the rest is the workers' CUDA contexts and truth caches.
 USABLE = 0.85
 # Expected peak GiB of a case: a floor (contexts, compile, small tensors) and bytes per unit of work
-# (tokens x value heads x K x V). Measured on the H200 before the float64 truth went blockwise: 47 GiB at
-# 128K x 16 x 128^2 = 2^35, 1.4 bytes per unit (docs/reference-speed.md). The truth now holds less (5.25
-# GiB at 2^33 on the CPU, inputs included), but the baseline still takes every chunk at once in float32;
-# until the H200 measures both again, the estimate stays where it was measured.
+# (tokens x value heads x K x V). Measured on the H200 at 128K x 16 x 128^2 = 2^35 (docs/reference-speed.md):
+# the working-precision baseline peaks at 19.1 GiB with the inputs, the float64 truth (blockwise) at 6.2 GiB,
+# FLA's chunk kernel at 7.0 GiB; a case holds the truth's outputs (2 GiB) while the baseline runs, about
+# 21 GiB in all, 0.62 bytes per unit.
 FLOOR_GIB = 1.0
-BYTES_PER_WORK = 1.6
+BYTES_PER_WORK = 0.7
 POLL_S = 0.05
 
 
