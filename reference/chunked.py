@@ -173,11 +173,12 @@ def _block(
     # chunks of step j are one contiguous block and every step works on views.
     S_in = torch.empty(X, K, V, dtype=dtype, device=device)
     S_in[: plan.active[first] * HV] = entering
+    steps = _Steps(plan, first, last, c0, HV, S_in, final, entering)
     if exact:
-        U, entering = _exact_states(plan, first, last, c0, HV, u, w, k_to_end, decay_end, S_in, final, entering)
+        U, entering = _exact_states(steps, u, w, k_to_end, decay_end)
         out = torch.baddbmm(A @ U, q_decayed, S_in)
     else:
-        U, entering = _rounded_states(plan, first, last, c0, HV, r, u, w, k_to_end, decay_end, S_in, final, entering)
+        U, entering = _rounded_states(steps, r, u, w, k_to_end, decay_end)
         out = q_decayed @ r(S_in) + A @ U
     for number, (seq, tokens) in enumerate(raw.checkpoints):
         if tokens == 0:
@@ -198,19 +199,27 @@ def _block(
     return entering
 
 
+@dataclass(frozen=True)
+class _Steps:
+    """Steps ``first`` to ``last`` - 1 of ``plan``, whose chunks start at chunk ``c0``: the states entering
+    them go into ``S_in`` (the first step's already there, ``entering``), the final states of the
+    sequences that end among them into ``final``."""
+
+    plan: _ChunkPlan
+    first: int
+    last: int
+    c0: int
+    heads: int
+    S_in: torch.Tensor
+    final: torch.Tensor
+    entering: torch.Tensor
+
+    def fields(self) -> tuple:
+        return (self.plan, self.first, self.last, self.c0, self.heads, self.S_in, self.final, self.entering)
+
+
 def _exact_states(
-    plan: _ChunkPlan,
-    first: int,
-    last: int,
-    c0: int,
-    HV: int,
-    u: torch.Tensor,
-    w: torch.Tensor,
-    k_to_end: torch.Tensor,
-    decay_end: torch.Tensor,
-    S_in: torch.Tensor,
-    final: torch.Tensor,
-    entering: torch.Tensor,
+    steps: _Steps, u: torch.Tensor, w: torch.Tensor, k_to_end: torch.Tensor, decay_end: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The states entering steps ``first`` to ``last`` - 1 into ``S_in`` (its first step's already there),
     in float64; returns ``U = u - w S_in`` and the states entering step ``last``.
@@ -219,6 +228,7 @@ def _exact_states(
     ``b = K_end^T u``, so M and b are batched products for the whole block and each step is one
     in-place matmul into the slots of the next step, which hold b beforehand: one launch per step,
     where launches, not the GPU, bound the loop."""
+    plan, first, last, c0, HV, S_in, final, entering = steps.fields()
     K, V = S_in.shape[-2:]
     M = torch.bmm(k_to_end, w).neg_()
     M.diagonal(dim1=-2, dim2=-1).add_(decay_end.squeeze(-1))
@@ -246,23 +256,17 @@ def _exact_states(
 
 
 def _rounded_states(
-    plan: _ChunkPlan,
-    first: int,
-    last: int,
-    c0: int,
-    HV: int,
+    steps: _Steps,
     r: Rounding,
     u: torch.Tensor,
     w: torch.Tensor,
     k_to_end: torch.Tensor,
     decay_end: torch.Tensor,
-    S_in: torch.Tensor,
-    final: torch.Tensor,
-    entering: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``_exact_states`` at working precision, rounding where the kernels store: the corrected values U
     of each chunk and the state they multiply, then the next state from them (the order of operations
     the budgets were set with, kept bit for bit)."""
+    plan, first, last, c0, HV, S_in, final, entering = steps.fields()
     K, V = S_in.shape[-2:]
     U = torch.empty(u.shape[0], u.shape[1], V, dtype=u.dtype, device=u.device)
     for j in range(first, last):

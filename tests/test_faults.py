@@ -189,6 +189,36 @@ def test_out_of_memory_is_retried_alone_and_then_a_resource_outcome(tmp_path: Pa
     assert error.verdict == "error" and "--check prefix" in error.repro and "--at 5" in error.repro
 
 
+def test_a_sticky_error_raised_when_the_case_gives_its_memory_back_is_still_that_cases(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU a dead context shows again when the case gives its allocator's cache back (seen on the
+    H200: that error escaped the guard, the worker went on, and 368 later tests failed with it)."""
+    from kda_conformance.running import session
+
+    run = Run(build_config(device="cpu", backends=["torch_chunk"], out=tmp_path))
+    case, backend = Case(seq_lens=(37,)), registry.get("torch_chunk")
+
+    def release_on_a_dead_context(device: torch.device) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(session, "release_cached_memory", release_on_a_dead_context)
+    # The kernel's fault surfaced only at the release: charged to this case and backend, and the worker ends.
+    with pytest.raises(DeviceLost) as lost:
+        run.checked("budget", case, backend, {}, lambda truth: run_backend(truth, backend))
+    [error] = lost.value.findings
+    assert error.verdict == "error" and error.backend == "torch_chunk" and is_sticky(error.reason)
+
+    # The kernel raised it itself: the error keeps the kernel's own place, not the release's.
+    def kernel_fault(truth):  # type: ignore[no-untyped-def]
+        raise RuntimeError("CUDA error: misaligned address")
+
+    with pytest.raises(DeviceLost) as lost:
+        run.checked("budget", case, backend, {}, kernel_fault)
+    [error] = lost.value.findings
+    assert "misaligned address" in error.reason and "release_on_a_dead_context" not in error.reason
+
+
 def test_one_invocation_over_workers_is_one_run_and_a_new_failure_in_it_is_flagged(tmp_path: Path) -> None:
     args = ["conformance/test_first_sweep.py", "-n", "2", "--kda-plugin", "kda_planted_crashes"]
     args += ["--kda-backend", "planted_fails_when_told", "--kda-lengths", "37,40", "--kda-out", str(tmp_path)]

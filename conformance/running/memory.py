@@ -106,19 +106,17 @@ def _free_shares(folder: Path, wanted: int, taken: set[str]) -> list[IO[str]]:
 @contextlib.contextmanager
 def device_slot(device: torch.device, case: Case, alone: bool = False) -> Iterator[None]:
     """Hold ``device`` for ``case``: the shares of its memory the case is expected to need, or all of them
-    when ``alone`` (a retry after an out-of-memory); then give the allocator's cached blocks back, so that
-    what this worker holds between cases is not memory the other workers' shares count on. A CPU needs no
-    slot."""
+    when ``alone`` (a retry after an out-of-memory). The holder gives the allocator's cached blocks back
+    before it leaves (``release_cached_memory``, inside its fault guard: on a context a kernel killed, the
+    release raises the kernel's error), so that what this worker holds between cases is not memory the
+    other workers' shares count on. A CPU needs no slot."""
     if device.type != "cuda":
         yield
         return
     device_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
     count = SHARES if alone else shares_for(case, device_gib)
     with memory_shares(_lock_folder(device), count):
-        try:
-            yield
-        finally:
-            release_cached_memory(device)
+        yield
 
 
 def release_cached_memory(device: torch.device) -> None:

@@ -93,12 +93,15 @@ class Run:
             with device_slot(device, case, alone):
                 try:
                     findings = run(self.truth(case))
+                    # Inside the guard: a dead context shows here too, and is this case's.
+                    release_cached_memory(device)
                 except InvalidTruth as exc:  # the case's fault, not the backend's: recorded under the suite
                     reason = f"invalid case (not {backend.name}'s error): {exc}"
                     findings = [dataclasses.replace(judge.outcome("error", reason), backend=SUITE_BACKEND)]
                 except Exception as exc:
                     if is_out_of_memory(exc):
                         findings = [judge.outcome("resource", memory_report(exc, device))]
+                        release_cached_memory(device)
                     elif is_sticky(exc):
                         findings = [judge.outcome("error", raised_at(exc))]
                     else:
