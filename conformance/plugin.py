@@ -441,7 +441,7 @@ def _selection_lines(config: pytest.Config) -> list[str]:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Write the run's files. Each pytest-xdist worker writes its part of the run and hands its stage
-    totals and example log to the controller, which merges the parts into the run's files; a single
+    totals (in its part) and example log to the controller, which merges the parts into the run's files; a single
     process writes them itself. One invocation is one run either way."""
     config = session.config
     run = config.stash[RUN]
@@ -449,8 +449,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.USAGE_ERROR
     complete = exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.NO_TESTS_COLLECTED)
     if hasattr(config, "workeroutput"):
-        run.finish(complete, examples=False)
-        config.workeroutput["kda_stages"] = json.dumps(CLOCK.drain())
+        run.finish(complete, examples=False)  # its part's timing.json carries its stage totals
         config.workeroutput["kda_examples"] = json.dumps(run.examples.entries)
     elif config.pluginmanager.getplugin("dsession") is not None:
         config.stash[WRITTEN] = run.merge_workers(complete)
@@ -460,10 +459,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:  # type: ignore[no-untyped-def]
-    """pytest-xdist, in the controller: a worker's stage totals and example log join the run's."""
+    """pytest-xdist, in the controller: a worker's example log joins the run's (its stage totals come
+    with its part of the run, which an interrupted night still writes)."""
     output = getattr(node, "workeroutput", {})
-    if "kda_stages" in output:
-        CLOCK.absorb(json.loads(output["kda_stages"]))
     if "kda_examples" in output:
         node.config.stash[RUN].examples.entries.update(json.loads(output["kda_examples"]))
 

@@ -3,8 +3,10 @@ out of memory; one invocation is one run, over pytest-xdist workers and over hos
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -291,6 +293,32 @@ def test_a_hung_case_in_a_worker_costs_that_case_only(tmp_path: Path) -> None:
     assert set(hung["verdict"]) == {"error"} and hung["case_id"].nunique() == 2
     assert hung["reason"].str.startswith("no result within 5 s (hung or too slow)").all()
     assert set(records[records["backend"] == "torch_chunk"]["verdict"]) == {"pass"}
+
+
+def test_an_interrupted_night_keeps_its_workers_stage_times(tmp_path: Path) -> None:
+    """Ctrl-C (or a CI job's time limit) on pytest -n: the merged run still says where the workers' time
+    went (on the H200 an interrupted night's timing.json held zeros)."""
+    # One worker: torch_chunk's case, then the planted hang on the same case (tests go case by case, in the
+    # order the backends are given), which holds the worker until the interrupt.
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "--kda-device", "cpu", "-n", "1"]
+    command += ["conformance/test_corpus.py", "-k", "kda-4b573c63b5b6", "--kda-plugin", "kda_planted_crashes"]
+    command += ["--kda-backend", "torch_chunk", "--kda-backend", "planted_hang", "--kda-run-id", "cut-short"]
+    command += ["--kda-out", str(tmp_path)]
+    process = subprocess.Popen(
+        command, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not any("torch_chunk" in p.read_text() for p in (tmp_path / "runs").glob("*gw*.partial.jsonl")):
+            assert process.poll() is None and time.monotonic() < deadline, "no worker recorded a case"
+            time.sleep(0.5)
+        os.killpg(process.pid, signal.SIGINT)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    timing = json.loads((tmp_path / "runs" / "cut-short.timing.json").read_text())
+    assert timing["calls"]["backend"] > 0 and timing["seconds"]["reference"] > 0, output[-2000:]
 
 
 @pytest.mark.cuda

@@ -157,6 +157,13 @@ class Run:
             runs.mkdir(parents=True, exist_ok=True)
             atomic_write(written["checks"], lambda p: p.write_text(text))
         workers = run_stem(config.run_id, f"{config.part}-gw" if config.part else "gw")
+        # The workers' stage totals, from their parts' files: xdist's channel loses them when a night is
+        # interrupted (the controller finishes before the workers' last words reach it).
+        for part_timing in sorted(runs.glob(f"{workers}*.timing.json")):
+            try:
+                CLOCK.absorb(json.loads(part_timing.read_text()))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                print(f"kda-conformance: {part_timing.name} unreadable, its stage times left out: {exc}")
         if any(runs.glob(f"{workers}*")):
             env = {**config.environment(), "run_id": config.run_id, "complete": complete}
             self.frame, paths = merge_parts(config.out, stem, workers, env, CLOCK.snapshot())

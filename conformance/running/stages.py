@@ -62,19 +62,21 @@ class StageClock:
         self.forms[form] = self.forms.get(form, 0.0) + seconds
 
     def drain(self) -> dict:
-        """Totals since the last drain, then zero (a worker process sends them with each result)."""
-        taken = {"seconds": self.seconds, "calls": self.calls, "forms": self.forms, "peaks": _peak_memory()}
+        """Totals since the last drain, in :meth:`snapshot`'s form, then zero (an isolated case's process
+        sends them with each result)."""
+        taken = self.snapshot()
         self.seconds, self.calls, self.forms = dict.fromkeys(STAGES, 0.0), dict.fromkeys(STAGES, 0), {}
         return taken
 
     def absorb(self, taken: dict) -> None:
-        """Add a worker's drained totals; its peak memory counts where it exceeds this process's."""
+        """Add another process's totals (:meth:`drain` or :meth:`snapshot`, as sent or as a run part's
+        ``timing.json``); its peak memory counts where it exceeds this process's."""
         for name, seconds in taken["seconds"].items():
             self.seconds[name] += seconds
             self.calls[name] += taken["calls"][name]
-        for form, seconds in taken["forms"].items():
+        for form, seconds in taken["reference_seconds_by_form"].items():
             self.add_form(form, seconds)
-        for key, value in taken["peaks"].items():
+        for key, value in taken["peak_memory"].items():
             self.peaks[key] = max(self.peaks.get(key, 0.0), value)
 
     def snapshot(self) -> dict:
