@@ -93,15 +93,16 @@ class Run:
             with device_slot(device, case, alone):
                 try:
                     findings = run(self.truth(case))
-                    # Inside the guard: a dead context shows here too, and is this case's.
+                    # Inside the guard: a dead context shows here too, and is this case's. (A case that ran
+                    # out of memory gives its cache back below, after its truth; a dead context has none to give.)
                     release_cached_memory(device)
                 except InvalidTruth as exc:  # the case's fault, not the backend's: recorded under the suite
                     reason = f"invalid case (not {backend.name}'s error): {exc}"
                     findings = [dataclasses.replace(judge.outcome("error", reason), backend=SUITE_BACKEND)]
+                    release_cached_memory(device)
                 except Exception as exc:
                     if is_out_of_memory(exc):
                         findings = [judge.outcome("resource", memory_report(exc, device))]
-                        release_cached_memory(device)
                     elif is_sticky(exc):
                         findings = [judge.outcome("error", raised_at(exc))]
                     else:
@@ -109,6 +110,7 @@ class Run:
             if not any(f.verdict == "resource" for f in findings):
                 break
             if alone:
+                release_cached_memory(device)
                 return [
                     dataclasses.replace(f, reason=f"{f.reason} (alone on the device)") if f.verdict == "resource" else f
                     for f in findings
