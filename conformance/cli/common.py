@@ -11,6 +11,8 @@ from rich.console import Console
 from kda_cases.case import Case
 from kda_cases.corpus import load_corpus
 from kda_cases.grids import FIRST_SWEEP_LENGTHS
+from kda_conformance.checks import CHECKS
+from kda_conformance.checks.registry import Check, Param
 from kda_conformance.running.config import (
     DEFAULT_CASE_TIMEOUT,
     ConfigError,
@@ -85,6 +87,28 @@ def add_backends(parser: argparse.ArgumentParser, default: str = "fla_chunk and 
         metavar="NAME",
         help=f"backend to test, repeatable (default: {default})",
     )
+
+
+def add_check_params(parser: argparse.ArgumentParser) -> None:
+    """Every parameter a registered check draws as an option (``--at 17``), so every repro line can be
+    rerun (``repro``, ``minimize``)."""
+    for param in check_params().values():
+        parser.add_argument(
+            f"--{param.name}", type=typed(param.parse), choices=param.choices, default=None, help=param.help
+        )
+
+
+def check_params() -> dict[str, Param]:
+    """The parameters the registered checks draw, by name."""
+    return {p.name: p for check in CHECKS.values() for p in check.params}
+
+
+def missing_params(check: Check, params: dict[str, object], console: Console) -> bool:
+    """Say which of ``check``'s parameters were not given; True when any is missing."""
+    missing = [name for name, value in params.items() if value is None]
+    if missing:
+        console.print(f"[red]error:[/] check {check.name} needs " + ", ".join(f"--{name}" for name in missing))
+    return bool(missing)
 
 
 def add_out(parser: argparse.ArgumentParser) -> None:

@@ -13,7 +13,15 @@ from kda_cases.case import Case
 from kda_conformance.checks import CHECKS, get_check
 from kda_conformance.checks.minimize import minimize
 from kda_conformance.checks.standalone import write_standalone
-from kda_conformance.cli.common import add_device, config_from_args, parse_case, typed
+from kda_conformance.cli.common import (
+    add_check_params,
+    add_device,
+    check_params,
+    config_from_args,
+    missing_params,
+    parse_case,
+    typed,
+)
 from kda_conformance.judging.repro import BUDGET_CHECK, repro_line
 from kda_kernels import registry
 from kda_reports.findings import FAILED
@@ -42,10 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--check", default=BUDGET_CHECK, choices=list(CHECKS), help=f"which check (default: {BUDGET_CHECK})"
     )
-    for param in {p.name: p for check in CHECKS.values() for p in check.params}.values():
-        parser.add_argument(
-            f"--{param.name}", type=typed(param.parse), choices=param.choices, default=None, help=param.help
-        )
+    add_check_params(parser)
     parser.add_argument(
         "--budget-s", type=float, default=300.0, metavar="S", help="time the search may take (default: 300 s)"
     )
@@ -63,7 +68,7 @@ def _first_failure(path: Path) -> tuple[Case, str, str, dict[str, str]]:
         raise ValueError(f"{path.name} holds no failure")
     row = failed.iloc[0]
     words = shlex.split(str(row.get("repro") or ""))
-    names = {p.name for check in CHECKS.values() for p in check.params}
+    names = check_params()
     params = {w[2:]: words[i + 1] for i, w in enumerate(words[:-1]) if w.startswith("--") and w[2:] in names}
     check = str(row.get("check") or BUDGET_CHECK)
     return Case.from_json(row["case_json"]), str(row["backend"]), check, params
@@ -84,9 +89,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
             return 2
         case, backend_name, check = args.case, args.backend, get_check(args.check)
         params = {p.name: getattr(args, p.name) for p in check.params}
-    missing = [name for name, value in params.items() if value is None]
-    if missing:
-        console.print(f"[red]error:[/] check {check.name} needs " + ", ".join(f"--{name}" for name in missing))
+    if missing_params(check, params, console):
         return 2
     args.backends = [backend_name]
     config = config_from_args(args, console)

@@ -13,7 +13,14 @@ from rich.console import Console
 
 from kda_conformance.checks import CHECKS, get_check, run_check
 from kda_conformance.checks.standalone import plan_lines, write_standalone
-from kda_conformance.cli.common import add_device, config_from_args, parse_case, typed
+from kda_conformance.cli.common import (
+    add_check_params,
+    add_device,
+    config_from_args,
+    missing_params,
+    parse_case,
+    typed,
+)
 from kda_kernels import registry
 
 NAME = "repro"
@@ -35,11 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_device(parser)
     parser.add_argument("--check", default="poison", choices=list(CHECKS), help="which check (default: poison)")
-    # Every parameter a registered check draws is an option here, so every repro line can be rerun.
-    for param in {p.name: p for check in CHECKS.values() for p in check.params}.values():
-        parser.add_argument(
-            f"--{param.name}", type=typed(param.parse), choices=param.choices, default=None, help=param.help
-        )
+    add_check_params(parser)
     parser.add_argument(
         "--write-test",
         type=Path,
@@ -63,9 +66,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     params = {p.name: getattr(args, p.name) for p in check.params}
     if check.name == "poison" and params["poison"] is None:
         params["poison"] = DEFAULT_POISON
-    missing = [name for name, value in params.items() if value is None]
-    if missing:
-        console.print(f"[red]error:[/] check {check.name} needs " + ", ".join(f"--{name}" for name in missing))
+    if missing_params(check, params, console):
         return 2
     case = check.prepare(args.case, backend)
     shown = "".join(f", {name} {value}" for name, value in params.items())
