@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from kda_cases.case import Case
+from kda_cases.files import atomic_write_text
 
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 
@@ -49,5 +50,5 @@ def save_case(case: Case, why: str, directory: Path = CORPUS_DIR) -> tuple[Path,
         "added": datetime.now(UTC).date().isoformat(),
         "case": {**case.to_dict(), "id": case.id},
     }
-    path.write_text(json.dumps(entry, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(path, json.dumps(entry, indent=2, sort_keys=True) + "\n")
     return path, True

@@ -4,7 +4,10 @@ selected backend. ``conformance/test_properties.py`` and ``test_serving.py`` hol
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 import pytest
 from hypothesis import event, given, target
@@ -12,7 +15,10 @@ from hypothesis import strategies as st
 
 from kda_cases.coverage import axis_values
 from kda_conformance.checks import CHECKS, Check
+from kda_conformance.judging.judge import judge_for
+from kda_conformance.running.runner import fault_finding
 from kda_conformance.running.session import Run
+from kda_kernels.guard import BackendFault
 from kda_kernels.protocol import Backend
 from kda_reports.findings import Finding, failure_report
 
@@ -36,12 +42,35 @@ def _as_failure(skipped: Finding) -> Finding:
     return dataclasses.replace(skipped, verdict="error", reason=f"raised Unsupported: {skipped.reason}")
 
 
+def unanswered(check: str, backend: Backend, run: Run, record: Callable, fault: BackendFault) -> NoReturn:
+    """Record and fail the error of a backend whose ``fit`` or ``supports`` raised on a case (the fault
+    names the case) instead of answering."""
+    case = getattr(fault, "case", None)
+    if case is None:
+        raise fault
+    findings = [fault_finding(judge_for(check, case, backend.name, run.config.device), fault)]
+    record(findings)
+    raise AssertionError(failure_report(findings)) from None
+
+
+def finite_or_largest(x: float) -> float:
+    """``x`` where it is a finite number; the largest finite float where it is NaN or infinite."""
+    return x if math.isfinite(x) else sys.float_info.max
+
+
 def check_test(check: Check) -> Callable[..., None]:
     """The pytest test of ``check``: draw a case for the backend, run the check on its truth, fail with the
     findings' message and repro line."""
 
     @given(data=st.data())
-    def test(kda_backend: Backend, kda_run: Run, kda_checked: Callable, request: pytest.FixtureRequest, data) -> None:  # type: ignore[no-untyped-def]
+    def test(  # type: ignore[no-untyped-def]
+        kda_backend: Backend,
+        kda_run: Run,
+        kda_checked: Callable,
+        kda_record: Callable,
+        request: pytest.FixtureRequest,
+        data,
+    ) -> None:
         backend = kda_backend
         reason = check.requires(backend)
         if reason:
@@ -50,7 +79,10 @@ def check_test(check: Check) -> Callable[..., None]:
         kda_run.examples.open(nodeid, check.name, backend.name)
         profile = kda_run.config.profile
         assert profile is not None
-        drawn = check.draw(data, profile, backend)
+        try:
+            drawn = check.draw(data, profile, backend)
+        except BackendFault as fault:  # its fit or supports raised on the drawn case: its error, recorded
+            unanswered(check.name, backend, kda_run, kda_record, fault)
         for axis, value in axis_values(drawn.case).items():  # Hypothesis's statistics: the axes reached
             event(f"{axis}: {value}")
         findings = kda_checked(
@@ -58,8 +90,9 @@ def check_test(check: Check) -> Callable[..., None]:
         )
         measured = [f.worst for f in findings if f.errors is not None]
         if check.targets and profile.targeted and measured:
-            # Climb toward the worst inputs: the largest error/limit ratio this backend shows.
-            target(max(measured), label=backend.name)
+            # Climb toward the worst inputs: the largest error/limit ratio this backend shows (Hypothesis takes
+            # finite figures only: a NaN or infinite error counts as the largest finite one).
+            target(max(finite_or_largest(x) for x in measured), label=backend.name)
         # A case that did not fit the device's memory, even alone, is recorded as such: not the kernel's fault.
         report = check_report(check, findings, dict(drawn.params), kda_run.config.fails)
         if report:

@@ -9,20 +9,26 @@ import os
 import platform
 import shlex
 import sys
-import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NoReturn
 
+import pandas as pd
 import pytest
 import torch
 
 from kda_cases.case import Case
 from kda_cases.devices import gpu_arch
 from kda_cases.profiles import Profile
-from kda_conformance.judging.judge import judge_for
-from kda_conformance.running.config import ConfigError, Grid, build_config, parse_dtypes, parse_lengths
+from kda_conformance.running.config import (
+    ConfigError,
+    Grid,
+    baseline_warning,
+    build_config,
+    parse_dtypes,
+    parse_lengths,
+)
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost
 from kda_conformance.running.memory import visible_device, visible_gpus
 from kda_conformance.running.search import (
@@ -35,11 +41,12 @@ from kda_conformance.running.search import (
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
 from kda_conformance.running.truth import CaseTruth
-from kda_kernels import registry, triton_interpret
+from kda_kernels import guard, registry, triton_interpret
+from kda_kernels.guard import BackendFault
 from kda_kernels.protocol import Backend
 from kda_reference.run import FORMS
-from kda_reports.console import RECORD_LINE_HEADER, record_line
-from kda_reports.findings import Finding
+from kda_reports.console import RECORD_LINE_HEADER, record_line, stale_lines
+from kda_reports.findings import Finding, stale_known_issues
 
 RUN = pytest.StashKey[Run]()
 WRITTEN = pytest.StashKey[dict[str, Path]]()
@@ -166,6 +173,7 @@ def _run_config(config: pytest.Config):  # type: ignore[no-untyped-def]
             command="pytest " + " ".join(shlex.quote(a) for a in config.invocation_params.args),
             run_id=run_id,
             shard=option("--kda-shard"),
+            case_timeout=option("--kda-case-timeout"),
         )
     except ConfigError as exc:
         raise pytest.UsageError(exc.shown_as("kda-")) from None
@@ -181,6 +189,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if gpu is not None:  # before anything asks CUDA (or HIP) for its devices
         os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["HIP_VISIBLE_DEVICES"] = gpu
     run = Run(_run_config(config), worker)
+    problem = None if worker is not None else run.config.output_problem()
+    if problem:
+        raise pytest.UsageError(f"--kda-out: {problem}")
     run.config.export()
     config.stash[RUN] = run
     assert run.config.profile is not None
@@ -258,7 +269,11 @@ def kda_backend(kda_run: Run, kda_backend_name: str) -> Backend:
     or fails under --kda-strict (KDA_STRICT=1), so a CI job cannot go green by skipping everything."""
     backend = registry.get(kda_backend_name)
     device = kda_run.config.device
-    available = backend.availability(device)
+    try:
+        available = guard.availability(backend, device)
+    except BackendFault as fault:  # the test runs, and each of its checks records this error
+        kda_run.unanswered[backend.name] = fault
+        return backend
     if not available:
         missing = f"{kda_backend_name} cannot run on {device}: {available.reason}"
         if kda_run.config.strict:
@@ -299,15 +314,11 @@ def kda_checked(
         params: Mapping[str, object],
         run: Callable[[CaseTruth], list[Finding]],
     ) -> list[Finding]:
-        watchdog = _watchdog(request, kda_run, kda_record, check, case, backend, params)
         try:
-            findings = kda_run.checked(check, case, backend, params, run)
+            findings = kda_run.checked(check, case, backend, params, run, request.node.nodeid)
         except DeviceLost as lost:
             kda_record(lost.findings)
             _end(request.config, str(lost))
-        finally:
-            if watchdog is not None:
-                watchdog.cancel()
         kda_record(findings)
         return findings
 
@@ -322,27 +333,6 @@ def _end(config: pytest.Config, message: str) -> NoReturn:
         sys.stderr.flush()
         os._exit(DEVICE_LOST_EXIT)
     pytest.exit(f"{message}\n  run with pytest-xdist (-n N) so that a fresh worker takes the rest", DEVICE_LOST_EXIT)
-
-
-def _watchdog(request, run, record, check, case, backend, params) -> threading.Timer | None:  # type: ignore[no-untyped-def]
-    """With --kda-case-timeout: a timer that records the case as hung and ends the process. A hung kernel
-    never returns to Python, so the timer's thread does it."""
-    timeout = request.config.getoption("--kda-case-timeout")
-    if not timeout:
-        return None
-
-    def hung() -> None:
-        judge = judge_for(check, case, backend.name, run.config.device, params)
-        reason = f"no result within {timeout:g} s (hung or too slow): its process was ended"
-        record([judge.outcome("error", reason, timeout)])
-        sys.stderr.write(f"kda-conformance: {check} of {case.id} on {backend.name}: {reason}\n")
-        sys.stderr.flush()
-        os._exit(DEVICE_LOST_EXIT)
-
-    timer = threading.Timer(timeout, hung)
-    timer.daemon = True
-    timer.start()
-    return timer
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -413,7 +403,23 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     )
     examples = f"{profile.max_examples} examples per property"
     header = f"kda-conformance: device {run_config.device}, profile {profile.name} ({examples}), {how}"
-    return [header, *run_config.kernel_pool_lines()]
+    replaced = baseline_warning()
+    return [header, *run_config.kernel_pool_lines(), *([f"kda-conformance: warning: {replaced}"] if replaced else [])]
+
+
+def _unavailable(run: Run) -> dict[str, str]:
+    """The selected backends that cannot run on the run's device, with why (one that raised instead of
+    answering says so)."""
+    missing = {}
+    for name in run.config.backends:
+        try:
+            available = guard.availability(registry.get(name), run.config.device)
+        except BackendFault as fault:
+            missing[name] = fault.reason
+            continue
+        if not available:
+            missing[name] = available.reason
+    return missing
 
 
 def _empty_selection(config: pytest.Config, exitstatus: int) -> bool:
@@ -455,6 +461,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         config.stash[WRITTEN] = run.merge_workers(complete)
     else:
         config.stash[WRITTEN] = run.finish(complete) if (run.rows or run.examples.entries) else {}
+    if not hasattr(config, "workerinput") and run.config.strict and run.frame is not None:
+        if not stale_known_issues(run.frame).empty and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED  # --kda-strict: a retired issue must leave the ledger
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -483,6 +492,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     skips = skip_counts(tr.stats.get("skipped", []))
     if skips:
         tr.write_line(f"skipped {sum(skips.values())}, by reason: " + "; ".join(f"{n} {r}" for r, n in skips.items()))
+    unavailable = _unavailable(run)
+    if unavailable and len(unavailable) == len(run.config.backends):
+        tr.section("KDA conformance: no selected backend can run here")
+        for name, reason in unavailable.items():
+            tr.write_line(f"{name}: {reason}")
+        tr.write_line("every test of theirs skipped; --kda-strict (KDA_STRICT=1) makes that a failure")
     if _empty_selection(config, exitstatus):
         tr.section("KDA conformance: why no test was selected")
         for line in _selection_lines(config):
@@ -506,10 +521,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     noted = Counter(
         (r["verdict"], r["backend"], r["check"], r["observed"]) for r in rows if r["verdict"] in ("known", "warn")
     )
-    if noted:
+    stale = stale_known_issues(pd.DataFrame(rows))
+    if noted or not stale.empty:
         tr.section("KDA conformance: known issues and warnings (not failures of this run)")
         for (verdict, backend, check, observed), count in sorted(noted.items()):
             tr.write_line(f"{verdict}: {backend} {check} {observed}: {count} findings")
+        for line in stale_lines(stale, run.config.strict):
+            tr.write_line(line)
     tr.section("KDA conformance: max-abs error against the float64 reference")
     tr.write_line(RECORD_LINE_HEADER)
     for row in rows:

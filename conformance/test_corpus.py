@@ -10,10 +10,13 @@ import pytest
 
 from kda_cases.case import Case
 from kda_cases.corpus import CorpusEntry, load_corpus
+from kda_conformance.check_tests import unanswered
 from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running.runner import run_backend
 from kda_conformance.running.session import Run
-from kda_kernels.protocol import Backend
+from kda_kernels import guard
+from kda_kernels.guard import BackendFault
+from kda_kernels.protocol import Backend, Support
 from kda_reports.findings import failure_report
 
 ENTRIES = load_corpus()
@@ -44,9 +47,15 @@ def test_corpus_case(
 
 
 @pytest.mark.kda_device_dependent
-def test_long_case(long_case: Case, kda_backend: Backend, kda_run: Run, kda_checked: Callable) -> None:
+def test_long_case(
+    long_case: Case, kda_backend: Backend, kda_run: Run, kda_checked: Callable, kda_record: Callable
+) -> None:
     """A long case of the run (moved into the backend's envelope), within its budgets."""
-    _within_budget(kda_backend.fit(long_case), kda_backend, kda_run, kda_checked, "long case of the run")
+    try:
+        fitted = guard.fit(kda_backend, long_case)
+    except BackendFault as fault:
+        unanswered(BUDGET_CHECK, kda_backend, kda_run, kda_record, fault)
+    _within_budget(fitted, kda_backend, kda_run, kda_checked, "long case of the run")
 
 
 @pytest.mark.kda_device_dependent
@@ -57,7 +66,10 @@ def test_sentinel(sentinel: Case, kda_backend: Backend, kda_run: Run, kda_checke
 
 
 def _within_budget(case: Case, backend: Backend, kda_run: Run, kda_checked: Callable, what: str) -> None:
-    supported = backend.supports(case)
+    try:
+        supported = guard.supports(backend, case)
+    except BackendFault:  # the budget check asks again, and records the backend's error
+        supported = Support.yes()
     if not supported:
         pytest.skip(f"{backend.name}: {supported.reason}")
     findings = kda_checked(BUDGET_CHECK, case, backend, {}, lambda truth: run_backend(truth, backend))

@@ -24,7 +24,8 @@ import torch
 from kda_cases.case import Case
 from kda_cases.dtypes import INT_OF_SIZE, stored_dtype
 from kda_cases.materialize import KDAInputs, cu_seqlens_tensor
-from kda_kernels.protocol import Backend
+from kda_kernels.guard import fault, run_backend_call, run_paged_call
+from kda_kernels.protocol import Backend, BackendOutput
 
 PAD_SLOT_ID = -1
 NULL_SLOT = 0
@@ -192,10 +193,9 @@ def serve(
     has_initial = torch.tensor((*has_initial_state, *(False,) * padding), dtype=torch.bool, device=device)
     checkpoints = torch.tensor(checkpoint_slots, dtype=torch.int32, device=device)
     batch = dataclasses.replace(inputs, initial_state=None, cu_seqlens=offsets)
-    run_paged = getattr(backend, "run_paged", None)
     with torch.inference_mode():
-        if callable(run_paged):
-            run_paged(batch, pool, indices, has_initial, out, checkpoints)
+        if callable(getattr(backend, "run_paged", None)):
+            run_paged_call(backend, batch, pool, indices, has_initial, out, checkpoints)
         else:
             gather_run_scatter(backend, batch, pool, indices, has_initial, out, checkpoints)
 
@@ -248,14 +248,34 @@ def gather_run_scatter(
     cu = batch.cu_seqlens
     if cu.numel() != n + 1:  # padding entries to drop; else the caller's tensor object itself, untouched
         cu = cu[: n + 1]
-    result = backend.run(dataclasses.replace(batch, initial_state=h0, cu_seqlens=cu))
+    result = run_backend_call(backend, dataclasses.replace(batch, initial_state=h0, cu_seqlens=cu))
+    _fits_the_pool(backend, result, out, pool, n, len(checkpoint_slots), case.total_tokens)
     T = case.total_tokens
     out[:, :T] = result.o[:, :T]  # token tensors padded past the sequences give output rows no one owns
     pool[slots] = result.final_state.to(pool.dtype)
     if len(checkpoint_slots):
-        if result.checkpoint_states is None:
-            raise ValueError(f"{backend.name} returns no checkpoint states; the case asks for {len(checkpoint_slots)}")
         pool[checkpoint_slots.long()] = result.checkpoint_states.to(pool.dtype)
+
+
+def _fits_the_pool(
+    backend: Backend, result: BackendOutput, out: torch.Tensor, pool: torch.Tensor, n: int, checkpoints: int, T: int
+) -> None:
+    """A result the harness can copy into the caller's buffer and scatter into the pool; otherwise the
+    backend's fault, said in the pool's terms (not a shape error of the harness's own code)."""
+    state = pool.shape[1:]
+    wanted = {
+        "o": (result.o, (out.shape[0], T, *out.shape[2:]), True),
+        "final_state": (result.final_state, (n, *state), True),
+        "checkpoint_states": (result.checkpoint_states, (checkpoints, *state), checkpoints > 0),
+    }
+    for name, (tensor, shape, needed) in wanted.items():
+        if not needed:
+            continue
+        if tensor is None:
+            raise fault(backend, f"returned no {name}; the batch needs {list(shape)}")
+        o_fits = tensor.dim() == 4 and tensor.shape[1] >= T and tensor.shape[2:] == out.shape[2:]
+        if (name == "o" and not o_fits) or (name != "o" and tuple(tensor.shape) != shape):
+            raise fault(backend, f"returned {name} of shape {list(tensor.shape)}; the batch needs {list(shape)}")
 
 
 @contextmanager

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import pandas as pd
+
 # (title, width) of each column; the numbers are those of the run's summary.md.
 COLUMNS = (
     ("case", 17),
@@ -41,6 +43,16 @@ def record_line(r: dict) -> str:
         f"{num('budget_rel_rms', 9)} {num('rel_rms_ratio', 9, '.3f')} "
         + (f"{seconds:7.2f}" if isinstance(seconds, float) and seconds == seconds else f"{'':7}")
     )
+
+
+def stale_lines(stale: pd.DataFrame, strict: bool) -> list[str]:
+    """One warning per ledger entry that no longer reproduces (findings.stale_known_issues)."""
+    what = "a failure under --kda-strict" if not strict else "a failure of this run (--kda-strict)"
+    return [
+        f"warn: known issue {row.known_issue} no longer reproduces: all {row.cases} cases it matched passed on "
+        f"{row.backends}; remove it from conformance/known_issues.toml ({what})"
+        for row in stale.itertuples()
+    ]
 
 
 def record_table(rows: Iterable[dict]) -> list[str]:

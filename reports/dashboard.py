@@ -16,10 +16,13 @@ from pathlib import Path
 import pandas as pd
 import plotly.graph_objects as go
 
+from kda_cases.files import atomic_write
 from kda_cases.sentinels import SENTINEL_GROWTH
+from kda_reports.environment import SUITE_BASELINE
+from kda_reports.findings import VERDICTS, stale_known_issues
 from kda_reports.regressions import GROUP, find_regressions, longest, nightly_groups, record_worst, sentinel_worst
-from kda_reports.runfile import atomic_write, record_coverage
-from kda_reports.store import Store
+from kda_reports.runfile import record_coverage
+from kda_reports.store import COMPLETE, Store
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 0 auto; padding: 0 12px; max-width: 1200px; color: #222; }
@@ -76,8 +79,8 @@ def error_vs_length(records: pd.DataFrame) -> go.Figure:
     measured["length"] = longest(measured)
     for (backend, tensor), part in measured.groupby(["backend", "tensor"]):
         part = part.sort_values("length")
-        label = f"{backend} {tensor}"
-        text = part["case_id"] + " " + part["label"]
+        label = html.escape(f"{backend} {tensor}")  # the page's text: a tag or a label is never markup
+        text = (part["case_id"].astype(str) + " " + part["label"].astype(str)).map(html.escape)
         figure.add_trace(go.Scatter(x=part["length"], y=part["max_abs"], mode="markers", name=label, text=text))
         figure.add_trace(
             go.Scatter(
@@ -104,8 +107,9 @@ def trends(groups: pd.DataFrame, runs: pd.DataFrame) -> go.Figure:
     finite["night"] = finite["run_id"].map(order)
     for key, part in finite.groupby(GROUP):
         part = part.sort_values("night")
+        name = html.escape(" ".join(str(k) for k in key))
         figure.add_trace(
-            go.Scatter(x=[dates[r] for r in part["run_id"]], y=part["worst"], mode="lines+markers", name=" ".join(key))
+            go.Scatter(x=[dates[r] for r in part["run_id"]], y=part["worst"], mode="lines+markers", name=name)
         )
     figure.add_hline(y=1.0, line_dash="dash", line_color="#b00020", annotation_text="limit")
     figure.update_yaxes(type="log", title="worst error / limit")
@@ -126,7 +130,10 @@ def sentinel_trends(records: pd.DataFrame, runs: pd.DataFrame) -> go.Figure:
         part = part.assign(night=part["run_id"].map(order)).sort_values("night")
         figure.add_trace(
             go.Scatter(
-                x=[dates[r] for r in part["run_id"]], y=part["worst"], mode="lines+markers", name=f"{backend} {label}"
+                x=[dates[r] for r in part["run_id"]],
+                y=part["worst"],
+                mode="lines+markers",
+                name=html.escape(f"{backend} {label}"),
             )
         )
     figure.add_hline(y=1.0, line_dash="dash", line_color="#b00020", annotation_text="limit")
@@ -147,57 +154,102 @@ def observations(records: pd.DataFrame) -> pd.DataFrame:
     return grouped.rename("cases").reset_index()
 
 
+def status_line(last: pd.DataFrame, run: pd.Series, regressions: pd.DataFrame) -> tuple[str, bool]:
+    """One sentence on the last complete run, and whether it is green: no failure, no error, no flag but
+    "fixed"."""
+    counts = last["verdict"].value_counts()
+    flags = regressions[regressions["kind"] != "fixed"] if not regressions.empty else regressions
+    green = not counts.get("fail", 0) and not counts.get("error", 0) and flags.empty
+    verdicts = ", ".join(f"{counts[v]} {v}" for v in VERDICTS if counts.get(v, 0))
+    when = run.get("env_date", "")
+    text = (
+        f"{'Green' if green else 'Red'}: last complete run {run['run_id']} ({when}): {verdicts}; "
+        f"{len(flags)} regression flag(s)"
+    )
+    baselines = set(last["env_baseline"].dropna().astype(str)) - {SUITE_BASELINE} if "env_baseline" in last else set()
+    if baselines:
+        text += f"; its limits come from a replaced baseline ({', '.join(sorted(baselines))})"
+    return text, green
+
+
 def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.5) -> tuple[Path, pd.DataFrame]:
-    """Write the dashboard for ``store`` to ``out``; returns the path and the regression table."""
-    records, runs = store.records, store.runs
+    """Write the dashboard for ``store`` to ``out``; returns the path and the regression table (the last
+    complete run against the complete runs before it: runs in progress or cut short are shown, labelled,
+    and compared with nothing)."""
+    records, runs, complete = store.records, store.runs, store.complete_runs
     parts = [
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
         "<meta name='viewport' content='width=device-width, initial-scale=1'>",
         f"<title>KDA conformance dashboard</title><style>{STYLE}</style></head><body>",
         "<h1>KDA conformance: tolerance dashboard</h1>",
     ]
+    regressions = pd.DataFrame()
     if records.empty:
         parts.append("<p>No runs in the store yet.</p>")
-        regressions = pd.DataFrame()
     else:
-        last_id = runs["run_id"].iloc[-1]
+        # The run shown: the last complete one; where none finished yet, the newest, labelled as such.
+        last_id = complete["run_id"].iloc[-1] if not complete.empty else runs["run_id"].iloc[-1]
         last = records[records["run_id"] == last_id]
-        regressions = find_regressions(records, runs, window, growth)
+        done = records[records["run_id"].isin(complete["run_id"])]
+        if complete.empty:
+            green, status = False, f"No run in the store has finished yet: below, the newest ({last_id}), not compared."
+        else:
+            regressions = find_regressions(done, complete, window, growth)
+            status, green = status_line(last, complete.iloc[-1], regressions)
+        unfinished = runs[runs["status"] != COMPLETE]
+        after = unfinished[unfinished.index > runs.index[runs["run_id"] == last_id][0]]
+        newer = "; ".join(
+            f"{r.run_id} ({r.status}, {r.pass_} pass, {r.fail} fail, {r.error} error)"
+            for r in after.rename(columns={"pass": "pass_"}).itertuples()
+        )
         per_backend = pd.crosstab(last["backend"], last["verdict"]).reset_index()
         env = last.iloc[0][[c for c in last.columns if c.startswith("env_")]]
-        env_table = pd.DataFrame({"": [c.removeprefix("env_") for c in env.index], "value": [str(v) for v in env]})
+        shown = ["" if pd.isna(v) else str(v) for v in env]
+        env_table = pd.DataFrame({"": [c.removeprefix("env_") for c in env.index], "value": shown})
         measured = last[last["verdict"].isin(["pass", "fail", "error"])].copy()
         measured["worst"] = record_worst(measured)
         worst = measured.sort_values("worst", ascending=False).head(15)
         worst_table = worst[["case_id", "label", "backend", "tensor", "verdict", "max_abs", "budget", "worst", "repro"]]
+        history = done if not complete.empty else last
         parts += [
+            f"<p id='status' class='{'pass' if green else 'fail'}'>{html.escape(status)}</p>",
+            f"<p class='note'>Newer runs, not compared: {html.escape(newer)}</p>" if newer else "",
             "<h2>Overview</h2>",
-            f"<p>{len(runs)} runs; last run <code>{html.escape(last_id)}</code>.</p>",
+            f"<p>{len(runs)} runs ({len(complete)} complete); last complete run <code>{html.escape(last_id)}</code>."
+            "</p>",
             _table(runs, "runs"),
-            "<h3>Last run per backend</h3>",
+            "<h3>Last complete run per backend</h3>",
             _table(per_backend, "per-backend"),
-            "<h3>Last run's environment</h3>",
+            "<h3>Last complete run's environment</h3>",
             _table(env_table, "environment"),
-            "<h2>Regressions (last run against the runs before it)</h2>",
+            "<h2>Regressions (last complete run against the complete runs before it)</h2>",
             f"<p class='note'>Worst error/limit per backend, case family and tensor against the median of up to "
-            f"{window} earlier runs; growth flagged past {growth:g} times the median.</p>",
+            f"{window} earlier complete runs; growth flagged past {growth:g} times the median.</p>",
             _table(regressions, "regressions", code_columns=("repro",)),
+            "<h2>Known issues that no longer reproduce</h2>",
+            "<p class='note'>Ledger entries (conformance/known_issues.toml) that matched cases of the last complete "
+            "run, none of which reproduced them: remove them from the ledger.</p>",
+            _table(stale_known_issues(last), "stale-known-issues"),
             "<h2>Error against length</h2>",
             _figure_html(error_vs_length(last), "error-vs-length", first=True),
             "<h2>Trends</h2>",
-            _figure_html(trends(nightly_groups(records), runs), "trends", first=False),
+            _figure_html(
+                trends(nightly_groups(history), complete if not complete.empty else runs), "trends", first=False
+            ),
             "<h2>Sentinel trends</h2>",
             "<p class='note'>The sentinels (cases/sentinels.json) run with the same inputs every night: each "
             f"line is one sentinel on one backend; growth past {SENTINEL_GROWTH:g} times its median is flagged "
             "above, within the budget or not.</p>",
-            _figure_html(sentinel_trends(records, runs), "sentinel-trends", first=False),
-            "<h2>Worst cases of the last run</h2>",
+            _figure_html(
+                sentinel_trends(history, complete if not complete.empty else runs), "sentinel-trends", first=False
+            ),
+            "<h2>Worst cases of the last complete run</h2>",
             _table(worst_table, "worst", code_columns=("repro",)),
-            "<h2>What the checks observed, last run</h2>",
+            "<h2>What the checks observed, last complete run</h2>",
             "<p class='note'>Beyond pass and fail: batch invariance, padded tails, metadata patterns, "
             "determinism, known issues (cases per backend, check and observation).</p>",
             _table(observations(last), "observations"),
-            "<h2>Axis coverage, last run</h2>",
+            "<h2>Axis coverage, last complete run</h2>",
             "<p class='note'>Distinct cases per value of each axis (cases/coverage.py): the values a run "
             "did not reach are where its bugs could hide.</p>",
             _table(record_coverage(last), "coverage"),

@@ -1,4 +1,4 @@
-"""What a run ran on: device, library versions and the suite's own commit."""
+"""What a run ran on: device, library versions, the variables that move numbers, and the suite's own commit."""
 
 from __future__ import annotations
 
@@ -24,48 +24,81 @@ def _version(dist: str) -> str:
         return ""
 
 
-def suite_commit() -> str:
-    """The suite's git commit (with ``+dirty`` for uncommitted changes), or '' outside a checkout.
-
-    A copy without its git folder (a tree shipped to a GPU box) names it in ``KDA_SUITE_COMMIT``.
-    """
+def suite_commit() -> tuple[str, str]:
+    """The suite's commit and where it was read: ``KDA_SUITE_COMMIT`` (a copy without its git folder names
+    it), the project's own git checkout (``+dirty`` with uncommitted changes; only where the checkout's top
+    level is the project itself, never a repository the project sits inside), or the installed package's
+    metadata (a pip install from git); else ``unknown``."""
     if os.environ.get("KDA_SUITE_COMMIT"):
-        return os.environ["KDA_SUITE_COMMIT"]
+        return os.environ["KDA_SUITE_COMMIT"], "KDA_SUITE_COMMIT"
+    commit = _checkout_commit()
+    if commit:
+        return commit, "git"
+    commit = _installed_commit()
+    if commit:
+        return commit, "package metadata"
+    return "unknown", "unknown"
+
+
+def _git(*args: str) -> str:
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"], cwd=_REPO, capture_output=True, text=True, timeout=5
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=_REPO,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip()
+        done = subprocess.run(["git", *args], cwd=_REPO, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def _checkout_commit() -> str:
+    top = _git("rev-parse", "--show-toplevel")
+    if not top or Path(top).resolve() != _REPO:
+        return ""  # not a checkout of this project (an installed copy inside another repository, say)
+    commit = _git("rev-parse", "--short=12", "HEAD")
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
     return f"{commit}+dirty" if commit and dirty else commit
 
 
-# Variables that can move a kernel's numbers or choose its code path: Triton's fp32 dot precision
-# (TRITON_F32_DEFAULT moves fp32 errors by 100x), its interpreter, FLA's and AITER's switches (FlashKDA's
-# segmentation), TF32 overrides, BLAS libraries' settings, the suite's own. Paths and caches are left out:
-# they differ between machines without changing a number.
+def _installed_commit() -> str:
+    """The commit pip recorded for an install from a repository (``direct_url.json``), if any."""
+    try:
+        text = importlib.metadata.distribution("kda-conformance").read_text("direct_url.json")
+        commit = json.loads(text or "{}").get("vcs_info", {}).get("commit_id", "")
+    except (importlib.metadata.PackageNotFoundError, ValueError, AttributeError):
+        return ""
+    return str(commit)[:12]
+
+
+# The variables that can move a kernel's numbers or choose its code path, by prefix or by name: Triton's
+# (TRITON_F32_DEFAULT moves fp32 errors by 100x), torch's, CUDA's and HIP's, the kernels' own switches
+# (FLA, AITER, FlashKDA's segmentation), BLAS and oneDNN settings, CPU dispatch, thread counts, the
+# suite's own. Paths and caches are left out: they differ between machines without changing a number.
 NUMERICS_PREFIXES = (
-    "KDA_", "TRITON_", "FLA_", "AITER_", "CHUNK_DELTA_ATTN_", "NVIDIA_TF32", "TORCH_ALLOW_TF32", "CUBLAS",
-    "CUDA_LAUNCH_BLOCKING", "ROCBLAS_", "HIPBLASLT_", "MIOPEN_", "OMP_NUM_THREADS",
+    "TRITON_", "TORCH_", "CUDA_", "HIP_", "ROCM_", "HSA_", "AITER_", "FLA_", "KDA_", "CHUNK_DELTA_ATTN_",
+    "CUBLAS_", "CUBLASLT_", "HIPBLASLT_", "ROCBLAS_", "MIOPEN_", "ONEDNN_", "DNNL_", "NVIDIA_TF32",
+)  # fmt: skip
+NUMERICS_NAMES = (
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS",
+    "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY",
 )  # fmt: skip
 NOT_NUMERICS_SUFFIXES = ("_DIR", "_HOME", "_PATH", "_SRC", "_ARTIFACTS", "_CACHE_AUTOTUNING", "_SUITE_COMMIT")
+# The class every run's limits derive from (the working-precision baseline, registered as torch_chunk):
+# a plugin that registers another under that name changes every limit, so each run records which it used.
+SUITE_BASELINE = "kda_kernels.torch_chunk.TorchChunk"
+
+# A variable whose name says it holds a secret is recorded by its name, never its value.
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "AUTH", "CREDENTIAL")
+REDACTED = "<redacted>"
 
 
 def numerics_variables(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment variables set that can change a kernel's numbers (NUMERICS_PREFIXES)."""
+    """The environment variables set that can change a kernel's numbers or path (NUMERICS_PREFIXES,
+    NUMERICS_NAMES), the value of any whose name looks like a credential replaced by ``<redacted>``."""
     environ = dict(os.environ if environ is None else environ)
-    return {
+    chosen = {
         name: value
         for name, value in sorted(environ.items())
-        if name.startswith(NUMERICS_PREFIXES) and not name.endswith(NOT_NUMERICS_SUFFIXES)
+        if (name.startswith(NUMERICS_PREFIXES) or name in NUMERICS_NAMES) and not name.endswith(NOT_NUMERICS_SUFFIXES)
     }
+    return {name: REDACTED if any(w in name.upper() for w in SECRET_WORDS) else v for name, v in chosen.items()}
 
 
 def cpu_model() -> str:
@@ -91,9 +124,8 @@ def environment(device: torch.device) -> dict[str, str | int]:
         "triton": _version("triton"),
         "fla": _version("fla-core"),
         "aiter": _version("aiter"),
-        "suite_commit": suite_commit(),
-        # Where the commit came from: a copy without its git folder names it in KDA_SUITE_COMMIT.
-        "suite_commit_from": "KDA_SUITE_COMMIT" if os.environ.get("KDA_SUITE_COMMIT") else "git",
+        # The commit and where it was read (KDA_SUITE_COMMIT, git, package metadata or unknown).
+        **dict(zip(("suite_commit", "suite_commit_from"), suite_commit(), strict=True)),
         "variables": json.dumps(numerics_variables(), sort_keys=True),
         "hostname": platform.node(),
         "date": datetime.now(UTC).isoformat(timespec="milliseconds"),  # orders runs started within a second

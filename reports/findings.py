@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from kda_cases.case import Case
 
@@ -130,6 +131,10 @@ class Finding:
     # What a check observed, beyond pass or fail: "not batch-invariant", "garbage", "right under in-place
     # metadata", ... (the records' `observed` column, the dashboard's table of observations).
     observed: str = ""
+    # The ledger entry of known issues that matched this finding (conformance/known_issues.toml): on a
+    # `known` finding the issue it reproduces; on a passing one an entry that always fails, which did not
+    # reproduce here (the run tells whether it reproduced anywhere: stale_known_issues).
+    known_issue: str = ""
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -227,3 +232,19 @@ def failure_report(
     if shared:
         lines.append(f"  repro: {repros[0]}")
     return "\n".join(lines)
+
+
+def stale_known_issues(records: pd.DataFrame) -> pd.DataFrame:
+    """Ledger entries that no longer reproduce in a run's records: every record an entry matched passed
+    (none is ``known`` nor a failure worse than the entry allows). One row per entry: its id, the backends
+    and the distinct cases it matched."""
+    columns = ["known_issue", "backends", "cases"]
+    if records.empty or "known_issue" not in records:
+        return pd.DataFrame(columns=columns)
+    matched = records[records["known_issue"].fillna("").astype(str) != ""]
+    rows = []
+    for issue, part in matched.groupby("known_issue"):
+        if not part["verdict"].isin(["known", *FAILED]).any():
+            backends = ", ".join(sorted(part["backend"].astype(str).unique()))
+            rows.append({"known_issue": issue, "backends": backends, "cases": part["case_id"].nunique()})
+    return pd.DataFrame(rows, columns=columns)

@@ -19,7 +19,8 @@ import pandas as pd
 
 from kda_cases.case import Case
 from kda_cases.coverage import coverage, coverage_markdown
-from kda_reports.findings import worst_ratio
+from kda_cases.files import atomic_write
+from kda_reports.findings import SUITE_BACKEND, worst_ratio
 from kda_reports.schema import conform_records
 
 DEFAULT_OUT = Path("out")
@@ -30,16 +31,26 @@ def new_run_id() -> str:
     return f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
 
 
-def atomic_write(path: Path, write) -> None:  # type: ignore[no-untyped-def]
-    """``write(tmp)`` then rename onto ``path``: readers see the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")  # concurrent writers
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def run_stem(run_id: str, part: str | None = None) -> str:
     """The file name of a run (or of one part of it) without its suffix."""
     return f"{run_id}.{part}" if part else run_id
+
+
+# What follows ``<run_id>.`` in a file of a whole run (otherwise it names a part: ``gw3``, ``s2of4-gw1``).
+RUN_FILE_KINDS = ("parquet", "env", "partial", "timing", "checks", "summary")
+
+
+def run_files(out_dir: Path, run_id: str, part: str | None = None) -> list[Path]:
+    """The files under ``out_dir/runs`` that a run ``run_id`` (or its ``part``) would write over: any file of
+    the run id for a whole run; the whole run's and that part's (its workers' included) for a part."""
+    runs = Path(out_dir) / "runs"
+    found = []
+    for path in sorted(runs.glob(f"{run_id}.*")):
+        first = path.name[len(run_id) + 1 :].split(".", 1)[0]
+        whole = first in RUN_FILE_KINDS
+        if part is None or whole or first == part or first.startswith(f"{part}-"):
+            found.append(path)
+    return found
 
 
 def run_id_of(path: Path) -> str:
@@ -66,10 +77,20 @@ def write_run(records: pd.DataFrame, env: dict, out_dir: Path, stem: str) -> dic
     return paths
 
 
+# Marker lines of a run's journal (``"journal": EVENT``) beside its records: a backend call starts
+# ("call", with the error row it becomes if the process ends inside it), returns ("returned"), and its
+# check's records are written ("settled"). A journal left by a process that died is read back
+# (:func:`read_journal`) with a row for the call it died in: the backend's, or the suite's where the
+# backend had returned.
+JOURNAL = "journal"
+CALL, RETURNED, SETTLED = "call", "returned", "settled"
+
+
 class RunRecorder:
     """Writes one run as it goes: each batch of rows is appended to ``<run_id>.partial.jsonl`` at once,
     so a run that is killed (a time limit, a crashed GPU process) keeps every row measured so far;
-    ``finish`` writes the run files and removes the partial one.
+    ``finish`` writes the run files and removes the partial one. The same journal holds the markers of
+    the backend call in flight (:meth:`mark`).
 
     Rows are stamped with the run id and the environment (``env_*`` columns).
     """
@@ -83,22 +104,36 @@ class RunRecorder:
         runs = self.out_dir / "runs"
         runs.mkdir(parents=True, exist_ok=True)
         self.partial = runs / f"{self.stem}.partial.jsonl"
-        self._live: IO[str] | None = None  # the journal's lock, held while the run runs (see journal_is_live)
+        self._live: IO[str] | None = None  # the journal, its lock held while the run runs (see journal_is_live)
 
     def _stamp(self, row: dict, env: dict) -> dict:
         return {**row, **{f"env_{k}": v for k, v in env.items()}, "run_id": self.run_id}
 
+    def _journal(self) -> IO[str]:
+        if self._live is None:
+            self._live = self.partial.open("a", encoding="utf-8")
+            fcntl.flock(self._live.fileno(), fcntl.LOCK_EX)
+        return self._live
+
     def add(self, rows: list[dict]) -> None:
         self.rows.extend(rows)
         partial_env = {**self.env, "complete": False}
-        if self._live is None:
-            self._live = self.partial.open("a")
-            fcntl.flock(self._live.fileno(), fcntl.LOCK_EX)
-        with self.partial.open("a") as handle:
-            for row in rows:
-                handle.write(json.dumps(self._stamp(row, partial_env), default=str) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+        journal = self._journal()
+        for row in rows:
+            journal.write(json.dumps(self._stamp(row, partial_env), default=str) + "\n")
+        journal.flush()
+        os.fsync(journal.fileno())
+
+    def mark(self, event: str, call: str, row: dict | None = None) -> None:
+        """A marker of backend call ``call``: ``CALL`` (``row``: the error it becomes should the process end
+        inside it), ``RETURNED`` or ``SETTLED``. Flushed to the system, not synced: it must outlive the
+        process, not the machine."""
+        marker: dict = {JOURNAL: event, "call": call}
+        if row is not None:
+            marker["row"] = self._stamp(row, {**self.env, "complete": False})
+        journal = self._journal()
+        journal.write(json.dumps(marker, default=str) + "\n")
+        journal.flush()
 
     def finish(self, complete: bool = True, timing: dict | None = None) -> tuple[pd.DataFrame, dict[str, Path]]:
         """Write the run files; ``timing`` (the suite's seconds per stage) goes to ``<stem>.timing.json``."""
@@ -113,6 +148,57 @@ class RunRecorder:
             self._live.close()
             self._live = None
         return frame, paths
+
+
+def read_journal(path: Path, problems: list[str] | None = None) -> list[dict]:
+    """The records of a run's journal, line by line: a line that is not UTF-8, not JSON (torn by a kill) or
+    not an object is skipped and counted in ``problems``, never the whole file. A backend call that started
+    and never settled becomes an error row: the backend's when the process ended inside its call, the
+    suite's when it ended after the call returned."""
+    rows: list[dict] = []
+    calls: dict[str, dict] = {}  # call id -> {"row": ..., "state": ...}
+    undecodable = torn = shapeless = 0
+    with open(path, "rb") as handle:
+        for raw in handle:
+            if not raw.strip():
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                undecodable += 1
+                continue
+            try:
+                item = json.loads(line)
+            except ValueError:
+                torn += 1
+                continue
+            if not isinstance(item, dict):
+                shapeless += 1
+            elif JOURNAL in item:
+                entry = calls.setdefault(str(item.get("call")), {"row": None, "state": None})
+                if isinstance(item.get("row"), dict):
+                    entry["row"] = item["row"]
+                entry["state"] = item[JOURNAL]
+            else:
+                rows.append(item)
+    for entry in calls.values():
+        if entry["row"] is not None and entry["state"] in (CALL, RETURNED):
+            rows.append(entry["row"] if entry["state"] == CALL else _suite_row(entry["row"]))
+    said = {
+        undecodable: "not UTF-8",
+        torn: "unreadable (torn by a process killed while writing)",
+        shapeless: "JSON, but not a record (an object)",
+    }
+    if problems is not None:
+        problems += [f"{Path(path).name}: {n} line(s) skipped: {why}" for n, why in said.items() if n]
+    return rows
+
+
+def _suite_row(row: dict) -> dict:
+    """The error row of a process that ended in the suite's own code after a backend's call returned."""
+    backend = row.get("backend")
+    reason = f"the process ended in the suite's own code after {backend}'s call returned (check {row.get('check')})"
+    return {**row, "backend": SUITE_BACKEND, "reason": reason}
 
 
 def journal_is_live(path: Path) -> bool:
@@ -153,10 +239,10 @@ def merge_parts(out_dir: Path, stem: str, parts: str, env: dict, timing: dict | 
 
 
 def read_run(path: Path) -> pd.DataFrame:
-    """The records of one run file (parquet, or a killed run's ``.partial.jsonl``)."""
+    """The records of one run file (parquet, or a killed run's ``.partial.jsonl``: :func:`read_journal`)."""
     path = Path(path)
     if path.name.endswith(".jsonl"):
-        return conform_records(pd.read_json(path, orient="records", lines=True, dtype=False))
+        return conform_records(pd.DataFrame(read_journal(path)))
     return conform_records(pd.read_parquet(path))
 
 

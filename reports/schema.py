@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 
+import numpy as np
 import pandas as pd
 
 from kda_cases.case import Case
@@ -39,6 +41,8 @@ RECORD_COLUMNS: dict[str, str] = {
     "observed": "what the check observed beyond pass or fail: `equal`, `not batch-invariant`, `causal leak`, "
     "`nondeterministic`, `zero`, `untouched`, `values`, `garbage`, `right`, `wrong`, ...",
     "reason": "why it failed, was skipped or raised, or what it did (a warn, a known issue); empty on a pass",
+    "known_issue": "the ledger entry of known issues (conformance/known_issues.toml) that matched: on `known` the "
+    "issue it reproduces; on a pass an entry that always fails, which did not reproduce on this case",
     "repro": "one shell line that reruns this case on this backend and device",
     "seconds": "wall time of the backend call (synchronized on GPUs)",
     "reference_form": "exact form that produced the truth: `loop` (the definition) or `chunked` (float64)",
@@ -47,7 +51,8 @@ RECORD_COLUMNS: dict[str, str] = {
     "rel_rms": "RMS of the error over RMS of the truth",
     "max_abs_over_ref_rms": "max-abs error over RMS of the truth",
     "nonfinite": "number of NaN or Inf values returned",
-    "first_bad": "first point past the max-abs limit: `seq S token T head H` (outputs) or `seq S head H` (states)",
+    "first_bad": "where it first went wrong: the first point past the max-abs limit, `seq S token T head H` "
+    "(outputs) or `seq S head H` (states); or the memory a check found written, `slot N`, `row R token T head H`",
     "error_curve": "max-abs error per 64 tokens along the packed rows, comma-separated (outputs only)",
     "budget": "max-abs limit from the tolerance rule",
     "ratio": "max_abs / budget",
@@ -75,11 +80,13 @@ RECORD_COLUMNS: dict[str, str] = {
     "env_visible_devices": "GPU runs: the GPUs the process saw (`CUDA_VISIBLE_DEVICES` / `HIP_VISIBLE_DEVICES`; "
     "each pytest-xdist worker sees one of the GPUs it was spread over), '' when unset",
     "env_shard": "`I/N` when the run was split over hosts with `--kda-shard`: the share that wrote the row",
-    "env_suite_commit": "this suite's git commit, `+dirty` with uncommitted changes (`KDA_SUITE_COMMIT` when no git)",
-    "env_suite_commit_from": "`git`, or `KDA_SUITE_COMMIT` where that variable named the commit (it overrides git)",
-    "env_variables": "the environment variables set that can change a kernel's numbers or path, as JSON: "
-    "`TRITON_F32_DEFAULT`, `TRITON_INTERPRET`, every `KDA_*`, FLA's and AITER's switches, TF32 and BLAS settings "
-    "(paths and caches left out; reports/environment.py)",
+    "env_suite_commit": "this suite's commit, `+dirty` with uncommitted changes; `unknown` where it cannot be read",
+    "env_suite_commit_from": "where the commit was read: `KDA_SUITE_COMMIT` (it overrides the rest), `git` (the "
+    "project's own checkout only), `package metadata` (a pip install from a repository) or `unknown`",
+    "env_variables": "the environment variables set that can change a kernel's numbers or path, as JSON: every "
+    "`TRITON_*`, `TORCH_*`, `CUDA_*`, `HIP_*`, `ROCM_*`, `HSA_*`, `AITER_*`, `FLA_*`, `KDA_*`, cuBLAS/hipBLASLt, "
+    "oneDNN, thread counts, `MKL_CBWR`, `ATEN_CPU_CAPABILITY` (paths and caches left out; a value whose name "
+    "says credential, such as `*_TOKEN` or `*_KEY`, is `<redacted>`; reports/environment.py)",
     "env_hostname": "machine name",
     "env_date": "UTC time the run started, ISO 8601",
     "env_run_id": "the run id again, as stored in the environment file",
@@ -87,6 +94,8 @@ RECORD_COLUMNS: dict[str, str] = {
     "env_profile": "sweep profile (`smoke`, `ci`, `nightly`, `long`) of a profile run",
     "env_seed": "seed of a randomized profile's draw ('' when derandomized); rerun with it to get the same cases",
     "env_command": "the command line that produced the run (`kda-conformance ...` or `pytest ...`)",
+    "env_baseline": "`module.Class` of the baseline backend (`torch_chunk`) every limit derived from; "
+    "`kda_kernels.torch_chunk.TorchChunk` unless a plugin replaced it",
 }
 
 
@@ -114,10 +123,13 @@ def record_row(finding: Finding) -> dict:
         "check": finding.check,
         "subject": finding.subject,
         "observed": finding.observed,
+        "known_issue": finding.known_issue,
         **case_columns(case),
         "case_json": case.to_json(),
         "seconds": finding.seconds,
-        "reason": finding.reason,
+        # Why it failed (every problem, a finding about memory's as well as a tensor's), or what it did.
+        "reason": "; ".join(finding.problems) or finding.reason,
+        "first_bad": "" if finding.first_bad is None else str(finding.first_bad),
         "repro": finding.repro,
         "reference_form": finding.reference_form,
         "reference_seconds": finding.reference_seconds,
@@ -137,7 +149,6 @@ def record_row(finding: Finding) -> dict:
         "rel_rms": errors.rel_rms,
         "max_abs_over_ref_rms": errors.max_abs_over_ref_rms,
         "nonfinite": errors.nonfinite,
-        "first_bad": "" if finding.first_bad is None else str(finding.first_bad),
         "error_curve": ",".join(f"{x:.3g}" for x in errors.curve),
         "budget_baseline": budget.max_abs.baseline,
         "budget_floor": budget.max_abs.floor,
@@ -145,7 +156,6 @@ def record_row(finding: Finding) -> dict:
         "budget_binding": budget.max_abs.binding,
         "baseline_rel_rms": budget.rel_rms.baseline,
         "budget_rel_rms_binding": budget.rel_rms.binding,
-        "reason": "; ".join(finding.problems) or finding.reason,
     }
 
 
@@ -157,6 +167,125 @@ def record_rows(findings: Sequence[Finding], test: str | None = None) -> list[di
 
 # What a row must hold to be a record at all; the store skips (and names) rows and files without them.
 REQUIRED_COLUMNS = ("case_id", "backend", "verdict")
+# Every column's kind, for validating rows read back (a journal hand-edited, a file from another tool):
+# text, a number (NaN and inf allowed), a flag, or any scalar (the environment's values). Missing (null)
+# is allowed everywhere but in the required columns.
+NUMBER_COLUMNS = (
+    "seconds",
+    "reference_seconds",
+    "max_abs",
+    "rel_rms",
+    "max_abs_over_ref_rms",
+    "nonfinite",
+    "budget",
+    "ratio",
+    "budget_rel_rms",
+    "rel_rms_ratio",
+    "budget_baseline",
+    "budget_floor",
+    "budget_cap",
+    "baseline_rel_rms",
+    "env_multiprocessors",
+)
+FINITE_COLUMNS = ("seconds", "reference_seconds")  # times: a NaN or an infinity is not a time
+FLAG_COLUMNS = ("env_complete",)
+SCALAR_COLUMNS = tuple(c for c in RECORD_COLUMNS if c.startswith("env_") and c not in ("env_date", "env_complete"))
+# The case's own columns: their kinds from a case's row (lists are joined into text).
+_CASE_KINDS = {
+    name: "flag" if isinstance(value, bool) else "number" if isinstance(value, int | float) else "text"
+    for name, value in case_columns(Case(seq_lens=(1,))).items()
+}
+# Text a reader parses: comma-separated lengths, "seq:position" pairs.
+PATTERNS = {"case_seq_lens": r"^\d+(,\d+)*$", "case_checkpoints": r"^(\d+:\d+(;\d+:\d+)*)?$"}
+PATTERN_WORDS = {"case_seq_lens": "comma-separated lengths", "case_checkpoints": "seq:position pairs"}
+KIND_WORDS = {"text": "text", "number": "a number", "flag": "true or false", "scalar": "a single value"}
+
+
+def column_kind(column: str) -> str | None:
+    """``text``, ``number``, ``flag`` or ``scalar``; None for a column the schema does not know."""
+    if column in _CASE_KINDS:
+        return _CASE_KINDS[column]
+    if column in NUMBER_COLUMNS:
+        return "number"
+    if column in FLAG_COLUMNS:
+        return "flag"
+    if column in SCALAR_COLUMNS:
+        return "scalar"
+    return "text" if column in RECORD_COLUMNS else None
+
+
+# What pandas infers for a column that is wholly of a kind (nulls skipped).
+FITTING = {
+    "text": ("string", "empty"),
+    "number": ("floating", "integer", "mixed-integer-float", "empty"),
+    "flag": ("boolean", "empty"),
+    "scalar": ("string", "floating", "integer", "mixed-integer-float", "boolean", "empty"),
+}
+
+
+def _fits(value: object, kind: str) -> bool:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return True
+    if kind == "text":
+        return isinstance(value, str)
+    if kind == "flag":
+        return isinstance(value, bool | np.bool_)
+    if kind == "number":
+        return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool | np.bool_)
+    return isinstance(value, str | int | float | bool | np.generic)  # scalar
+
+
+def validate_records(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """The rows of ``frame`` that are records, field by field, and why the others are not (one line per
+    reason, with how many rows): a required column missing or empty, a verdict that is not one, a value of
+    the wrong kind, a time that is not finite, case text a reader cannot parse, case JSON that is not a
+    case. Number columns come back as floats."""
+    if frame.empty:
+        return frame, []
+    reasons: dict[str, pd.Series] = {}
+    for column in REQUIRED_COLUMNS:
+        values = frame[column] if column in frame else pd.Series(None, index=frame.index)
+        reasons[f"no {column}"] = ~values.map(lambda v: isinstance(v, str) and v != "")
+    if "verdict" in frame:
+        known = frame["verdict"].map(lambda v: isinstance(v, str) and v in VERDICTS).astype(bool)
+        reasons[f"a verdict that is not one of {', '.join(VERDICTS)}"] = ~known & ~reasons["no verdict"]
+    for column in frame.columns:
+        kind = column_kind(column)
+        if kind is None or column in REQUIRED_COLUMNS:
+            continue
+        if pd.api.types.infer_dtype(frame[column], skipna=True) in FITTING[kind]:
+            bad = pd.Series(False, index=frame.index)  # the whole column is of its kind (the common case)
+        else:
+            bad = ~frame[column].map(lambda v, kind=kind: _fits(v, kind)).astype(bool)
+        if bad.any():
+            reasons[f"{column} is not {KIND_WORDS[kind]}"] = bad
+        if column in FINITE_COLUMNS:
+            numbers = pd.to_numeric(frame[column].where(~bad), errors="coerce")
+            reasons[f"{column} is not finite"] = frame[column].notna() & ~bad & ~np.isfinite(numbers.fillna(0.0))
+        if column in PATTERNS:
+            unreadable = frame[column].map(lambda v, c=column: isinstance(v, str) and not re.match(PATTERNS[c], v))
+            reasons[f"{column} is not {PATTERN_WORDS[column]}"] = unreadable
+    if "case_json" in frame:
+        parses = {}
+        for text in {v for v in frame["case_json"] if isinstance(v, str)}:
+            try:
+                Case.from_json(text)
+                parses[text] = True
+            except Exception:  # any way a text can fail to be a case
+                parses[text] = False
+        reasons["case_json is not a case"] = frame["case_json"].map(lambda v: isinstance(v, str) and not parses[v])
+    bad = pd.Series(False, index=frame.index)
+    problems = []
+    for reason, rows in reasons.items():
+        rows = rows.astype(bool) & ~bad  # each skipped row named once, by its first reason
+        if rows.any():
+            problems.append(f"{int(rows.sum())} row(s) skipped: {reason}")
+        bad |= rows
+    valid = frame[~bad].reset_index(drop=True)
+    for column in valid.columns:
+        if column_kind(column) == "number":
+            valid[column] = pd.to_numeric(valid[column], errors="coerce").astype(float)
+    return conform_records(valid), problems
 
 
 def conform_records(frame: pd.DataFrame) -> pd.DataFrame:
@@ -166,15 +295,3 @@ def conform_records(frame: pd.DataFrame) -> pd.DataFrame:
     if not missing:
         return frame
     return pd.concat([frame, pd.DataFrame(math.nan, index=frame.index, columns=missing)], axis=1)
-
-
-def invalid_rows(frame: pd.DataFrame) -> pd.Series:
-    """Which rows are not records: a required column missing or empty, or a verdict that is not one."""
-    if frame.empty:
-        return pd.Series(False, index=frame.index)
-    bad = pd.Series(False, index=frame.index)
-    for column in REQUIRED_COLUMNS:
-        bad |= frame[column].isna() if column in frame else True
-    if "verdict" in frame:
-        bad |= ~frame["verdict"].isin(VERDICTS)
-    return bad

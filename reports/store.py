@@ -18,8 +18,8 @@ from pathlib import Path
 import pandas as pd
 
 from kda_reports.findings import VERDICTS
-from kda_reports.runfile import journal_is_live, run_id_of
-from kda_reports.schema import REQUIRED_COLUMNS, conform_records, invalid_rows
+from kda_reports.runfile import journal_is_live, read_journal, run_id_of
+from kda_reports.schema import REQUIRED_COLUMNS, validate_records
 
 RUN_SUFFIXES = (".parquet", ".partial.jsonl")
 
@@ -29,6 +29,11 @@ class Store:
     records: pd.DataFrame  # every readable row of every run, oldest run first
     runs: pd.DataFrame  # one row per run: id, date, completeness, counts, environment
     problems: list[str] = field(default_factory=list)  # files skipped or partly read, and why
+
+    @property
+    def complete_runs(self) -> pd.DataFrame:
+        """The runs that finished (every part of them), oldest first: what regressions compare."""
+        return self.runs[self.runs["status"] == COMPLETE].reset_index(drop=True)
 
 
 def _part(path: Path) -> str:
@@ -49,40 +54,15 @@ def _said(exc: Exception, width: int = 160) -> str:
     return textwrap.shorten(f"{type(exc).__name__}: {exc}", width, placeholder=" ...")
 
 
-def _read_jsonl(path: Path, problems: list[str]) -> pd.DataFrame:
-    rows, torn, shapeless = [], 0, 0
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            torn += 1
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-        else:
-            shapeless += 1
-    if torn:
-        problems.append(f"{path.name}: {torn} unreadable line(s) skipped (a run killed while writing)")
-    if shapeless:
-        problems.append(f"{path.name}: {shapeless} line(s) skipped: JSON, but not a record (an object)")
-    return pd.DataFrame(rows)
-
-
 def _valid(frame: pd.DataFrame, path: Path, problems: list[str]) -> pd.DataFrame:
-    """The rows of ``frame`` that are records (schema.invalid_rows), every schema column present."""
+    """The rows of ``frame`` that are records, field by field (schema.validate_records); the others named."""
     missing = [c for c in REQUIRED_COLUMNS if c not in frame]
     if missing:
         problems.append(f"{path.name}: not a run's records (no {', '.join(missing)} column); skipped")
         return frame.iloc[0:0]
-    bad = invalid_rows(frame)
-    if bad.any():
-        problems.append(
-            f"{path.name}: {int(bad.sum())} row(s) skipped: no case id, backend or verdict, or a verdict "
-            f"that is not one of {', '.join(VERDICTS)}"
-        )
-    return conform_records(frame[~bad].reset_index(drop=True))
+    valid, skipped = validate_records(frame)
+    problems += [f"{path.name}: {line}" for line in skipped]
+    return valid
 
 
 def _check_environment(path: Path, problems: list[str]) -> None:
@@ -107,7 +87,7 @@ def load_store(root: Path) -> Store:
         raise StoreError(f"the store {str(root)!r} is not a folder: give the folder runs were written to")
     runs_dir = root / "runs" if (root / "runs").is_dir() else root
     problems: list[str] = []
-    frames, seen = [], set()
+    frames, seen, live = [], set(), set()
     paths = sorted(p for p in runs_dir.glob("*") if p.name.endswith(RUN_SUFFIXES) and not p.name.startswith("."))
     # A finished part's records win over its partial journal (normally removed when the part finishes).
     # The parts of one run id (the shards several hosts wrote) are one run.
@@ -117,7 +97,7 @@ def load_store(root: Path) -> Store:
         if part in seen:
             continue
         try:
-            frame = pd.read_parquet(path) if path.suffix == ".parquet" else _read_jsonl(path, problems)
+            frame = pd.read_parquet(path) if path.suffix == ".parquet" else pd.DataFrame(read_journal(path, problems))
         except Exception as exc:  # a corrupt file must not stop the dashboard: name it and go on
             problems.append(f"{path.name}: not readable ({_said(exc)})")
             continue
@@ -135,6 +115,7 @@ def load_store(root: Path) -> Store:
         if path.name.endswith(".partial.jsonl"):
             frame["env_complete"] = False
             if journal_is_live(path):
+                live.add(run_id)
                 problems.append(f"{path.name}: a run in progress; its {len(frame)} records so far are shown")
             else:
                 problems.append(
@@ -142,16 +123,19 @@ def load_store(root: Path) -> Store:
                 )
         frames.append(frame)
     records = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    return Store(records, summarize_runs(records), problems)
+    return Store(records, summarize_runs(records, live), problems)
 
 
 ENV_SHOWN = ("env_date", "env_profile", "env_device_name", "env_arch", "env_suite_commit", "env_complete")
+# A run's status: finished; stopped before its end (interrupted, or its process died); still being written.
+COMPLETE, INCOMPLETE, IN_PROGRESS = "complete", "incomplete", "in progress"
 
 
-def summarize_runs(records: pd.DataFrame) -> pd.DataFrame:
-    """One row per run, oldest first: its environment and how many records passed, failed, erred, skipped."""
+def summarize_runs(records: pd.DataFrame, live: set[str] | frozenset[str] = frozenset()) -> pd.DataFrame:
+    """One row per run, oldest first: its status (``live``: the runs a process is still writing), its
+    environment and how many records passed, failed, erred, skipped."""
     if records.empty:
-        return pd.DataFrame(columns=["run_id", *ENV_SHOWN, *VERDICTS])
+        return pd.DataFrame(columns=["run_id", "status", *ENV_SHOWN, *VERDICTS])
     counts = pd.crosstab(records["run_id"], records["verdict"])
     for verdict in VERDICTS:
         if verdict not in counts:
@@ -160,4 +144,7 @@ def summarize_runs(records: pd.DataFrame) -> pd.DataFrame:
     if "env_complete" in records:  # a run of several parts finished when every part did
         env["env_complete"] = records.groupby("run_id")["env_complete"].all()
     runs = env.join(counts[list(VERDICTS)]).reset_index()
+    complete = runs["env_complete"].fillna(True).astype(bool) if "env_complete" in runs else True
+    status = pd.Series(INCOMPLETE, index=runs.index).where(~complete, COMPLETE)
+    runs.insert(1, "status", status.where(~runs["run_id"].isin(live), IN_PROGRESS))
     return runs.sort_values(["env_date", "run_id"] if "env_date" in runs else "run_id").reset_index(drop=True)

@@ -40,6 +40,8 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> lis
         for f in judge.result(truth.reference, served_result(served), truth.budgets, "checkpoint slots after the batch")
         if f.tensor == "checkpoint_states"
     ]
+    if any(f.failed for f in findings):  # a request resumed from a wrong checkpoint: judged at the batch alone
+        return findings
     for j, ((seq, position), slot) in enumerate(zip(case.checkpoints, plan.checkpoint_slots, strict=True)):
         _, start, end = case.row_spans[seq]
         if start + position == end:

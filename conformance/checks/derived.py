@@ -9,6 +9,7 @@ import torch
 
 from kda_cases.case import Case
 from kda_cases.materialize import KDAInputs, cu_seqlens_tensor, materialize
+from kda_conformance.running.runner import NotApplicable
 
 TOKEN_TENSORS = ("q", "k", "v", "g", "beta")
 
@@ -23,10 +24,10 @@ def split_inputs(inputs: KDAInputs, p: int) -> tuple[KDAInputs, Case]:
     """The prefix's inputs, and the case that describes the suffix (its state comes from the prefix run)."""
     case = inputs.case
     if case.packed:
-        raise ValueError("split_inputs takes [B, T] batches; packed cases split per sequence")
+        raise NotApplicable("split_inputs takes [B, T] batches; packed cases split per sequence")
     rows, T = case.num_seqs, case.seq_lens[0]
     if not 0 < p < T:
-        raise ValueError(f"split point p={p} must lie inside the sequence (0 < p < {T})")
+        raise NotApplicable(f"split point p={p} must lie inside the sequence (0 < p < {T})")
     prefix_case = case.replace(seq_lens=(p,) * rows, checkpoints=(), tags=(*case.tags, f"prefix of {case.id}"))
     suffix_case = case.replace(seq_lens=(T - p,) * rows, checkpoints=(), tags=(*case.tags, f"suffix of {case.id}"))
     return token_slice(inputs, 0, p, inputs.initial_state, prefix_case), suffix_case

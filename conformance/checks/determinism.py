@@ -23,7 +23,10 @@ NAME = "determinism"
 
 
 def largest_change(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest elementwise difference, infinite where one side is not finite and the other differs."""
+    """The largest elementwise difference, infinite where one side is not finite and the other differs (or
+    where the two runs did not even return the same shape)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return float("inf")
     differs = bits(a) != bits(b)
     if not bool(differs.any()):
         return 0.0

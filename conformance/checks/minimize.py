@@ -17,6 +17,7 @@ import torch
 from kda_cases.case import Case
 from kda_cases.shrink import size, smaller_cases
 from kda_conformance.checks.registry import Check, run_check
+from kda_kernels import guard
 from kda_kernels.protocol import Backend
 from kda_reports.findings import Finding
 
@@ -43,7 +44,7 @@ def failure_kinds(findings: list[Finding]) -> list[tuple[str, str]]:
 class Minimized:
     original: Case
     case: Case
-    failure: tuple[str, str]  # the (tensor, kind) kept
+    failure: tuple[str, str] | None  # the (tensor, kind) kept; None when the case does not fail
     findings: list[Finding]  # the minimal case's
     tried: int
     seconds: float
@@ -59,19 +60,20 @@ def minimize(
     budget_s: float = 300.0,
     progress: Callable[[str], None] | None = None,
 ) -> Minimized:
-    """The smallest case found that fails ``check`` as ``case`` does (ValueError when ``case`` passes)."""
+    """The smallest case found that fails ``check`` as ``case`` does (``failure`` None, and nothing tried,
+    when ``case`` does not fail: its findings say whether it passed or did not run)."""
     start, params, original = time.monotonic(), dict(params or {}), case
     findings = run_check(check, case, backend, device, params)
     kinds = failure_kinds(findings)
     if not kinds:
-        raise ValueError(f"{case.id} passes check {check.name} on {backend.name}: nothing to minimize")
+        return Minimized(original, case, None, findings, 0, time.monotonic() - start, False)
     wanted, tried = kinds[0], 0
 
     def fails(candidate: Case) -> list[Finding] | None:
         """The candidate's findings when it fails the same way (None otherwise, or outside the envelope)."""
         nonlocal tried
-        candidate = backend.fit(candidate)
-        if size(candidate) >= size(case) or not backend.supports(candidate):
+        candidate = guard.fit(backend, candidate)
+        if size(candidate) >= size(case) or not guard.supports(backend, candidate):
             return None
         tried += 1
         got = run_check(check, candidate, backend, device, params)

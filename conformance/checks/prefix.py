@@ -63,8 +63,11 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> lis
         return [dataclasses.replace(varies, reason=varies.reason + "; prefix invariance not judged")]
     before = first.o[:, :p]
     after = call_backend(backend, changed_after(inputs, p)).o[:, :p]
-    differs = (before != after) & ~(before.isnan() & after.isnan())
     subject = f"outputs before token {p}"
+    if before.shape != after.shape:
+        shapes = f"o of shape {list(after.shape)} (before {p}) for the changed inputs, {list(before.shape)} before"
+        return [judge.problem(subject, shapes, tensor="o")]
+    differs = (before != after) & ~(before.isnan() & after.isnan())
     if not bool(differs.any()):
         return [dataclasses.replace(judge.passed(subject, "o"), observed="equal")]
     change = largest_change(before, after)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -12,7 +13,10 @@ from hypothesis import strategies as st
 from kda_cases.case import Case
 from kda_cases.profiles import Profile
 from kda_cases.strategies import cases
+from kda_conformance.judging.judge import judge_for
+from kda_conformance.running.runner import blamed
 from kda_conformance.running.truth import CaseTruth, case_truth
+from kda_kernels import guard
 from kda_kernels.protocol import Backend
 from kda_reports.findings import Finding
 
@@ -85,12 +89,13 @@ def draw_case(
     data: st.DataObject, profile: Profile, backend: Backend, prepare: Callable[[Case, Backend], Case] = unchanged
 ) -> Case:
     """A case of ``profile`` moved into ``backend``'s envelope, prepared for the check."""
-    return data.draw(cases(profile).map(backend.fit).map(lambda case: prepare(case, backend)), label="case")
+    fit = functools.partial(guard.fit, backend)
+    return data.draw(cases(profile).map(fit).map(lambda case: prepare(case, backend)), label="case")
 
 
 def supported(backend: Backend, case: Case) -> None:
     """Outside the backend's envelope there is nothing to check for this example (not a failure)."""
-    assume(bool(backend.supports(case)))
+    assume(bool(guard.supports(backend, case)))
 
 
 def run_check(
@@ -99,4 +104,5 @@ def run_check(
     """``check`` on ``case`` (prepared for it) with ``params``, outside any Hypothesis test: what a repro
     line reruns."""
     prepared = check.prepare(case, backend)
-    return check.run(case_truth(prepared, device), backend, dict(params or {}))
+    judge = judge_for(check.name, prepared, backend.name, device, params)
+    return blamed(judge, device, lambda: check.run(case_truth(prepared, device), backend, dict(params or {})))

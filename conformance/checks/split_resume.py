@@ -13,9 +13,9 @@ from kda_cases.profiles import Profile
 from kda_cases.strategies import CHECKPOINT_GRIDS
 from kda_conformance.checks.derived import split_inputs, token_slice
 from kda_conformance.checks.registry import Check, Drawn, Param, draw_case, supported
-from kda_conformance.judging.judge import judge_for
+from kda_conformance.judging.judge import Judge, judge_for
 from kda_conformance.running.runner import call_backend
-from kda_conformance.running.truth import CaseTruth
+from kda_conformance.running.truth import CaseTruth, inputs_truth
 from kda_kernels.protocol import Backend
 from kda_reports.findings import Finding
 
@@ -47,11 +47,22 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> lis
     T = case.seq_lens[0]
     prefix_inputs, suffix_case = split_inputs(inputs, p)
     prefix = call_backend(backend, prefix_inputs)
+    # Step 1 against the truth of exactly its inputs: a prefix (or its final state) that is wrong is the
+    # backend's failure here, with its first bad point, and no suffix is resumed from it.
+    step1 = inputs_truth(prefix_inputs)
+    first = Judge(NAME, prefix_inputs.case, backend.name, judge.device, judge.repro)
+    judged = first.result(step1.reference, prefix, step1.budgets, "step 1: the prefix against its own truth")
+    if any(f.failed for f in judged):
+        return judged
     suffix = call_backend(backend, token_slice(inputs, p, T, prefix.final_state, suffix_case))
+    if suffix.o.dim() != 4 or suffix.o.shape[::2] != prefix.o.shape[::2] or suffix.o.shape[3] != prefix.o.shape[3]:
+        shapes = f"the suffix's o of shape {list(suffix.o.shape)} cannot follow the prefix's {list(prefix.o.shape)}"
+        return [*judged, judge.problem("o of the suffix", shapes, tensor="o")]
     whole = call_backend(backend, inputs)
     resumed = torch.cat([prefix.o, suffix.o], dim=1)
     reference, budgets = truth.reference, truth.budgets
     return [
+        *judged,
         judge.tensor("o", resumed, reference.o, budgets["o"], "o against the truth"),
         judge.tensor(
             "final_state",

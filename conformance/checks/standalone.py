@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from kda_cases.case import Case
+from kda_cases.files import atomic_write_text
 from kda_cases.materialize import cu_seqlens_tensor
 from kda_conformance.checks.served import serving_case
 from kda_conformance.running.truth import case_truth
@@ -148,5 +149,5 @@ def write_standalone(case: Case, backend: Backend, device: torch.device, poison:
         f"{poison}.\n\nCase: {served.to_json()}\nData: {data_path.name} (inputs, the poisoned pool and output "
         'buffer, the float64 truth, the limits).\n"""\n\nfrom pathlib import Path\n\nimport torch\n'
     )
-    path.write_text(header + source + "\n" + body)
+    atomic_write_text(path, header + source + "\n" + body)
     return path, data_path

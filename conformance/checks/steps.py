@@ -14,6 +14,7 @@ from kda_conformance.checks.derived import step_inputs
 from kda_conformance.checks.registry import Check, Drawn
 from kda_conformance.checks.served import draw_served, request_findings, serve, serving_case
 from kda_conformance.judging.judge import judge_for
+from kda_conformance.running.runner import NotApplicable
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels.protocol import Backend, BackendOutput
 from kda_kernels.serving import build_pool, new_out, plan_pool
@@ -29,7 +30,7 @@ def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
 def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> list[Finding]:
     case, inputs = truth.case, truth.inputs
     if case.max_len < 2:
-        raise ValueError(f"a two-step prefill needs a sequence of 2 tokens or more; {case.id} has {case.seq_lens}")
+        raise NotApplicable(f"a two-step prefill needs a sequence of 2 tokens or more; {case.id} has {case.seq_lens}")
     judge = judge_for(NAME, case, backend.name, inputs.device, params)
     plan = plan_pool(case.replace(checkpoints=()))
     spans = [(start, end) for _, start, end in case.row_spans]
@@ -41,17 +42,20 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> lis
     slots = list(plan.seq_slots)
     serve(backend, first, pool, plan.seq_slots, (case.has_initial_state,) * case.num_seqs, out1, padding=plan.padding)
     after_first = pool[slots].clone()
-    resumed = tuple(case.has_initial_state or c > s for (s, _), c in zip(spans, cuts, strict=True))
-    serve(backend, second, pool, plan.seq_slots, resumed, out2, padding=plan.padding)
-    keep = torch.tensor(resumed, device=inputs.device).view(-1, 1, 1, 1)
-    stored = torch.where(keep, after_first, torch.zeros_like(after_first))
     T1, T2 = first.case.total_tokens, second.case.total_tokens
-    return request_findings(
+    step1 = request_findings(
         judge,
         "two-step prefill, step 1 (first half of each sequence)",
         first,
         BackendOutput(o=out1[:, :T1], final_state=after_first),
-    ) + request_findings(
+    )
+    if any(f.failed for f in step1):  # step 2 would resume from what step 1 got wrong: judged at step 1 alone
+        return step1
+    resumed = tuple(case.has_initial_state or c > s for (s, _), c in zip(spans, cuts, strict=True))
+    serve(backend, second, pool, plan.seq_slots, resumed, out2, padding=plan.padding)
+    keep = torch.tensor(resumed, device=inputs.device).view(-1, 1, 1, 1)
+    stored = torch.where(keep, after_first, torch.zeros_like(after_first))
+    return step1 + request_findings(
         judge,
         "two-step prefill, step 2 (the rest, resumed from the slots)",
         dataclasses.replace(second, initial_state=stored),

@@ -23,6 +23,7 @@ from kda_conformance.cli import (
     repro,
     run,
 )
+from kda_conformance.cli.exits import INTERRUPTED
 
 COMMANDS: tuple[ModuleType, ...] = (
     run,
@@ -54,11 +55,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.command_line = "kda-conformance " + " ".join(shlex.quote(a) for a in _without_output_paths(argv))
-    console = Console(soft_wrap=True)  # long lines stay whole in a CI log, never cut at 80 columns
+    # Long lines stay whole in a CI log, never cut at 80 columns; text is printed as it is, never read as
+    # rich markup (a tag or a reason holding "[/]" would otherwise end the command).
+    console = Console(soft_wrap=True, markup=False)
     # A time limit's SIGTERM stops a sweep like Ctrl-C does, so the records so far are kept.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return {command.NAME: command for command in COMMANDS}[args.command].execute(args, console)
+    except KeyboardInterrupt:
+        console.print("interrupted", highlight=False)
+        return INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, previous)
 

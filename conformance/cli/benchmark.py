@@ -36,6 +36,7 @@ from rich.console import Console
 
 from kda_cases.case import Case
 from kda_cases.devices import synchronize
+from kda_cases.files import atomic_write_text
 from kda_cases.materialize import KDAInputs, materialize
 from kda_kernels import registry
 from kda_reference.chunked import DEFAULT_CHUNK, kda_chunked
@@ -226,5 +227,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def execute(args: argparse.Namespace, console: Console) -> int:
     lines = run_small(args) if args.small else run_benchmark(args)
     if args.table is not None:
-        args.table.write_text(f"Produced by `{args.command_line}`\n\n" + "\n".join(lines) + "\n")
+        atomic_write_text(args.table, f"Produced by `{args.command_line}`\n\n" + "\n".join(lines) + "\n")
     return 0

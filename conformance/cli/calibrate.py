@@ -9,8 +9,10 @@ import pandas as pd
 from rich.console import Console
 
 from kda_cases.case import GATE_REGIMES, INITIAL_STATES
+from kda_cases.files import atomic_write_text
 from kda_cases.grids import CALIBRATION_GATE_REGIMES, CALIBRATION_INITIAL_STATES, FIRST_SWEEP_LENGTHS, calibration_cases
-from kda_conformance.cli.common import add_backends, add_device, add_grid, add_out, choices, config_from_args
+from kda_conformance.cli.common import add_backends, add_device, add_grid, add_out, choices, config_from_args, say
+from kda_conformance.cli.exits import INTERRUPTED, verdict_exit
 from kda_conformance.cli.sweep import sweep
 from kda_conformance.running.session import Run
 from kda_reports.calibration import calibration_markdown, calibration_table
@@ -53,13 +55,13 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         try:
             frame = pd.concat([read_run(path) for path in args.records], ignore_index=True)
         except (OSError, ValueError) as exc:
-            console.print(f"[red]error:[/] --records: {exc}")
+            say(console, f"--records: {exc}", "error:", "red")
             return 2
         # The table names the commands that produced the runs, as the run files recorded them.
         commands = list(dict.fromkeys(frame["env_command"].dropna())) if "env_command" in frame else []
         write_table(frame, commands or ["(unknown)"], args.table, console)
         return 0
-    config = config_from_args(args, console)
+    config = config_from_args(args, console, writes=True)
     if config is None:
         return 2
     cases = calibration_cases(
@@ -73,10 +75,12 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     )
     result = sweep(Run(config), cases, console, args.verbose)
     for message in result.failures:
-        console.print(f"[red]FAIL[/] {message}", highlight=False, soft_wrap=True)
+        say(console, f"{message}", "FAIL", "red")
     write_table(result.frame, [args.command_line], args.table, console)
     console.print(f"records: {result.paths['records']}")
-    return 130 if result.interrupted else 0
+    if result.interrupted:
+        return INTERRUPTED
+    return verdict_exit(result.frame["verdict"], config.strict)  # the table is written either way
 
 
 def write_table(frame: pd.DataFrame, commands: list[str], table_path: Path | None, console: Console) -> None:
@@ -90,5 +94,5 @@ def write_table(frame: pd.DataFrame, commands: list[str], table_path: Path | Non
     text = calibration_markdown(table, commands, env)
     console.print(text, highlight=False, soft_wrap=True)
     if table_path is not None:
-        table_path.write_text(text)
+        atomic_write_text(table_path, text)
         console.print(f"table: {table_path}")

@@ -16,9 +16,12 @@ import pandas as pd
 from rich.console import Console
 
 from kda_cases.case import Case
+from kda_cases.files import atomic_write_text
 from kda_conformance.checks import CHECKS, run_check
 from kda_conformance.cli.common import add_backends, add_device, config_from_args, parse_case, typed
-from kda_kernels import registry
+from kda_conformance.cli.exits import PASSED, verdict_exit
+from kda_kernels import guard, registry
+from kda_kernels.guard import BackendFault
 from kda_kernels.serving import POISON_MODES
 
 NAME = "checks"
@@ -79,10 +82,14 @@ def run_table(backends: list[str], device, case: Case, console: Console) -> pd.D
     rows = []
     for name in backends:
         backend = registry.get(name)
-        available = backend.availability(device)
         for check in CHECKS.values():
-            fitted = check.prepare(backend.fit(case), backend)
-            supported = backend.supports(fitted)
+            try:
+                available = guard.availability(backend, device)
+                fitted = check.prepare(guard.fit(backend, case), backend)
+                supported = guard.supports(backend, fitted)
+            except BackendFault as fault:
+                rows.append(_row(name, check.name, "", "", "error", fault.reason))
+                continue
             reason = available.reason if not available else check.requires(backend) or supported.reason
             if not available or not supported or reason:
                 rows.append(_row(name, check.name, "", "", "skip", reason))
@@ -124,7 +131,9 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         if config is None:
             return 2
         case = args.case or TABLE_CASE
-        table = summary(run_table(list(config.backends), config.device, case, console))
+        rows = run_table(list(config.backends), config.device, case, console)
+        code = verdict_exit(rows["verdict"], config.strict)
+        table = summary(rows)
         text = (
             f"Produced by `{args.command_line}` on {config.environment().get('device_name', '')}: every check "
             f"on case {case.id} ({case.label}), moved into each backend's envelope; one row per backend, "
@@ -134,5 +143,5 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         )
     console.print(text, markup=False, highlight=False, soft_wrap=True)
     if args.table is not None:
-        args.table.write_text(text)
-    return 0
+        atomic_write_text(args.table, text)
+    return code if args.run else PASSED

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
+from rich.text import Text
 
 from kda_cases.case import Case
 from kda_cases.corpus import load_corpus
@@ -68,6 +69,13 @@ def parse_case(text: str) -> Case:
         raise ValueError(f"--case: not a valid case: {exc}") from None
 
 
+def say(console: Console, text: str, label: str = "", style: str = "") -> None:
+    """One line on the console, printed as it is: text from kernels, cases and users (a tag, a reason, a
+    case's JSON) is never read as rich markup; ``label`` goes before it in ``style``."""
+    line = Text(f"{label} ", style=style) + Text(text) if label else Text(text)
+    console.print(line, highlight=False, soft_wrap=True)
+
+
 def add_device(parser: argparse.ArgumentParser, default: str = "auto") -> None:
     parser.add_argument("--device", default=default, help=f"auto, cpu, cuda or cuda:N (default: {default})")
 
@@ -107,7 +115,7 @@ def missing_params(check: Check, params: dict[str, object], console: Console) ->
     """Say which of ``check``'s parameters were not given; True when any is missing."""
     missing = [name for name, value in params.items() if value is None]
     if missing:
-        console.print(f"[red]error:[/] check {check.name} needs " + ", ".join(f"--{name}" for name in missing))
+        say(console, f"check {check.name} needs " + ", ".join(f"--{name}" for name in missing), "error:", "red")
     return bool(missing)
 
 
@@ -149,6 +157,16 @@ def add_grid(parser: argparse.ArgumentParser, default_dtypes: tuple[str, ...]) -
     parser.add_argument("-v", "--verbose", action="store_true", help="print each record as it is measured")
 
 
+def add_strict(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        default=None,
+        help="warnings (nondeterminism, garbage past the tokens, a known issue that no longer reproduces) and "
+        "backends that cannot run fail the run instead of passing or skipping (also KDA_STRICT=1)",
+    )
+
+
 def add_regressions(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=5, help="earlier runs a run is compared with (default: 5)")
     parser.add_argument(
@@ -182,19 +200,23 @@ def add_isolation(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_CASE_TIMEOUT,
         metavar="S",
-        help=f"with --isolate: seconds one case may take on one backend (default: {DEFAULT_CASE_TIMEOUT:g})",
+        help=f"seconds one case may take on one backend (default: {DEFAULT_CASE_TIMEOUT:g}); past it the case is "
+        "recorded as hung: with --isolate its worker process is killed and the sweep goes on, without it the sweep "
+        "stops there (exit 3)",
     )
 
 
-def config_from_args(args: argparse.Namespace, console: Console) -> RunConfig | None:
-    """The run's configuration from a command's options; an option that is not allowed is printed (None)."""
+def config_from_args(args: argparse.Namespace, console: Console, writes: bool = False) -> RunConfig | None:
+    """The run's configuration from a command's options; an option that is not allowed is printed (None), and
+    so, for a command that ``writes`` a run, is an output folder it cannot write (full, read-only) or a run
+    id that is there already."""
     grid = None
     if hasattr(args, "dtypes"):
         lengths = {"lengths": tuple(args.lengths)} if args.lengths else {}
         seed = args.seed or 0
         grid = Grid(**lengths, dtypes=tuple(args.dtypes), heads=args.heads, head_dim=args.head_dim, seed=seed)
     try:
-        return build_config(
+        config = build_config(
             device=args.device,
             backends=args.backends,
             default_backends=CLI_DEFAULT_BACKENDS,
@@ -206,9 +228,15 @@ def config_from_args(args: argparse.Namespace, console: Console) -> RunConfig | 
             out=getattr(args, "out", DEFAULT_OUT),
             reference_form=getattr(args, "reference_form", None),
             isolate=getattr(args, "isolate", None),
-            case_timeout=getattr(args, "case_timeout", DEFAULT_CASE_TIMEOUT),
+            case_timeout=getattr(args, "case_timeout", None),
+            strict=getattr(args, "strict", None),
             command=args.command_line,
         )
     except ConfigError as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False)
+        say(console, f"{exc}", "error:", "red")
         return None
+    problem = config.output_problem() if writes else None
+    if problem:
+        say(console, f"--out: {problem}", "error:", "red")
+        return None
+    return config

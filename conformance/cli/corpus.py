@@ -9,7 +9,7 @@ from rich.console import Console
 
 from kda_cases.case import Case
 from kda_cases.corpus import CORPUS_DIR, load_corpus, save_case
-from kda_conformance.cli.common import parse_case, typed
+from kda_conformance.cli.common import parse_case, say, typed
 from kda_reports.runfile import read_run
 
 NAME = "corpus"
@@ -29,10 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def execute(args: argparse.Namespace, console: Console) -> int:
     if args.corpus_command == "list":
         for entry in load_corpus():
-            console.print(f"{entry.case.id}  {entry.case.label}  [dim]{entry.why}[/]", highlight=False)
+            say(console, f"{entry.case.id}  {entry.case.label}  {entry.why}")
         return 0
     if (args.case is None) == (args.from_run is None):
-        console.print("[red]error:[/] corpus add takes exactly one of --case and --from-run")
+        say(console, "corpus add takes exactly one of --case and --from-run", "error:", "red")
         return 2
     if args.case is not None:
         found = [(args.case, args.why or "added by hand")]
@@ -40,7 +40,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         try:
             frame = read_run(args.from_run)
         except (OSError, ValueError) as exc:
-            console.print(f"[red]error:[/] --from-run: {exc}")
+            say(console, f"--from-run: {exc}", "error:", "red")
             return 2
         bad = frame[frame["verdict"].isin(["fail", "error"])].drop_duplicates("case_id")
         why = args.why or f"failed in run {frame['run_id'].iloc[0] if len(frame) else '?'}"

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import pandas as pd
 from rich.console import Console
 
-from kda_conformance.cli.common import add_regressions
+from kda_conformance.cli.common import add_regressions, say
+from kda_conformance.cli.exits import ERRORED, FAILED, PASSED, USAGE
 from kda_reports.dashboard import build_dashboard
 from kda_reports.runfile import DEFAULT_OUT
 from kda_reports.store import StoreError, load_store
@@ -19,30 +21,50 @@ HELP = "build the HTML tolerance dashboard from a run store"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", type=Path, default=DEFAULT_OUT, help="the store: a run folder (default: ./out)")
     parser.add_argument("--html", type=Path, default=None, help="where to write it (default: STORE/dashboard.html)")
+    parser.add_argument(
+        "--fail-on-flags",
+        action="store_true",
+        help="exit 1 when the last complete run has regression flags (other than fixed ones), for CI",
+    )
     add_regressions(parser)
 
 
-def rebuild_dashboard(store_dir: Path, html: Path | None, window: int, growth: float, console: Console) -> None:
-    """The dashboard of every run under ``store_dir``, and the regressions it flags, printed."""
+def rebuild_dashboard(store_dir: Path, html: Path | None, window: int, growth: float, console: Console) -> pd.DataFrame:
+    """The dashboard of every run under ``store_dir``; the regressions it flags, printed and returned."""
     store = load_store(store_dir)
     for problem in store.problems:
-        console.print(f"[yellow]store:[/] {problem}", highlight=False)
+        say(console, f"{problem}", "store:", "yellow")
     target = html or Path(store_dir) / "dashboard.html"
     path, regressions = build_dashboard(store, target, window, growth)
     for row in regressions.itertuples():
-        console.print(
-            f"[red]{row.kind}[/] {row.backend} {row.family} {row.tensor}: worst {row.tonight:.3g} "
-            f"(before {row.before:.3g}); {row.cause}" + (f"\n  repro: {row.repro}" if row.repro else ""),
-            highlight=False,
-            soft_wrap=True,
+        say(
+            console,
+            f"{row.backend} {row.family} {row.tensor}: worst {row.tonight:.3g} (before {row.before:.3g}); {row.cause}"
+            + (f"\n  repro: {row.repro}" if row.repro else ""),
+            row.kind,
+            "red",
         )
-    console.print(f"{len(store.runs)} runs, {len(regressions)} flags; dashboard: {path}")
+    complete = len(store.complete_runs)
+    console.print(f"{len(store.runs)} runs ({complete} complete), {len(regressions)} flags; dashboard: {path}")
+    return regressions
+
+
+def after_run(store_dir: Path, window: int, growth: float, console: Console, code: int) -> int:
+    """The dashboard rebuilt after a run, and the run's exit code: the run's own, but where the dashboard
+    cannot be built (the suite's fault, said so) a passing run says ERRORED."""
+    try:
+        rebuild_dashboard(store_dir, None, window, growth, console)
+    except Exception as exc:  # the run's records are written; the page is the suite's problem, named
+        say(console, f"the dashboard was not rebuilt (the suite's error): {type(exc).__name__}: {exc}", "error:", "red")
+        return ERRORED if code == PASSED else code
+    return code
 
 
 def execute(args: argparse.Namespace, console: Console) -> int:
     try:
-        rebuild_dashboard(args.store, args.html, args.window, args.growth, console)
+        regressions = rebuild_dashboard(args.store, args.html, args.window, args.growth, console)
     except StoreError as exc:
-        console.print(f"[red]error:[/] --store: {exc}", highlight=False)
-        return 2
-    return 0
+        say(console, f"--store: {exc}", "error:", "red")
+        return USAGE
+    flagged = regressions[regressions["kind"] != "fixed"] if not regressions.empty else regressions
+    return FAILED if args.fail_on_flags and not flagged.empty else PASSED

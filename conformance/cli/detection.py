@@ -15,8 +15,10 @@ import pandas as pd
 from rich.console import Console
 
 from kda_cases.coverage import coverage_markdown
+from kda_cases.files import atomic_write_text
 from kda_cases.profiles import PROFILES
 from kda_conformance.checks import CHECKS
+from kda_conformance.cli.common import say
 from kda_kernels import registry
 from kda_reports.detection import detection_markdown, detection_problems, detection_table
 from kda_reports.runfile import DEFAULT_OUT, read_run, record_coverage
@@ -109,10 +111,10 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         names = [*args.backends, *(from_plugins if args.plugin_backends else [])] if args.backends else from_plugins
         backends = {name: registry.get(name) for name in names}
     except (KeyError, registry.PluginError) as exc:
-        console.print(f"[red]error:[/] {exc.args[0]}")
+        say(console, f"{exc.args[0]}", "error:", "red")
         return 2
     if not names:
-        console.print("[red]error:[/] no backends: name them with --backend, or load a plugin that registers some")
+        say(console, "no backends: name them with --backend, or load a plugin that registers some", "error:", "red")
         return 2
     # The plugins' backends (all of them by default, or with --plugin-backends) are the planted bugs, which
     # must be caught; the backends named with --backend are correct ones, which must pass.
@@ -133,8 +135,8 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         markdown += reached + "\n"
     console.print(markdown, markup=False, highlight=False, soft_wrap=True)
     if args.table is not None:
-        args.table.write_text(markdown)
+        atomic_write_text(args.table, markdown)
     problems = detection_problems(run.table, planted)
     for problem in problems:
-        console.print(f"[red]detection:[/] {problem}", highlight=False, soft_wrap=True)
+        say(console, f"{problem}", "detection:", "red")
     return 1 if problems else 0

@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 from rich.console import Console
 
+from kda_conformance.cli.common import say
 from kda_reports.runfile import read_run
 from kda_reports.store import load_store
 
@@ -48,7 +49,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     try:
         before, after = records(args.before), records(args.after)
     except (OSError, ValueError) as exc:
-        console.print(f"[red]error:[/] {exc}")
+        say(console, f"{exc}", "error:", "red")
         return 2
     ignored = set(IGNORED) | set(args.ignore)
     columns_before = {c for c in before.columns if c not in ignored}

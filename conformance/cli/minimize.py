@@ -20,8 +20,10 @@ from kda_conformance.cli.common import (
     config_from_args,
     missing_params,
     parse_case,
+    say,
     typed,
 )
+from kda_conformance.cli.exits import PASSED, verdict_exit
 from kda_conformance.judging.repro import BUDGET_CHECK, repro_line
 from kda_kernels import registry
 from kda_reports.findings import FAILED
@@ -79,13 +81,13 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         try:
             case, backend_name, check_name, given = _first_failure(args.from_run)
         except (OSError, ValueError) as exc:
-            console.print(f"[red]error:[/] --from-run: {exc}", highlight=False)
+            say(console, f"--from-run: {exc}", "error:", "red")
             return 2
         check = get_check(check_name)
         params = {p.name: p.parse(given[p.name]) if p.name in given else None for p in check.params}
     else:
         if not args.backend:
-            console.print("[red]error:[/] --case needs --backend NAME")
+            say(console, "--case needs --backend NAME", "error:", "red")
             return 2
         case, backend_name, check = args.case, args.backend, get_check(args.check)
         params = {p.name: getattr(args, p.name) for p in check.params}
@@ -97,19 +99,23 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         return 2
     device, backend = config.device, registry.get(backend_name)
     console.print(f"minimizing {case.id} ({case.label}) on {backend.name}, check {check.name}", highlight=False)
-    try:
-        result = minimize(
-            check,
-            check.prepare(case, backend),
-            backend,
-            device,
-            params,
-            args.budget_s,
-            progress=lambda line: console.print(f"  {line}", highlight=False),
-        )
-    except ValueError as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False)
-        return 2
+    result = minimize(
+        check,
+        check.prepare(case, backend),
+        backend,
+        device,
+        params,
+        args.budget_s,
+        progress=lambda line: console.print(f"  {line}", highlight=False),
+    )
+    code = verdict_exit((f.verdict for f in result.findings), config.strict)
+    if result.failure is None:
+        for finding in result.findings:
+            if finding.verdict == "skip":
+                say(console, finding.message(repro=False), "skip", "yellow")
+        what = "passes" if code == PASSED else "did not run"
+        say(console, f"{case.id} {what} check {check.name} on {backend.name}: nothing to minimize", "no failure:")
+        return code
     small = result.case
     how = "the time budget ran out" if result.stopped_by_budget else "no smaller case fails the same way"
     console.print(
@@ -125,4 +131,4 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     if args.write_test is not None:
         test, data = write_standalone(small, backend, device, str(params.get("poison") or "nan"), args.write_test)
         console.print(f"standalone test: {test} (data {data}); run it with: pytest {test}")
-    return 0
+    return code  # the minimal case's verdict: 1 when it fails, 3 when it raises

@@ -19,8 +19,8 @@ from pathlib import Path
 from rich.console import Console
 
 from kda_cases.profiles import PROFILES
-from kda_conformance.cli.common import add_backends, add_device, add_reference_form, add_regressions
-from kda_conformance.cli.dashboard import rebuild_dashboard
+from kda_conformance.cli.common import add_backends, add_device, add_reference_form, add_regressions, add_strict, say
+from kda_conformance.cli.dashboard import after_run
 from kda_conformance.running.config import ConfigError, build_config
 
 NAME = "nightly"
@@ -54,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds one check of one case may take (default: 900)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="print each record as it is measured")
+    add_strict(parser)
     add_regressions(parser)
     add_reference_form(parser)
 
@@ -74,6 +75,7 @@ def pytest_command(args: argparse.Namespace, run_id: str) -> list[str]:
     command += [arg for option, value in options.items() if value is not None for arg in (option, str(value))]
     command += [arg for module in args.plugin for arg in ("--kda-plugin", module)]
     command += [arg for name in args.backends or () for arg in ("--kda-backend", name)]
+    command += ["--kda-strict"] if args.strict else []
     return command + (["-v"] if args.verbose else [])
 
 
@@ -90,9 +92,14 @@ def execute(args: argparse.Namespace, console: Console) -> int:
             reference_form=args.reference_form,
             run_id=args.run_id,
             shard=args.shard,
+            strict=args.strict,
         )
     except ConfigError as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False)
+        say(console, f"{exc}", "error:", "red")
+        return 2
+    problem = config.output_problem()
+    if problem:
+        say(console, f"--store: {problem}", "error:", "red")
         return 2
     command = pytest_command(args, config.run_id)
     console.print(f"nightly run {config.run_id}: " + " ".join(command[1:]), highlight=False, soft_wrap=True)
@@ -104,9 +111,8 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         "TRITON_CACHE_AUTOTUNING": os.environ.get("TRITON_CACHE_AUTOTUNING", "1"),
     }
     returncode = _run_pytest(command, env, console)
-    rebuild_dashboard(args.store, None, args.window, args.growth, console)
     # pytest's exit codes: 1 when a test failed; an interrupted or broken night is not a kernel failure.
-    return returncode
+    return after_run(args.store, args.window, args.growth, console, returncode)
 
 
 def _run_pytest(command: list[str], env: dict[str, str], console: Console) -> int:

@@ -19,9 +19,14 @@ from kda_conformance.cli.common import (
     config_from_args,
     missing_params,
     parse_case,
+    say,
     typed,
 )
-from kda_kernels import registry
+from kda_conformance.cli.exits import ERRORED, NOTHING_RAN, PASSED, verdict_exit
+from kda_conformance.judging.judge import judge_for
+from kda_conformance.running.runner import fault_finding
+from kda_kernels import guard, registry
+from kda_kernels.guard import BackendFault
 
 NAME = "repro"
 HELP = "rerun one check on one case, say where it goes wrong, and write a standalone test"
@@ -59,16 +64,22 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     if config is None:
         return 2
     device, backend = config.device, registry.get(args.backend)
-    available = backend.availability(device)
-    if not available:
-        console.print(f"[red]error:[/] {backend.name} cannot run on {device}: {available.reason}")
-        return 2
     params = {p.name: getattr(args, p.name) for p in check.params}
     if check.name == "poison" and params["poison"] is None:
         params["poison"] = DEFAULT_POISON
     if missing_params(check, params, console):
         return 2
     case = check.prepare(args.case, backend)
+    judge = judge_for(check.name, case, backend.name, device, params)
+    try:
+        available = guard.availability(backend, device)
+        supported = guard.supports(backend, case) if available else available
+    except BackendFault as fault:
+        say(console, fault_finding(judge, fault).message(repro=False), "ERROR", "red")
+        return ERRORED
+    if not supported:
+        say(console, f"{backend.name} does not run this case on {device}: {supported.reason}", "nothing ran:", "yellow")
+        return NOTHING_RAN
     shown = "".join(f", {name} {value}" for name, value in params.items())
     console.print(
         f"{case.id} ({case.label}) on {backend.name}, {device}, check {check.name}{shown}",
@@ -78,18 +89,18 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     if check.suite == "serving":
         for line in plan_lines(case):
             console.print(line, highlight=False)
-    try:
-        findings = run_check(check, case, backend, device, params)
-    except ValueError as exc:
-        console.print(f"[red]error:[/] {exc}")
-        return 2
-    failed = [f for f in findings if f.failed]
-    for finding in failed:
-        console.print(f"[red]FAIL[/] {finding.message(repro=False)}", highlight=False, soft_wrap=True)
-    if not failed:
-        console.print(f"[green]no finding[/]: check {check.name} passes on this case")
+    findings = run_check(check, case, backend, device, params)
+    for finding in findings:
+        if finding.failed or finding.verdict == "skip":
+            label, style = {"fail": ("FAIL", "red"), "error": ("ERROR", "red")}.get(finding.verdict, ("skip", "yellow"))
+            say(console, finding.message(repro=False), label, style)
+    code = verdict_exit((f.verdict for f in findings), config.strict)
+    if code == PASSED:
+        say(console, f"check {check.name} passes on this case", "no finding:", "green")
+    elif code == NOTHING_RAN:
+        say(console, f"check {check.name} did not run on this case (see the skip above)", "nothing ran:", "yellow")
     if args.write_test is not None:
         poison = args.poison or DEFAULT_POISON
         test, data = write_standalone(args.case, backend, device, poison, args.write_test)
         console.print(f"standalone test: {test} (data {data}); run it with: pytest {test}")
-    return 1 if failed else 0
+    return code

@@ -18,16 +18,20 @@ from kda_conformance.cli.common import (
     add_out,
     add_reference_form,
     add_regressions,
+    add_strict,
     config_from_args,
     parse_case,
+    say,
     typed,
 )
-from kda_conformance.cli.dashboard import rebuild_dashboard
+from kda_conformance.cli.dashboard import after_run
+from kda_conformance.cli.exits import ERRORED, FAILED, INTERRUPTED, NOTHING_RAN, PASSED, USAGE, verdict_exit
 from kda_conformance.cli.sweep import SweepResult, sweep
-from kda_conformance.running.config import RunConfig
+from kda_conformance.running.config import RunConfig, baseline_warning
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
-from kda_reports.console import record_table
+from kda_reports.console import record_table, stale_lines
+from kda_reports.findings import stale_known_issues
 
 NAME = "run"
 HELP = "run the conformance sweep and write a report"
@@ -58,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="exit 0 when no case ran (every backend skipped every case); by default that is exit 5",
     )
+    add_strict(parser)
     add_regressions(parser)
     add_isolation(parser)
     add_reference_form(parser)
@@ -86,54 +91,61 @@ def profile_cases(config: RunConfig, examples: int | None, console: Console) -> 
     return pinned + drawn
 
 
-NOTHING_RAN = 5  # as pytest's "no tests ran"
-
-
-def report(result: SweepResult, console: Console, allow_empty: bool = False) -> int:
-    """The summary of a finished sweep on the terminal; the exit code (1 when a case failed or a backend
-    raised, 5 when nothing ran, unless ``allow_empty``, 130 when the sweep was stopped)."""
+def report(result: SweepResult, console: Console, allow_empty: bool = False, strict: bool = False) -> int:
+    """The summary of a finished sweep on the terminal; the exit code (cli/exits.py: 1 when a check failed,
+    3 when nothing failed but something raised, crashed or hung, 5 when nothing ran, unless ``allow_empty``,
+    130 when the sweep was stopped; under ``strict`` a warning or a retired known issue fails)."""
     frame, paths = result.frame, result.paths
     if result.interrupted:
         console.print(f"partial records: {paths['records']}")
-        return 130
+        return INTERRUPTED
     for line in record_table(frame.to_dict("records")):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
     for row in frame[frame["verdict"] == "skip"].itertuples():
-        console.print(f"[yellow]skip[/] {row.backend} {row.case_id} ({row.label}): {row.reason}")
+        say(console, f"{row.backend} {row.case_id} ({row.label}): {row.reason}", "skip", "yellow")
     for message in result.failures:
-        console.print(f"[red]FAIL[/] {message}", highlight=False, soft_wrap=True)
+        say(console, f"{message}", "FAIL", "red")
     if result.stopped:
-        console.print(f"[red]stopped:[/] {result.stopped}", highlight=False, soft_wrap=True)
+        say(console, f"{result.stopped}", "stopped:", "red")
     counts = frame["verdict"].value_counts().to_dict()
     console.print(f"run {frame['run_id'].iloc[0]}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     console.print(f"records: {paths['records']}\nsummary: {paths['summary_md']}")
     console.print("suite time by stage: " + "\n  ".join(CLOCK.lines()), highlight=False)
-    if counts.get("fail") or counts.get("error") or result.stopped:
-        return 1
-    if not set(counts) - {"skip", "resource"} and not allow_empty:
+    stale = stale_known_issues(frame)
+    for line in stale_lines(stale, strict):
+        say(console, line)
+    code = verdict_exit(counts, strict)
+    if code == PASSED and strict and not stale.empty:
+        return FAILED
+    if code == NOTHING_RAN and not allow_empty:
         reasons = frame["reason"].fillna("").value_counts()
-        console.print(
-            f"[red]nothing ran:[/] no case ran on any selected backend ({len(frame)} records, all skipped or out "
-            f"of memory); the most common reason: {reasons.index[0]!r}. Pass --allow-empty to accept such a run.",
-            highlight=False,
-            soft_wrap=True,
+        say(
+            console,
+            f"no case ran on any selected backend ({len(frame)} records, all skipped or out of memory); the most "
+            f"common reason: {reasons.index[0]!r}. Pass --allow-empty to accept such a run.",
+            "nothing ran:",
+            "red",
         )
         return NOTHING_RAN
-    return 0
+    return PASSED if code == NOTHING_RAN else code
 
 
 def execute(args: argparse.Namespace, console: Console) -> int:
-    config = config_from_args(args, console)
+    config = config_from_args(args, console, writes=True)
     if config is None:
-        return 2
+        return USAGE
     config.export()  # isolated case processes inherit the reference form
+    replaced = baseline_warning()
+    if replaced:
+        say(console, replaced, "warning:", "yellow")
     if args.cases:
         cases = list(args.cases)
     elif config.profile is not None:
         cases = profile_cases(config, args.examples, console)
     else:
         cases = config.grid.cases()
-    code = report(sweep(Run(config), cases, console, args.verbose), console, args.allow_empty)
-    if args.dashboard and code != 130:
-        rebuild_dashboard(config.out, None, args.window, args.growth, console)
+    run = Run(config, hung_exit=ERRORED)  # a hung case (--case-timeout) ends the sweep: an error
+    code = report(sweep(run, cases, console, args.verbose), console, args.allow_empty, config.strict)
+    if args.dashboard and code != INTERRUPTED:
+        code = after_run(config.out, args.window, args.growth, console, code)
     return code

@@ -13,7 +13,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kda_cases.case import Case
+from kda_conformance.cli.common import say
 from kda_conformance.judging.repro import BUDGET_CHECK
+from kda_conformance.running.config import DEFAULT_CASE_TIMEOUT
 from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.isolation import run_cases_isolated
 from kda_conformance.running.runner import run_backend
@@ -40,7 +42,8 @@ def _findings(run: Run, cases: Sequence[Case]) -> Iterator[list[Finding]]:
     the run keeping it for the next backend), or each case in a worker process with ``--isolate``."""
     config = run.config
     if config.isolate:
-        yield from run_cases_isolated(cases, config.backends, config.device, config.plugins, config.case_timeout)
+        timeout = config.case_timeout or DEFAULT_CASE_TIMEOUT
+        yield from run_cases_isolated(cases, config.backends, config.device, config.plugins, timeout)
         return
     backends = [registry.get(name) for name in config.backends]
     for case in cases:
@@ -84,7 +87,7 @@ def sweep(run: Run, cases: Sequence[Case], console: Console, verbose: bool = Fal
                         highlight=False,
                     )
         except KeyboardInterrupt:
-            console.print(f"[yellow]interrupted after {len(run.rows)} records; writing them[/]")
+            say(console, f"after {len(run.rows)} records; writing them", "interrupted", "yellow")
             interrupted = True
         except DeviceLost as lost:
             # This process's device context is dead: record the case that killed it and stop, saying so.

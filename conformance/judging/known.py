@@ -1,8 +1,12 @@
 """The ledger of known upstream problems (``conformance/known_issues.toml``), applied to findings.
 
-A failed finding that matches an entry becomes ``known`` while its worst error/limit stays within the
-entry's ``worst`` x ``growth``, and stays a failure (saying so) beyond it. A passing finding that matches an
-entry marked ``always_fails`` is a failure: the problem no longer reproduces, and the entry must go.
+An entry matches an issue: a backend on a family of cases (case fields, device, environment, the check and
+what it observed), and the tensors it lists (all, by default). Applied to the findings of one check on one
+case, a failed finding that matches an entry becomes ``known`` while its worst error/limit stays within the
+entry's ``worst`` x ``growth``, and stays a failure (saying so) beyond it; a finding of the same case that
+passes stays a pass (an issue of the output need not spoil the state). Every finding an entry matched
+carries the entry's id (``known_issue``), so a run can tell, over all its cases, an entry that no longer
+reproduces (``kda_reports.findings.stale_known_issues``): a warning, and a failure under --kda-strict.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class KnownIssue:
     when: dict[str, tuple] = field(default_factory=dict)
     environment: dict[str, tuple[str, ...]] = field(default_factory=dict)
     observed: tuple[str, ...] = ()  # what the check observed (the finding's `observed`), where that matters
+    tensors: tuple[str, ...] = ()  # the tensors it lets fail (default: every tensor)
+    confirmed: str = ""  # how the cause was confirmed (a rerun that makes it go away, say)
 
     @property
     def allowed(self) -> float:
@@ -43,6 +49,8 @@ class KnownIssue:
 
     def matches(self, finding: Finding) -> bool:
         if finding.backend not in self.backends or (self.checks and finding.check not in self.checks):
+            return False
+        if self.tensors and finding.tensor not in self.tensors:
             return False
         if self.device and finding.device.split(":")[0] != self.device:
             return False
@@ -65,6 +73,7 @@ def load_ledger(path: Path = LEDGER) -> tuple[KnownIssue, ...]:
                     "backends": tuple(entry["backends"]),
                     "checks": tuple(entry.get("checks", ())),
                     "observed": tuple(entry.get("observed", ())),
+                    "tensors": tuple(entry.get("tensors", ())),
                     "when": {k: tuple(v) for k, v in entry.get("when", {}).items()},
                     "environment": {k: tuple(v) for k, v in entry.get("environment", {}).items()},
                 }
@@ -73,6 +82,8 @@ def load_ledger(path: Path = LEDGER) -> tuple[KnownIssue, ...]:
             raise ValueError(
                 f"{Path(path).name}: issue {number} ({entry.get('id', '?')}) is not valid: {exc}"
             ) from None
+        if not issue.confirmed:
+            raise ValueError(f"{Path(path).name}: issue {number} ({issue.id}) does not say how it was confirmed")
         issues.append(issue)
     return tuple(issues)
 
@@ -83,12 +94,12 @@ def ledger() -> tuple[KnownIssue, ...]:
 
 
 def apply_known(findings: Iterable[Finding], issues: Iterable[KnownIssue] | None = None) -> list[Finding]:
-    """``findings`` with the ledger applied (see the module's docstring)."""
+    """The findings of one check on one case with the ledger applied (see the module's docstring)."""
     issues = ledger() if issues is None else tuple(issues)
     result = []
     for finding in findings:
-        matching = [i for i in issues if i.matches(finding)]
-        if not matching or finding.errors is None:
+        matching = [i for i in issues if i.matches(finding)] if finding.errors is not None else []
+        if not matching:
             result.append(finding)
         elif finding.verdict == "fail":
             # Several entries can match one failure (a dtype's rounding and a check's broken contract): the
@@ -97,18 +108,17 @@ def apply_known(findings: Iterable[Finding], issues: Iterable[KnownIssue] | None
             if allowing:
                 issue = allowing[0]
                 reason = f"known issue {issue.id}: {issue.description} ({issue.upstream})"
-                result.append(
-                    dataclasses.replace(finding, verdict="known", observed=f"known: {issue.id}", reason=reason)
-                )
+                known = dict(verdict="known", observed=f"known: {issue.id}", reason=reason, known_issue=issue.id)
+                result.append(dataclasses.replace(finding, **known))  # type: ignore[arg-type]
             else:
                 widest = max(matching, key=lambda i: i.allowed)
                 worse = f"worse than known issue {widest.id} allows: {finding.worst:.3g} of the limit"
                 worse += f" > {widest.allowed:.3g}"
-                result.append(dataclasses.replace(finding, problems=(*finding.problems, worse)))
+                result.append(dataclasses.replace(finding, problems=(*finding.problems, worse), known_issue=widest.id))
         elif finding.passed and any(i.always_fails for i in matching):
+            # Matched and passed: the run tells whether the entry still reproduces anywhere.
             issue = next(i for i in matching if i.always_fails)
-            gone = f"known issue {issue.id} no longer reproduces (the case passes): remove it from the ledger"
-            result.append(dataclasses.replace(finding, verdict="fail", problems=(gone,), observed=f"gone: {issue.id}"))
+            result.append(dataclasses.replace(finding, known_issue=issue.id))
         else:
             result.append(finding)
     return result

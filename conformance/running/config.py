@@ -20,15 +20,17 @@ import torch
 
 from kda_cases.case import DTYPES, Case
 from kda_cases.devices import resolve_device
+from kda_cases.files import unwritable
 from kda_cases.grids import FIRST_SWEEP_DTYPES, FIRST_SWEEP_LENGTHS, first_sweep_cases, long_cases
 from kda_cases.profiles import Profile, get_profile
 from kda_cases.sentinels import load_sentinels
 from kda_cases.strategies import kernel_pool_lines, with_kernel_pool
+from kda_conformance.running.truth import BASELINE
 from kda_kernels import registry
 from kda_reference.run import FORM_VARIABLE, FORMS
-from kda_reports.environment import environment
+from kda_reports.environment import SUITE_BASELINE, environment
 from kda_reports.findings import Finding
-from kda_reports.runfile import DEFAULT_OUT, new_run_id
+from kda_reports.runfile import DEFAULT_OUT, new_run_id, run_files
 
 DEFAULT_CASE_TIMEOUT = 900.0  # seconds for one case on one backend, its reference and compile included
 STRICT_VARIABLE = "KDA_STRICT"
@@ -136,7 +138,9 @@ class RunConfig:
     batch_invariant: bool = False  # the backends promise batch invariance: "not batch-invariant" fails
     reference_form: str | None = None
     isolate: bool = False  # each case in a worker process (a crash or a hang costs that case only)
-    case_timeout: float = DEFAULT_CASE_TIMEOUT
+    # Seconds one check of one case may take; past it the case is recorded as hung and the process ends
+    # (None: no limit). With ``isolate``, the limit of each case's worker process instead.
+    case_timeout: float | None = None
     command: str = ""  # the command line, as the run's environment records it
     # One invocation is one run, whatever the number of processes and hosts: the controlling process (or
     # the CI job, through KDA_RUN_ID) names it, and every worker and shard writes a part of it.
@@ -165,6 +169,20 @@ class RunConfig:
         index, count = self.shard
         return int(hashlib.sha256(key.encode()).hexdigest(), 16) % count == index - 1
 
+    def output_problem(self) -> str | None:
+        """Why this run cannot write its files (the folder cannot be written or is full, or a run of this id
+        is there already: a run is never overwritten), or None. Asked before the first case."""
+        why = unwritable(Path(self.out) / "runs")
+        if why:
+            return why
+        taken = run_files(self.out, self.run_id, self.part)
+        if taken:
+            return (
+                f"a run with id {self.run_id} is already in {self.out} ({taken[0].name}): give another run id "
+                "(the shards of one night share one id, each with its own shard)"
+            )
+        return None
+
     def export(self) -> None:
         """Set what worker processes (pytest-xdist, isolated cases) must inherit through the environment."""
         if self.reference_form:
@@ -172,7 +190,7 @@ class RunConfig:
 
     def environment(self) -> dict:
         """The environment record of the run: machine, libraries, command, and the profile and seed."""
-        env = {**environment(self.device), "command": self.command}
+        env = {**environment(self.device), "command": self.command, "baseline": baseline_class()}
         if self.profile is not None:
             env["profile"] = self.profile.name
             env["seed"] = "" if self.seed is None else self.seed
@@ -200,6 +218,20 @@ class RunConfig:
         return [] if self.profile is None else kernel_pool_lines(self.profile)
 
 
+def baseline_class() -> str:
+    """``module.Class`` of the backend registered as the baseline every limit derives from."""
+    baseline = type(registry.get(BASELINE))
+    return f"{baseline.__module__}.{baseline.__qualname__}"
+
+
+def baseline_warning() -> str | None:
+    """What to say when a plugin replaced the suite's baseline (every limit moves with it), else None."""
+    used = baseline_class()
+    if used == SUITE_BASELINE:
+        return None
+    return f"the baseline {BASELINE} is {used}, not the suite's {SUITE_BASELINE}: every limit of this run follows it"
+
+
 def default_profile_name(device: torch.device) -> str:
     """``KDA_PROFILE``, else ``ci`` on a CPU and ``nightly`` on a GPU."""
     return os.environ.get(PROFILE_VARIABLE) or ("ci" if device.type == "cpu" else "nightly")
@@ -225,7 +257,7 @@ def build_config(
     batch_invariant: bool = False,
     reference_form: str | None = None,
     isolate: bool | None = None,
-    case_timeout: float = DEFAULT_CASE_TIMEOUT,
+    case_timeout: float | None = None,
     command: str = "",
     run_id: str | None = None,
     shard: str | None = None,
@@ -276,7 +308,7 @@ def build_config(
         chosen_profile = with_kernel_pool(chosen_profile, run_seed)
     if reference_form is not None and reference_form not in FORMS:
         raise ConfigError("reference-form", f"{reference_form!r} not allowed; choose from {', '.join(FORMS)}")
-    if case_timeout <= 0:
+    if case_timeout is not None and case_timeout <= 0:
         raise ConfigError("case-timeout", f"{case_timeout} must be a positive number of seconds")
     return RunConfig(
         device=resolved,

@@ -32,7 +32,15 @@ STICKY = (
     "hiperrorassert",
     "memory access fault",
 )
-OUT_OF_MEMORY = ("out of memory", "hiperroroutofmemory", "cudaerrormemoryallocation")
+# Every form running out of memory takes: torch's OutOfMemoryError, and the AcceleratorError or RuntimeError
+# that CUDA, HIP or cuBLAS raise when a context, a handle or a workspace cannot be allocated.
+OUT_OF_MEMORY = (
+    "out of memory",
+    "hiperroroutofmemory",
+    "cudaerrormemoryallocation",
+    "cublas_status_alloc_failed",
+    "hipblas_status_alloc_failed",
+)
 # Exit code of a pytest-xdist worker that ended itself after a sticky device error (xdist replaces it).
 DEVICE_LOST_EXIT = 75
 
@@ -50,12 +58,16 @@ def is_out_of_memory(exc: BaseException) -> bool:
 def memory_report(exc: BaseException, device: torch.device) -> str:
     """What the allocation asked for and what the device had: the reason of a ``resource`` finding."""
     asked = re.search(r"tried to allocate ([\d.]+ [KMGT]i?B)", str(exc), re.IGNORECASE)
-    parts = [f"needed {asked.group(1)} more" if asked else "an allocation failed"]
+    parts = [f"needed {asked.group(1)} more" if asked else f"an allocation failed ({type(exc).__name__}: {exc})"]
     if device.type == "cuda" and torch.cuda.is_available():
-        free, total = torch.cuda.mem_get_info(device)
-        held = torch.cuda.max_memory_allocated(device)
-        parts.append(f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free on the device")
-        parts.append(f"this process peaked at {held / 2**30:.1f} GiB")
+        try:  # a device that cannot even make a context fails these queries the same way
+            free, total = torch.cuda.mem_get_info(device)
+            held = torch.cuda.max_memory_allocated(device)
+        except Exception as again:
+            parts.append(f"the device's memory could not be queried ({type(again).__name__})")
+        else:
+            parts.append(f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free on the device")
+            parts.append(f"this process peaked at {held / 2**30:.1f} GiB")
     return "out of memory: " + ", ".join(parts)
 
 

@@ -39,7 +39,7 @@ def _worker(conn: Connection, device: str, plugins: list[str], parent_pid: int) 
 
     for module in plugins:
         registry.load_plugin(module)
-    run = Run(RunConfig(device=torch.device(device), backends=()))
+    run = Run(RunConfig(device=torch.device(device), backends=()), journal=False)  # the parent records
     conn.send("ready")  # the case clock starts after the imports (and a GPU's context) are done
     while True:
         task = conn.recv()

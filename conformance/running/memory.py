@@ -126,6 +126,14 @@ def release_cached_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def release_quietly(device: torch.device) -> None:
+    """Give the allocator's cache back where that can still be done (not on a context a kernel killed)."""
+    try:
+        release_cached_memory(device)
+    except Exception:
+        pass
+
+
 def visible_device(worker_index: int, gpus: list[str]) -> str:
     """The GPU a pytest-xdist worker takes: the workers spread round-robin over ``gpus``."""
     return gpus[worker_index % len(gpus)]

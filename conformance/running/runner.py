@@ -6,22 +6,124 @@ A backend that is unavailable, does not take the case, or raises gives a finding
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
+from collections.abc import Callable
 
+import torch
+
+from kda_cases.case import Case
 from kda_cases.materialize import KDAInputs
-from kda_conformance.judging.judge import judge_for
+from kda_conformance.judging.judge import Judge, judge_for
 from kda_conformance.judging.repro import BUDGET_CHECK
-from kda_conformance.running.faults import is_out_of_memory, memory_report
-from kda_conformance.running.stages import CLOCK, Lap
+from kda_conformance.judging.tolerance import InvalidTruth
+from kda_conformance.running.faults import is_out_of_memory, is_sticky, memory_report
+from kda_conformance.running.memory import release_quietly
+from kda_conformance.running.stages import CLOCK, Lap, stage_of
 from kda_conformance.running.truth import CaseTruth
+from kda_kernels import guard
+from kda_kernels.guard import TOKEN_INPUTS, BackendFault, raised_by, run_backend_call
 from kda_kernels.protocol import Backend, BackendOutput, Unsupported
-from kda_reports.findings import Finding
+from kda_reports.findings import SUITE_BACKEND, Finding, Location
+
+# What a finding about the call contract (kernels/guard.py) compared.
+CONTRACT = "the call contract (inputs unchanged, outputs its own)"
 
 
 def call_backend(backend: Backend, inputs: KDAInputs) -> BackendOutput:
-    """``backend.run(inputs)``, its time counted as the backend's stage (synchronized on GPUs)."""
+    """``backend.run(inputs)`` under the call contract (kernels/guard.py), its time counted as the
+    backend's stage (synchronized on GPUs)."""
     with CLOCK.stage("backend", inputs.device):
-        return backend.run(inputs)
+        return run_backend_call(backend, inputs)
+
+
+def fault_finding(judge: Judge, fault: BackendFault, seconds: float = 0.0) -> Finding:
+    """A broken call contract as the backend's finding: a failure that points at the memory it wrote or
+    shared, or an error where it gave no output."""
+    if fault.verdict == "error":
+        return judge.outcome("error", fault.reason, seconds)
+    where = _location(judge.case, fault)
+    tensor = fault.tensor if fault.tensor in ("o", "final_state", "checkpoint_states") else ""
+    return judge.problem(CONTRACT, fault.reason, where, tensor)
+
+
+def _location(case: Case, fault: BackendFault) -> Location | None:
+    """Where a contract fault points: a pool slot, a token of a token tensor, a sequence's initial state."""
+    index = fault.index or ()
+    if fault.slot is not None:
+        return Location(slot=fault.slot)
+    if fault.tensor in TOKEN_INPUTS and len(index) >= 3:
+        row, position, head = index[:3]
+        if case.packed:
+            for n, (_, start, end) in enumerate(case.row_spans):
+                if start <= position < end:
+                    return Location(sequence=n, token=position - start, head=head)
+        return Location(row=row, token=position, head=head)
+    if fault.tensor == "initial_state" and len(index) >= 2:
+        return Location(sequence=index[0], head=index[1])
+    return None
+
+
+class NotApplicable(ValueError):
+    """A check cannot run on this case (a split point outside the sequence, a two-step prefill of one-token
+    sequences): a skip of the check with the reason, never anyone's error."""
+
+
+def blame(judge: Judge, exc: Exception, device: torch.device) -> Finding:
+    """Whose fault an exception from a check is: the machine's (out of memory, in any stage), the backend's
+    (its own code raised, it broke the call contract, or a sticky device error), or the suite's (its own
+    code raised, or the baseline did), named with the stage it was raised in."""
+    backend = judge.backend
+    stage = stage_of(exc) or "check"
+    culprit = raised_by(exc)
+    if is_out_of_memory(exc):
+        return judge.outcome("resource", f"{memory_report(exc, device)} (in the {stage} stage)")
+    if isinstance(exc, BackendFault) and culprit == backend:
+        return fault_finding(judge, exc)
+    if culprit == backend or is_sticky(exc):
+        return judge.outcome("error", raised_at(exc))
+    who = f"the baseline {culprit}" if culprit else "the suite's own code"
+    reason = f"{who} raised in the {stage} stage (not {backend}'s error): {raised_at(exc)}"
+    release_quietly(device)
+    return dataclasses.replace(judge.outcome("error", reason), backend=SUITE_BACKEND)
+
+
+def blamed(judge: Judge, device: torch.device, run: Callable[[], list[Finding]]) -> list[Finding]:
+    """``run()``'s findings; where it raises, one finding that charges the exception to whoever caused it
+    (:func:`blame`; a case whose truth cannot be judged is the suite's)."""
+    guard.take_breaches()  # another check's, already taken or lost with it
+    try:
+        findings = run()
+    except NotApplicable as exc:
+        findings = [judge.outcome("skip", f"check {judge.check} does not apply: {exc}")]
+    except Unsupported as exc:
+        findings = [judge.outcome("skip", str(exc))]
+    except InvalidTruth as exc:  # the case's fault, not the backend's: recorded under the suite
+        release_quietly(device)
+        reason = f"invalid case (not {judge.backend}'s error): {exc}"
+        findings = [dataclasses.replace(judge.outcome("error", reason), backend=SUITE_BACKEND)]
+    except Exception as exc:
+        findings = [blame(judge, exc, device)]
+    return findings + breach_findings(judge, findings)
+
+
+def breach_findings(judge: Judge, findings: list[Finding]) -> list[Finding]:
+    """The contract breaks the calls of a check survived (kernels/guard.py), as findings: the backend's, or
+    the suite's where its baseline broke them; a pool slot the check's own findings already point at is
+    not said twice."""
+    pointed = {f.first_bad.slot for f in findings if f.first_bad is not None and f.first_bad.slot is not None}
+    said: set[str] = set()
+    extra = []
+    for breach in guard.take_breaches():
+        if breach.slot in pointed or breach.reason in said:
+            continue
+        said.add(breach.reason)
+        finding = fault_finding(judge, breach)
+        if raised_by(breach) != judge.backend:
+            reason = f"the baseline broke the call contract (not {judge.backend}'s error): {breach.reason}"
+            finding = dataclasses.replace(judge.outcome("error", reason), backend=SUITE_BACKEND)
+        extra.append(finding)
+    return extra
 
 
 def raised_at(exc: BaseException) -> str:
@@ -35,18 +137,21 @@ def run_backend(truth: CaseTruth, backend: Backend) -> list[Finding]:
     case, inputs = truth.case, truth.inputs
     device = inputs.device
     judge = judge_for(BUDGET_CHECK, case, backend.name, device)
-    available = backend.availability(device)
-    if not available:
-        return [judge.outcome("skip", available.reason)]
-    supported = backend.supports(case)
+    try:
+        available = guard.availability(backend, device)
+        supported = guard.supports(backend, case) if available else available
+    except BackendFault as fault:
+        return [fault_finding(judge, fault)]
     if not supported:
         return [judge.outcome("skip", supported.reason)]
     lap = Lap()  # where the stage's own synchronize raises (an earlier kernel's fault), the lap stays empty
     try:
         with CLOCK.stage("backend", device) as lap:
-            result = backend.run(inputs)
+            result = run_backend_call(backend, inputs)
     except Unsupported as exc:
         return [judge.outcome("skip", str(exc))]
+    except BackendFault as fault:
+        return [fault_finding(judge, fault, lap.seconds)]
     except Exception as exc:  # a kernel failure is a result to record, not a crash of the sweep
         if is_out_of_memory(exc):
             return [judge.outcome("resource", memory_report(exc, device), lap.seconds)]

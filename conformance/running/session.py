@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
+import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -15,19 +18,20 @@ from pathlib import Path
 import pandas as pd
 
 from kda_cases.case import Case
-from kda_conformance.judging.judge import judge_for
+from kda_cases.files import atomic_write
+from kda_conformance.judging.judge import Judge, judge_for
 from kda_conformance.judging.known import apply_known
-from kda_conformance.judging.tolerance import InvalidTruth
 from kda_conformance.running.config import RunConfig
-from kda_conformance.running.faults import DeviceLost, is_out_of_memory, is_sticky, memory_report
-from kda_conformance.running.memory import device_slot, release_cached_memory
-from kda_conformance.running.runner import raised_at
+from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost, is_sticky
+from kda_conformance.running.memory import device_slot, release_cached_memory, release_quietly
+from kda_conformance.running.runner import blamed, fault_finding
 from kda_conformance.running.search import ExampleLog
 from kda_conformance.running.stages import CLOCK
 from kda_conformance.running.truth import CaseTruth, case_truth
+from kda_kernels.guard import BackendFault, add_listener, end_process, remove_listener
 from kda_kernels.protocol import Backend
-from kda_reports.findings import SUITE_BACKEND, Finding
-from kda_reports.runfile import RunRecorder, atomic_write, merge_parts, run_stem
+from kda_reports.findings import Finding
+from kda_reports.runfile import CALL, RETURNED, SETTLED, RunRecorder, merge_parts, run_stem
 from kda_reports.schema import record_rows
 
 # Long GPU cases hold gigabytes of truth; a handful is enough for every backend to reuse a case.
@@ -37,10 +41,20 @@ TRUTH_CACHE_SIZE = 4
 class Run:
     """A run's state: created by a front end from its :class:`RunConfig`."""
 
-    def __init__(self, config: RunConfig, worker: str | None = None) -> None:
+    def __init__(
+        self, config: RunConfig, worker: str | None = None, journal: bool = True, hung_exit: int = DEVICE_LOST_EXIT
+    ) -> None:
         self.config = config
         # A pytest-xdist worker writes a part of the run of its own; the controller merges the parts.
         self.worker = worker
+        # Whether this process's records are the run's: an isolated case's process sends its findings to
+        # the process that records them, and journals nothing itself.
+        self.journal = journal
+        self.hung_exit = hung_exit  # the exit code of a process ended by the case timeout
+        self._call: dict | None = None  # the check whose backend call the journal marks as in flight
+        # Backends whose availability raised instead of answering: each check of theirs is that error.
+        self.unanswered: dict[str, BackendFault] = {}
+        self._recorded: set[tuple] = set()
         self.examples = ExampleLog()
         self._truths: OrderedDict[str, CaseTruth] = OrderedDict()
         self._recorder: RunRecorder | None = None
@@ -81,42 +95,27 @@ class Run:
         backend: Backend,
         params: Mapping[str, object],
         run: Callable[[CaseTruth], list[Finding]],
+        test: str | None = None,
     ) -> list[Finding]:
-        """``run(truth)`` of ``check`` on ``case``, holding the device (alone for a large case). A case that
-        runs out of memory is retried once alone; one that still does not fit is a ``resource`` finding,
-        never the kernel's verdict. A sticky device error raises DeviceLost with the finding that charges
-        it to this case and backend: nothing more may run in this process."""
-        device = self.config.device
-        judge = judge_for(check, case, backend.name, device, params)
-        findings: list[Finding] = []
-        for alone in (False, True):
-            with device_slot(device, case, alone):
-                try:
-                    findings = run(self.truth(case))
-                    # Inside the guard: a dead context shows here too, and is this case's. (A case that ran
-                    # out of memory gives its cache back below, after its truth; a dead context has none to give.)
-                    release_cached_memory(device)
-                except InvalidTruth as exc:  # the case's fault, not the backend's: recorded under the suite
-                    reason = f"invalid case (not {backend.name}'s error): {exc}"
-                    findings = [dataclasses.replace(judge.outcome("error", reason), backend=SUITE_BACKEND)]
-                    release_cached_memory(device)
-                except Exception as exc:
-                    if is_out_of_memory(exc):
-                        findings = [judge.outcome("resource", memory_report(exc, device))]
-                    elif is_sticky(exc):
-                        findings = [judge.outcome("error", raised_at(exc))]
-                    else:
-                        raise
-            if not any(f.verdict == "resource" for f in findings):
-                break
-            if alone:
-                release_cached_memory(device)
-                return [
-                    dataclasses.replace(f, reason=f"{f.reason} (alone on the device)") if f.verdict == "resource" else f
-                    for f in findings
-                ]
-            self._truths.clear()
-            release_cached_memory(device)
+        """``run(truth)`` of ``check`` on ``case``, holding the device (alone for a large case). Whatever goes
+        wrong is a finding that names who is at fault: ``backend`` (its call raised, broke the call contract,
+        or left the device context dead), the suite (``(suite)``, with the stage that raised), or the machine
+        (``resource``: out of memory in any stage, once more alone on the device). A sticky device error
+        raises DeviceLost with the finding that charges it to this case and backend: nothing more may run
+        in this process. While a backend call is in flight the run's journal says so, so that a process
+        that ends inside it leaves an error row naming it (``test``: the pytest node id the row carries)."""
+        judge = judge_for(check, case, backend.name, self.config.device, params)
+        self._open_call(judge, test)
+        unanswered = self.unanswered.get(backend.name)
+        watchdog = self._watchdog(judge)
+        try:
+            findings = [fault_finding(judge, unanswered)] if unanswered else self._attempts(judge, run)
+        except BaseException:
+            self._settle()  # an interrupt: nothing of this call is recorded, and nothing died in it
+            raise
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
         findings = apply_known(findings)
         lost = [f for f in findings if f.verdict == "error" and is_sticky(f.reason)]
         if lost:
@@ -127,10 +126,94 @@ class Run:
             )
         return findings
 
+    def _attempts(self, judge: Judge, run: Callable[[CaseTruth], list[Finding]]) -> list[Finding]:
+        """The check's findings, retried once alone on the device after running out of memory."""
+        device, case = self.config.device, judge.case
+        findings: list[Finding] = []
+        for alone in (False, True):
+
+            def attempt(alone: bool = alone) -> list[Finding]:
+                with device_slot(device, case, alone):
+                    findings = run(self.truth(case))
+                    # Inside the guard: a dead context shows here too, and is this case's.
+                    release_cached_memory(device)
+                return findings
+
+            findings = blamed(judge, device, attempt)
+            if not any(f.verdict == "resource" for f in findings):
+                return findings
+            self._truths.clear()
+            release_quietly(device)
+            if alone:
+                return [
+                    dataclasses.replace(f, reason=f"{f.reason} (alone on the device)") if f.verdict == "resource" else f
+                    for f in findings
+                ]
+        return findings
+
+    def _watchdog(self, judge: Judge) -> threading.Timer | None:
+        """With a case timeout: a timer that records the case as hung and ends the process (a hung kernel
+        never returns to Python, so the timer's thread does it; pytest-xdist replaces such a worker)."""
+        timeout = self.config.case_timeout
+        if not timeout or not self.journal:
+            return None
+        test = self._call["test"] if self._call else None
+
+        def hung() -> None:
+            reason = f"no result within {timeout:g} s (hung or too slow): its process was ended"
+            self.record([judge.outcome("error", reason, timeout)], test)
+            sys.stderr.write(f"kda-conformance: {judge.check} of {judge.case.id} on {judge.backend}: {reason}\n")
+            sys.stderr.flush()
+            end_process(self.hung_exit)
+
+        timer = threading.Timer(timeout, hung)
+        timer.daemon = True
+        timer.start()
+        return timer
+
+    def _open_call(self, judge: Judge, test: str | None) -> None:
+        """From the first backend call of this check on, the journal names the call in flight."""
+        self._settle()
+        if not self.journal:
+            return
+        self._call = {"id": secrets.token_hex(8), "judge": judge, "test": test, "marked": False}
+        add_listener(self._on_call)
+
+    def _on_call(self, event: str, backend: Backend) -> None:
+        call = self._call
+        if call is None or backend.name != call["judge"].backend:
+            return  # the baseline's call (in the truth) is the suite's stage: its death is not this backend's
+        if event == "call" and not call["marked"]:
+            judge = call["judge"]
+            reason = (
+                f"the process ended during {backend.name}'s call in check {judge.check} (os._exit, a signal, an "
+                "abort or a kill: no exception reached the suite)"
+            )
+            [row] = record_rows([judge.outcome("error", reason)], call["test"])
+            self.recorder.mark(CALL, call["id"], row)
+            call["marked"] = True
+        elif call["marked"]:
+            self.recorder.mark(CALL if event == "call" else RETURNED, call["id"])
+
+    def _settle(self) -> None:
+        call, self._call = self._call, None
+        remove_listener(self._on_call)
+        if call is not None and call["marked"]:
+            self.recorder.mark(SETTLED, call["id"])
+
     def record(self, findings: Sequence[Finding], test: str | None = None) -> list[dict]:
-        """Add the findings' rows to the run's records (journaled at once); returns the rows."""
-        rows = record_rows(findings, test)
-        self.recorder.add(rows)
+        """Add the findings' rows to the run's records (journaled at once), each (check, case, backend, tensor,
+        what it compared, repro) once: Hypothesis replays a failing example, which measures it again. The
+        call in flight, if any, is settled. Returns the rows added."""
+        rows = []
+        for row in record_rows(findings, test):
+            key = (row["check"], row["case_id"], row["backend"], row["tensor"], row["subject"], row["repro"])
+            if key not in self._recorded:
+                self._recorded.add(key)
+                rows.append(row)
+        if rows:
+            self.recorder.add(rows)
+        self._settle()
         return rows
 
     def finish(self, complete: bool = True, keep_empty: bool = False, examples: bool = True) -> dict[str, Path]:

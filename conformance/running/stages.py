@@ -49,6 +49,9 @@ class StageClock:
         try:
             yield lap
             finished = True
+        except BaseException as exc:
+            note_stage(exc, name)
+            raise
         finally:
             if finished:  # a block that raised keeps its own exception, not a GPU error surfacing here
                 synchronize(device)
@@ -103,6 +106,20 @@ class StageClock:
 
 
 CLOCK = StageClock()
+
+
+def note_stage(exc: BaseException, name: str) -> None:
+    """Mark ``exc`` with the stage it was raised in (the innermost one), so whoever catches it can say where."""
+    if stage_of(exc) is None:
+        try:
+            exc.kda_stage = name  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+
+
+def stage_of(exc: BaseException) -> str | None:
+    """The stage ``exc`` was raised in (None: outside every stage, in a check's own code)."""
+    return getattr(exc, "kda_stage", None)
 
 
 def _peak_memory() -> dict[str, float]:

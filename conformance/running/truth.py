@@ -12,6 +12,7 @@ from kda_conformance.judging.metrics import measure_result
 from kda_conformance.judging.tolerance import DEFAULT_RULE, BudgetRule, case_budgets
 from kda_conformance.running.stages import CLOCK
 from kda_kernels import registry
+from kda_kernels.guard import run_backend_call
 from kda_reference.recurrent import ReferenceResult
 from kda_reference.run import reference_form, run_reference
 from kda_reports.findings import Budget
@@ -47,7 +48,7 @@ def inputs_truth(inputs: KDAInputs, rule: BudgetRule = DEFAULT_RULE) -> CaseTrut
     with CLOCK.stage("reference", device, form) as lap:
         reference = run_reference(inputs, form)
     with CLOCK.stage("baseline", device):
-        baseline = registry.get(BASELINE).run(inputs)
+        baseline = run_backend_call(registry.get(BASELINE), inputs)  # it must not write the inputs either
     with CLOCK.stage("compare", device):
         budgets = case_budgets(case, reference, measure_result(case, reference, baseline), rule)
     return CaseTruth(case, inputs, reference, form, budgets, lap.seconds)

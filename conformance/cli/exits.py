@@ -1,0 +1,42 @@
+"""The exit codes every ``kda-conformance`` command returns, and how a run's verdicts become one.
+
+The same five outcomes everywhere, so that a CI step can tell a kernel that is wrong from one that crashed,
+from a job that tested nothing (docs/exit-codes.md lists each command's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+PASSED = 0  # everything that ran passed (known issues and warnings included, but under --kda-strict)
+FAILED = 1  # a kernel failed a check: a tensor out of its limits, memory it must not write, a strict warning
+USAGE = 2  # a bad option or input, an output folder that cannot be written, a run id that exists
+ERRORED = 3  # nothing failed, but something raised, crashed or hung: a backend (its rows) or the suite's own code
+NOTHING_RAN = 5  # no case ran on any selected backend (every one skipped or out of memory), as pytest's 5
+INTERRUPTED = 130  # Ctrl-C or a time limit's SIGTERM; what ran is kept
+
+# What each outcome means, for the commands' help and docs/exit-codes.md.
+MEANINGS = {
+    PASSED: "passed: everything that ran passed (known issues and warnings do not fail, but under strict mode)",
+    FAILED: "failed: a kernel failed a check (a tensor out of its limits, a broken call contract, a warning "
+    "under strict mode, a ledger entry that no longer reproduces under strict mode)",
+    USAGE: "usage: a bad option or input, an output folder that cannot be written, a run id that exists",
+    ERRORED: "errored: nothing failed, but a backend raised, crashed or hung, or the suite's own code raised "
+    "(the records' backend column names who)",
+    NOTHING_RAN: "nothing ran: every selected backend skipped every case (unsupported, unavailable, out of memory)",
+    INTERRUPTED: "interrupted: Ctrl-C or SIGTERM; what ran is kept",
+}
+
+JUDGED = ("pass", "fail", "known", "warn", "error")
+
+
+def verdict_exit(verdicts: Iterable[str], strict: bool = False) -> int:
+    """The exit code of a run's verdicts: FAILED over ERRORED over NOTHING_RAN over PASSED."""
+    seen = set(verdicts)
+    if "fail" in seen or (strict and "warn" in seen):
+        return FAILED
+    if "error" in seen:
+        return ERRORED
+    if not seen & set(JUDGED):
+        return NOTHING_RAN
+    return PASSED

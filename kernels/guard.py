@@ -1,0 +1,345 @@
+"""The contract of every backend call, checked at every call: the suite's inputs are the suite's, an output
+is an output, and a backend does not end the process.
+
+A run shares one case's inputs between its backends (the float64 truth and the baseline are computed once
+per case). A backend that writes into them (``q``, ``initial_state``, ``cu_seqlens``, ...) would pass
+itself and make the next backend fail. So every call here keeps a bitwise copy of what it hands over,
+compares after the call, puts the inputs back where they changed, and notes a breach naming what the
+backend wrote (the tensor and its first changed element; :func:`take_breaches`); the call goes on. The
+same holds for a state pool a paged backend is given: it may write the slots its call names (the
+sequences' and the checkpoints'), nothing else. A result that is not a :class:`BackendOutput` of tensors
+on the inputs' device, or a returned tensor that shares memory with an input or with another returned
+tensor, ends the call with a BackendFault. ``os._exit`` and ``SystemExit`` inside a call end the call,
+not the process.
+
+Any exception a backend's own code raises leaves marked with the backend's name (:func:`raised_by`), so
+whoever catches it charges it to the backend and not to the suite code around the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from kda_cases.case import Case
+from kda_cases.dtypes import bits
+from kda_cases.materialize import KDAInputs
+from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported
+
+TOKEN_INPUTS = ("q", "k", "v", "g", "beta")  # [B, T, heads, ...]
+INPUT_TENSORS = (*TOKEN_INPUTS, "A_log", "dt_bias", "initial_state", "cu_seqlens")
+OUTPUT_TENSORS = ("o", "final_state", "checkpoint_states")
+
+
+class BackendFault(Exception):
+    """A backend broke its call's contract. ``verdict`` is ``fail`` where it did something to memory the
+    suite can point at (``tensor``, ``index``: the first changed element, or the pool ``slot``), ``error``
+    where it gave no output at all (a wrong return, an attempt to end the process)."""
+
+    def __init__(
+        self, reason: str, tensor: str = "", index: tuple[int, ...] | None = None, slot: int | None = None
+    ) -> None:
+        super().__init__(reason)
+        self.reason, self.tensor, self.index, self.slot = reason, tensor, index, slot
+        self.verdict = "fail" if (index is not None or slot is not None) else "error"
+
+
+class BackendExit(BaseException):
+    """``os._exit`` called by a backend inside a call: a BaseException, so the backend's own
+    ``except Exception`` does not swallow it."""
+
+    def __init__(self, code: object) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def raised_by(exc: BaseException) -> str | None:
+    """The backend whose own code raised ``exc`` (None: raised by the suite's code)."""
+    return getattr(exc, "kda_backend", None)
+
+
+NO_EXIT = "a backend may not end the process"
+
+
+def fault(backend: Backend, what: str, case: Case | None = None, **where: object) -> BackendFault:
+    """A BackendFault charged to ``backend``: ``what`` it did (its name goes first), ``where`` in memory."""
+    broken = BackendFault(f"{backend.name} {what}", **where)  # type: ignore[arg-type]
+    broken.case = case  # type: ignore[attr-defined]
+    _charge(broken, backend)
+    return broken
+
+
+def _charge(exc: BaseException, backend: Backend) -> None:
+    if raised_by(exc) is None:
+        try:
+            exc.kda_backend = backend.name  # type: ignore[attr-defined]
+        except AttributeError:  # an exception type without a __dict__: the message still names the backend
+            pass
+
+
+# Listeners told of each call's start and end (the run journals the call in flight, so a process that dies
+# inside a backend leaves a record naming it).
+_listeners: list[Callable[[str, Backend], None]] = []
+
+
+def add_listener(listener: Callable[[str, Backend], None]) -> None:
+    """``listener("call", backend)`` before each guarded call, ``listener("returned", backend)`` after."""
+    _listeners.append(listener)
+
+
+def remove_listener(listener: Callable[[str, Backend], None]) -> None:
+    if listener in _listeners:
+        _listeners.remove(listener)
+
+
+_real_exit = os._exit
+
+
+def end_process(code: int) -> None:
+    """End this process now, whatever a backend call in another thread is doing (``os._exit`` itself, not
+    the guard's trap)."""
+    _real_exit(code)
+
+
+_depth: dict[int, int] = {}  # guarded calls in progress per thread (a paged call may run a plain one inside)
+
+
+def _trapped_exit(code: int) -> None:
+    if _depth.get(threading.get_ident()):
+        raise BackendExit(code)
+    _real_exit(code)
+
+
+@contextlib.contextmanager
+def _in_call(backend: Backend) -> Iterator[None]:
+    """The backend's call: listeners told, ``os._exit`` and ``SystemExit`` turned into a fault of the call,
+    every exception marked as the backend's."""
+    for listener in list(_listeners):
+        listener("call", backend)
+    thread = threading.get_ident()
+    _depth[thread] = _depth.get(thread, 0) + 1
+    os._exit = _trapped_exit
+    try:
+        yield
+    except Unsupported:
+        raise
+    except BackendExit as exc:
+        raise fault(backend, f"called os._exit({exc.code!r}) during its call: {NO_EXIT}") from None
+    except SystemExit as exc:
+        raise fault(backend, f"raised SystemExit({exc.code!r}) during its call: {NO_EXIT}") from None
+    except Exception as exc:
+        _charge(exc, backend)
+        raise
+    finally:
+        _depth[thread] -= 1
+        if not _depth[thread]:
+            del _depth[thread]
+        if not _depth:
+            os._exit = _real_exit
+        for listener in list(_listeners):
+            listener("returned", backend)
+
+
+def _answer(backend: Backend, question: str, ask: Callable[[], object], case: Case | None) -> object:
+    """A question to the backend that must be answered, never raised (Backend's contract)."""
+    try:
+        with _in_call(backend):
+            return ask()
+    except BackendFault as broken:
+        broken.case = case  # type: ignore[attr-defined]
+        raise
+    except Exception as exc:
+        said = f"raised {type(exc).__name__} in {question}: {exc} (it must answer, never raise)"
+        raise fault(backend, said, case) from exc
+
+
+def availability(backend: Backend, device: torch.device) -> Support:
+    """``backend.availability(device)``; a BackendFault where it raises."""
+    return _answer(backend, "availability", lambda: backend.availability(device), None)  # type: ignore[return-value]
+
+
+def supports(backend: Backend, case: Case) -> Support:
+    """``backend.supports(case)``; a BackendFault (naming the case) where it raises."""
+    return _answer(backend, "supports", lambda: backend.supports(case), case)  # type: ignore[return-value]
+
+
+def fit(backend: Backend, case: Case) -> Case:
+    """``backend.fit(case)``; a BackendFault (naming the case) where it raises or returns no Case."""
+    fitted = _answer(backend, "fit", lambda: backend.fit(case), case)
+    if not isinstance(fitted, Case):
+        raise fault(backend, f"returned {type(fitted).__name__} from fit, not a Case", case)
+    return fitted
+
+
+def input_tensors(inputs: KDAInputs) -> dict[str, torch.Tensor]:
+    """Every tensor of ``inputs`` a backend may read and must not write, by name."""
+    named = {name: getattr(inputs, name) for name in INPUT_TENSORS if getattr(inputs, name) is not None}
+    for key, value in (inputs.host_metadata or {}).items():
+        if isinstance(value, torch.Tensor):
+            named[f"host_metadata[{key!r}]"] = value
+    return named
+
+
+@dataclass
+class Snapshot:
+    """Bitwise copies of tensors handed to a backend, to prove them unchanged after the call."""
+
+    tensors: Mapping[str, torch.Tensor]
+    copies: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> Snapshot:
+        return cls(tensors, {name: t.detach().clone() for name, t in tensors.items()})
+
+    def first_change(self, name: str) -> tuple[int, ...] | None:
+        now, before = self.tensors[name], self.copies[name]
+        if now.shape != before.shape or now.dtype != before.dtype:
+            return ()
+        differs = bits(now) != bits(before)
+        return tuple(differs.nonzero()[0].tolist()) if bool(differs.any()) else None
+
+    def put_back(self, skip: tuple[str, ...] = ()) -> None:
+        """Every changed tensor put back, quietly (the call already failed for another reason)."""
+        for name in self.tensors:
+            if name in skip:
+                continue
+            try:
+                if self.first_change(name) is not None:
+                    self.restore(name)
+            except Exception:  # a dead device context: nothing more can run here anyway
+                return
+
+    def restore(self, name: str) -> None:
+        """Put a changed tensor back, so later calls (other backends on the same case) get the suite's inputs."""
+        with torch.no_grad():
+            if self.tensors[name].shape == self.copies[name].shape:
+                self.tensors[name].copy_(self.copies[name])
+
+
+def _value(x: torch.Tensor, index: tuple[int, ...]) -> str:
+    return str(x[index].item()) if index and x.dim() == len(index) else "?"
+
+
+# Contract breaks a call survived (the inputs put back): taken by whoever runs the check (take_breaches),
+# which adds them to the check's findings. The call itself goes on, so the check's own verdicts still come.
+_breaches: list[BackendFault] = []
+
+
+def take_breaches() -> list[BackendFault]:
+    """The contract breaks seen since the last call of this function (each names its backend)."""
+    taken = list(_breaches)
+    _breaches.clear()
+    return taken
+
+
+def _check_unchanged(backend: Backend, snapshot: Snapshot, skip: tuple[str, ...] = ()) -> None:
+    """Note a breach for every input tensor the backend wrote (its first changed element), and put it back."""
+    for name in snapshot.tensors:
+        if name in skip:
+            continue
+        where = snapshot.first_change(name)
+        if where is None:
+            continue
+        before, after = _value(snapshot.copies[name], where), _value(snapshot.tensors[name], where)
+        at = f"first changed element {list(where)} ({before} -> {after})" if where else "its shape or dtype changed"
+        _breaches.append(fault(backend, f"wrote into its input {name}: {at}", tensor=name, index=where))
+        snapshot.restore(name)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes a tensor's elements occupy (first, one past the last)."""
+    extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True)) + 1
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def check_output(backend: Backend, result: object, inputs: KDAInputs) -> BackendOutput:
+    """``result`` as a BackendOutput of tensors on the inputs' device, none sharing memory with an input or
+    with another returned tensor; a BackendFault otherwise."""
+    if not isinstance(result, BackendOutput):
+        shown = type(result).__name__ if not isinstance(result, tuple) else f"a tuple of {len(result)}"
+        raise fault(backend, f"returned {shown}, not a BackendOutput")
+    returned: dict[str, torch.Tensor] = {}
+    for name in OUTPUT_TENSORS:
+        value = getattr(result, name)
+        if value is None and name != "o":
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise fault(backend, f"returned {name} as {type(value).__name__}, not a tensor")
+        if value.device != inputs.device:
+            where = "on the meta device (no data)" if value.is_meta else f"on {value.device}"
+            raise fault(backend, f"returned {name} {where}; its inputs are on {inputs.device}")
+        returned[name] = value
+    given = input_tensors(inputs)
+    for name, value in returned.items():
+        for other, tensor in given.items():
+            if _overlaps(value, tensor):
+                raise fault(backend, f"returned {name} sharing memory with its input {other}", tensor=name, index=())
+    names = list(returned)
+    for i, name in enumerate(names):
+        for other in names[i + 1 :]:
+            if _overlaps(returned[name], returned[other]):
+                raise fault(backend, f"returned {name} and {other} sharing memory", tensor=name, index=())
+    return result
+
+
+def run_backend_call(backend: Backend, inputs: KDAInputs) -> BackendOutput:
+    """``backend.run(inputs)`` under the contract (see the module's docstring)."""
+    snapshot = Snapshot.of(input_tensors(inputs))
+    try:
+        with _in_call(backend):
+            result = backend.run(inputs)
+    except BaseException:
+        snapshot.put_back()  # the backend's exception stands; later calls still get the suite's inputs
+        raise
+    _check_unchanged(backend, snapshot)
+    return check_output(backend, result, inputs)
+
+
+def run_paged_call(
+    backend: Backend,
+    batch: KDAInputs,
+    pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    out: torch.Tensor,
+    checkpoint_slots: torch.Tensor,
+) -> None:
+    """``backend.run_paged(...)`` under the contract: the batch's tensors and the call's metadata unchanged,
+    and of the pool only the slots the call names (its sequences' and its checkpoints') written."""
+    metadata = {"state_indices": state_indices, "has_initial_state": has_initial_state}
+    metadata["checkpoint_slots"] = checkpoint_slots
+    snapshot = Snapshot.of({**input_tensors(batch), **metadata, "pool": pool})
+    n = batch.case.num_seqs
+    own = {int(s) for s in state_indices[:n].tolist()} | {int(s) for s in checkpoint_slots.tolist()}
+    try:
+        with _in_call(backend):
+            backend.run_paged(batch, pool, state_indices, has_initial_state, out, checkpoint_slots)  # type: ignore[attr-defined]
+    except BaseException:
+        snapshot.put_back(skip=("pool",))  # the pool is the call's to write: as it left it
+        raise
+    _check_unchanged(backend, snapshot, skip=("pool",))
+    _check_pool(backend, snapshot, own)
+
+
+def _check_pool(backend: Backend, snapshot: Snapshot, own: set[int]) -> None:
+    """Note a breach for each pool slot written that the call does not name. The pool stays as the backend
+    left it: it is the check's to inspect (the poison check says whose slot it was)."""
+    pool, before = snapshot.tensors["pool"], snapshot.copies["pool"]
+    if pool.shape != before.shape:
+        raise fault(backend, "changed the state pool's shape", tensor="pool", index=())
+    changed = (bits(pool) != bits(before)).flatten(1).any(dim=1).nonzero().flatten().tolist()
+    for slot in (slot for slot in changed if slot not in own):
+        what = f"wrote pool slot {slot}, which its call does not name (the slots it may write: {sorted(own)})"
+        _breaches.append(fault(backend, what, tensor="pool", slot=slot))

@@ -1,0 +1,141 @@
+"""Hostile backends: each the correct baseline but for one way of breaking its call's contract (writing
+into its inputs, returning memory it does not own or something that is not its output, ending the process,
+raising where it must answer), or a NaN state at the first step of a multi-step check. The suite must
+charge each to itself, leave every other backend's verdict as it would be alone, and keep its store
+loadable. ``kda_hostile_baseline`` (a module of its own) replaces the baseline."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+
+import torch
+
+from kda_cases.case import Case
+from kda_cases.materialize import KDAInputs
+from kda_kernels.protocol import BackendOutput, Support
+from kda_kernels.registry import register
+from kda_kernels.torch_chunk import TorchChunk
+
+# name -> (the verdict it must get, words its reason must hold), for tests/test_hostile.py
+EXPECTED: dict[str, tuple[str, str]] = {}
+
+
+def hostile(name: str, verdict: str, reason: str):  # type: ignore[no-untyped-def]
+    def add(cls: type) -> type:
+        cls.name = name  # type: ignore[attr-defined]
+        EXPECTED[name] = (verdict, reason)
+        register(name, cls, replace=True)
+        return cls
+
+    return add
+
+
+def _right_then(inputs: KDAInputs, spoil) -> BackendOutput:  # type: ignore[no-untyped-def]
+    """The correct answer, computed before ``spoil(inputs)`` writes into the inputs: a backend that passes
+    itself and would fail whoever runs after it on the same inputs."""
+    out = TorchChunk().run(inputs)
+    spoil(inputs)
+    return out
+
+
+@hostile("hostile_writes_q", "fail", "wrote into its input q")
+class WritesQ(TorchChunk):
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        return _right_then(inputs, lambda x: x.q.mul_(2))
+
+
+@hostile("hostile_writes_initial_state", "fail", "wrote into its input initial_state")
+class WritesInitialState(TorchChunk):
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        return _right_then(inputs, lambda x: x.initial_state.zero_() if x.initial_state is not None else x.k.neg_())
+
+
+@hostile("hostile_writes_cu_seqlens", "fail", "wrote into its input")
+class WritesCuSeqlens(TorchChunk):
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        return _right_then(inputs, lambda x: x.cu_seqlens[1:].sub_(1) if x.cu_seqlens is not None else x.v.neg_())
+
+
+@hostile("hostile_returns_an_input", "fail", "sharing memory with its input v")
+class ReturnsAnInput(TorchChunk):
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        return dataclasses.replace(out, o=inputs.v)  # v has o's shape: a view of the caller's tensor
+
+
+@hostile("hostile_os_exit", "error", "called os._exit(0)")
+class CallsOsExit(TorchChunk):
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        os._exit(0)
+
+
+@hostile("hostile_system_exit", "error", "raised SystemExit(0)")
+class RaisesSystemExit(TorchChunk):
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        raise SystemExit(0)
+
+
+@hostile("hostile_returns_none", "error", "returned NoneType, not a BackendOutput")
+class ReturnsNone(TorchChunk):
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        return None  # type: ignore[return-value]
+
+
+@hostile("hostile_returns_a_tuple", "error", "returned a tuple of 2, not a BackendOutput")
+class ReturnsATuple(TorchChunk):
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        return (out.o, out.final_state)  # type: ignore[return-value]
+
+
+@hostile("hostile_returns_meta", "error", "returned o on the meta device")
+class ReturnsMeta(TorchChunk):
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        return dataclasses.replace(out, o=torch.empty_like(out.o, device="meta"))
+
+
+@hostile("hostile_raises_in_supports", "error", "raised RuntimeError in supports")
+class RaisesInSupports(TorchChunk):
+    def supports(self, case: Case) -> Support:
+        raise RuntimeError("no envelope today")
+
+
+@hostile("hostile_raises_in_availability", "error", "raised RuntimeError in availability")
+class RaisesInAvailability(TorchChunk):
+    def availability(self, device: torch.device) -> Support:
+        raise RuntimeError("driver probe crashed")
+
+
+@hostile("hostile_nan_state_at_step_one", "fail", "non-finite")
+class NanStateWhenFresh(TorchChunk):
+    """Right but for a NaN final state of every call without an initial state: the first step of a
+    two-step prefill (its second step would resume from the NaN)."""
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        if inputs.initial_state is not None:
+            return out
+        return dataclasses.replace(out, final_state=torch.full_like(out.final_state, float("nan")))
+
+
+# Deaths no exception survives: the process ends inside the call (subprocess tests only).
+class Segfaults(TorchChunk):
+    name = "hostile_segfault"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        os.kill(os.getpid(), signal.SIGSEGV)
+        raise AssertionError("unreachable")
+
+
+class Aborts(TorchChunk):
+    name = "hostile_abort"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        os.abort()
+
+
+for dying in (Segfaults, Aborts):
+    register(dying.name, dying, replace=True)

@@ -1,0 +1,78 @@
+"""Exit codes say the truth: one table of them (docs/exit-codes.md), and the commands that ran nothing, or
+ran into a backend that cannot run, say so instead of passing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kda_conformance.cli import build_parser, main, nightly
+from kda_conformance.cli.exits import ERRORED, FAILED, MEANINGS, NOTHING_RAN, PASSED, verdict_exit
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "exit-codes.md"
+PLUGINS = Path(__file__).with_name("plugins")
+CASE = '{"seq_lens": [9], "num_heads": 1, "num_v_heads": 1, "head_k_dim": 16, "head_v_dim": 16}'
+
+
+def test_the_documented_table_is_the_codes() -> None:
+    documented = DOCS.read_text()
+    for code, meaning in MEANINGS.items():
+        assert f"| {code} | {meaning} |" in documented, code
+
+
+@pytest.mark.parametrize(
+    ("verdicts", "strict", "code"),
+    [
+        (["pass", "known"], False, PASSED),
+        (["pass", "warn"], False, PASSED),
+        (["pass", "warn"], True, FAILED),
+        (["error", "fail"], False, FAILED),
+        (["error", "pass"], False, ERRORED),
+        (["skip", "resource"], False, NOTHING_RAN),
+        ([], False, NOTHING_RAN),
+    ],
+)
+def test_a_failure_outranks_an_error_which_outranks_nothing_ran(verdicts: list, strict: bool, code: int) -> None:
+    assert verdict_exit(verdicts, strict) == code
+
+
+def test_repro_of_a_backend_that_cannot_run_here_is_nothing_ran_not_a_pass(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    argv = ["repro", "--plugin", "kda_unavailable", "--backend", "needs_an_accelerator", "--device", "cpu"]
+    assert main([*argv, "--check", "budget", "--case", CASE]) == NOTHING_RAN
+    assert "nothing ran: needs_an_accelerator does not run this case" in capsys.readouterr().out
+    split = ["repro", "--backend", "torch_chunk", "--device", "cpu", "--check", "split_resume", "--at", "40"]
+    assert main([*split, "--case", CASE]) == NOTHING_RAN  # the split point lies outside the case
+    assert "check split_resume does not apply: split point p=40" in capsys.readouterr().out
+
+
+def test_the_nightly_passes_strict_mode_to_its_workers() -> None:
+    args = build_parser().parse_args(["nightly", "--store", "s", "--strict"])
+    assert "--kda-strict" in nightly.pytest_command(args, "night")
+
+
+def test_a_known_issue_that_no_longer_reproduces_is_a_warning_and_fails_under_strict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kda_conformance.judging import known
+
+    gone = known.KnownIssue(
+        id="gone-on-cpu",
+        backends=("torch_chunk",),
+        description="a problem since fixed",
+        upstream="nowhere",
+        added="2026-12-01",
+        worst=10.0,
+        confirmed="by hand",
+    )
+    monkeypatch.setattr(known, "ledger", lambda: (gone,))
+    argv = ["run", "--device", "cpu", "--backend", "torch_chunk", "--case", CASE]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == PASSED
+    said = capsys.readouterr().out
+    assert "warn: known issue gone-on-cpu no longer reproduces: all 1 cases it matched passed on torch_chunk" in said
+    assert main([*argv, "--strict", "--out", str(tmp_path / "b")]) == FAILED
+    page = (tmp_path / "b" / "dashboard.html").read_text()
+    assert "gone-on-cpu" in page.split("Known issues that no longer reproduce")[1].split("<h2>")[0]
