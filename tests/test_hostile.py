@@ -38,6 +38,7 @@ def hostile() -> Iterator[dict[str, tuple[str, str]]]:
     sys.path.insert(0, str(PLUGINS))
     import kda_hostile
 
+    assert kda_hostile.WRITTEN_INPUTS == INPUTS
     yield kda_hostile.EXPECTED
     sys.path.remove(str(PLUGINS))
 
@@ -60,12 +61,15 @@ def alone(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return verdicts(load_store(out).records, "torch_chunk")
 
 
+# The plugin's writers, one per input a backend may read and must not write (kda_hostile.WRITTEN_INPUTS).
+INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens")
+WRITERS = [f"hostile_writes_{name}" for name in INPUTS]
+
+
 @pytest.mark.parametrize(
     "name",
     [
-        "hostile_writes_q",
-        "hostile_writes_initial_state",
-        "hostile_writes_cu_seqlens",
+        *WRITERS,
         "hostile_returns_an_input",
         "hostile_os_exit",
         "hostile_system_exit",
@@ -89,6 +93,9 @@ def test_a_hostile_backend_is_charged_and_every_other_verdict_stands(
         assert set(mine["case_id"]) == {case.id for case in CASES}, mine  # a row for every case
         charged = mine[mine["verdict"] == verdict]
         assert charged["reason"].str.contains(words, regex=False).all() and len(charged) >= len(CASES), mine
+        if name in WRITERS:  # the input it wrote, named (where the case has it: else it wrote q)
+            written = name.removeprefix("hostile_writes_")
+            assert charged["reason"].str.contains(f"its input {written}:|its input q:").all(), charged["reason"]
         assert verdicts(store.records, "torch_chunk") == alone, f"{order}: torch_chunk's verdicts moved"
         assert SUITE_BACKEND not in set(store.records["backend"])
         assert (out / "dashboard.html").stat().st_size > 0
@@ -97,8 +104,18 @@ def test_a_hostile_backend_is_charged_and_every_other_verdict_stands(
 def test_a_write_into_an_input_names_its_first_changed_element(tmp_path: Path) -> None:
     assert run_into(tmp_path, "hostile_writes_q") == FAILED
     records = load_store(tmp_path).records
-    row = records[records["verdict"] == "fail"].iloc[0]
-    assert "first changed element [0, 0, 0, 0]" in row["reason"] and row["first_bad"] == "row 0 token 0 head 0"
+    row = records[(records["verdict"] == "fail") & (records["case_id"] == CASES[0].id)].iloc[0]
+    assert "first changed element [0, 36, 0, 15]" in row["reason"] and row["first_bad"] == "row 0 token 36 head 0"
+
+
+def test_a_hung_call_without_isolation_ends_the_sweep_with_its_row(tmp_path: Path) -> None:
+    cli = [sys.executable, "-m", "kda_conformance.cli", "run", "--device", "cpu", "--plugin", "kda_planted_crashes"]
+    cli += ["--backend", "torch_chunk", "--backend", "planted_hang", "--case-timeout", "5", *CASE_ARGS]
+    done, records = _dead([*cli, "--out", str(tmp_path)], tmp_path)
+    assert done.returncode == ERRORED, done.stdout[-2000:]
+    hung = records[records["backend"] == "planted_hang"]
+    assert list(hung["verdict"]) == ["error"] and "no result within 5 s" in hung["reason"].iloc[0]
+    assert set(records[records["backend"] == "torch_chunk"]["verdict"]) == {"pass"}
 
 
 def test_a_nan_state_at_step_one_is_the_backends_failure_at_step_one() -> None:

@@ -40,22 +40,26 @@ def _right_then(inputs: KDAInputs, spoil) -> BackendOutput:  # type: ignore[no-u
     return out
 
 
-@hostile("hostile_writes_q", "fail", "wrote into its input q")
-class WritesQ(TorchChunk):
-    def run(self, inputs: KDAInputs) -> BackendOutput:
-        return _right_then(inputs, lambda x: x.q.mul_(2))
+# One backend per input it writes into, after computing the right answer (hostile_writes_q, ...). Where a
+# case lacks the input (no initial state, no cu_seqlens), it writes q instead.
+WRITTEN_INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens")
 
 
-@hostile("hostile_writes_initial_state", "fail", "wrote into its input initial_state")
-class WritesInitialState(TorchChunk):
-    def run(self, inputs: KDAInputs) -> BackendOutput:
-        return _right_then(inputs, lambda x: x.initial_state.zero_() if x.initial_state is not None else x.k.neg_())
+def _writes(input_name: str) -> type:
+    def spoil(inputs: KDAInputs) -> None:
+        tensor = getattr(inputs, input_name)
+        tensor = inputs.q if tensor is None else tensor
+        tensor.view(-1)[-1:].add_(1)  # the last element: the first changed one is then the one it wrote
+
+    class Writes(TorchChunk):
+        def run(self, inputs: KDAInputs) -> BackendOutput:
+            return _right_then(inputs, spoil)
+
+    return hostile(f"hostile_writes_{input_name}", "fail", "wrote into its input")(Writes)
 
 
-@hostile("hostile_writes_cu_seqlens", "fail", "wrote into its input")
-class WritesCuSeqlens(TorchChunk):
-    def run(self, inputs: KDAInputs) -> BackendOutput:
-        return _right_then(inputs, lambda x: x.cu_seqlens[1:].sub_(1) if x.cu_seqlens is not None else x.v.neg_())
+for written in WRITTEN_INPUTS:
+    _writes(written)
 
 
 @hostile("hostile_returns_an_input", "fail", "sharing memory with its input v")
