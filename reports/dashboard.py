@@ -190,11 +190,12 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
         # The run shown: the last complete one; where none finished yet, the newest, labelled as such.
         last_id = complete["run_id"].iloc[-1] if not complete.empty else runs["run_id"].iloc[-1]
         last = records[records["run_id"] == last_id]
-        done = records[records["run_id"].isin(complete["run_id"])]
+        compared = complete if not complete.empty else runs[runs["run_id"] == last_id]  # the trends' runs
+        history = records[records["run_id"].isin(compared["run_id"])]
         if complete.empty:
             green, status = False, f"No run in the store has finished yet: below, the newest ({last_id}), not compared."
         else:
-            regressions = find_regressions(done, complete, window, growth)
+            regressions = find_regressions(history, complete, window, growth)
             status, green = status_line(last, complete.iloc[-1], regressions)
         unfinished = runs[runs["status"] != COMPLETE]
         after = unfinished[unfinished.index > runs.index[runs["run_id"] == last_id][0]]
@@ -210,7 +211,6 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
         measured["worst"] = record_worst(measured)
         worst = measured.sort_values("worst", ascending=False).head(15)
         worst_table = worst[["case_id", "label", "backend", "tensor", "verdict", "max_abs", "budget", "worst", "repro"]]
-        history = done if not complete.empty else last
         parts += [
             f"<p id='status' class='{'pass' if green else 'fail'}'>{html.escape(status)}</p>",
             f"<p class='note'>Newer runs, not compared: {html.escape(newer)}</p>" if newer else "",
@@ -233,16 +233,12 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
             "<h2>Error against length</h2>",
             _figure_html(error_vs_length(last), "error-vs-length", first=True),
             "<h2>Trends</h2>",
-            _figure_html(
-                trends(nightly_groups(history), complete if not complete.empty else runs), "trends", first=False
-            ),
+            _figure_html(trends(nightly_groups(history), compared), "trends", first=False),
             "<h2>Sentinel trends</h2>",
             "<p class='note'>The sentinels (cases/sentinels.json) run with the same inputs every night: each "
             f"line is one sentinel on one backend; growth past {SENTINEL_GROWTH:g} times its median is flagged "
             "above, within the budget or not.</p>",
-            _figure_html(
-                sentinel_trends(history, complete if not complete.empty else runs), "sentinel-trends", first=False
-            ),
+            _figure_html(sentinel_trends(history, compared), "sentinel-trends", first=False),
             "<h2>Worst cases of the last complete run</h2>",
             _table(worst_table, "worst", code_columns=("repro",)),
             "<h2>What the checks observed, last complete run</h2>",

@@ -149,9 +149,10 @@ def _dead(command: list[str], out: Path) -> tuple[subprocess.CompletedProcess, p
     return done, load_store(out).records
 
 
-@pytest.mark.parametrize("dying", ["hostile_segfault", "hostile_abort"])
+@pytest.mark.parametrize("dying", ["planted_segfault", "hostile_abort"])
 def test_a_process_that_dies_in_a_call_leaves_the_calls_error_and_a_nonzero_exit(dying: str, tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "kda_conformance.cli", "run", "--device", "cpu", "--plugin", "kda_hostile"]
+    cli += ["--plugin", "kda_planted_crashes"]
     done, records = _dead(
         [*cli, "--backend", "torch_chunk", "--backend", dying, *CASE_ARGS, "--out", str(tmp_path)], tmp_path
     )
@@ -206,11 +207,11 @@ def test_a_replaced_baseline_is_recorded_and_shown(
 
 def test_a_worker_that_dies_in_a_call_leaves_its_row_in_the_merged_run(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "pytest", "-q", "-n", "2", "conformance/test_corpus.py", "-k", "kda-7735f63ee3cc"]
-    command += ["--kda-device", "cpu", "--kda-plugin", "kda_hostile", "--kda-out", str(tmp_path)]
-    command += ["--kda-backend", "hostile_segfault", "--kda-backend", "torch_chunk"]
+    command += ["--kda-device", "cpu", "--kda-plugin", "kda_planted_crashes", "--kda-out", str(tmp_path)]
+    command += ["--kda-backend", "planted_segfault", "--kda-backend", "torch_chunk"]
     done, records = _dead(command, tmp_path)
     assert done.returncode == 1, done.stdout[-3000:]
-    died = records[records["backend"] == "hostile_segfault"]
+    died = records[records["backend"] == "planted_segfault"]
     assert list(died["verdict"]) == ["error"] and "the process ended during" in died["reason"].iloc[0]
     assert list(records[records["backend"] == "torch_chunk"]["verdict"]) == ["pass", "pass"]
     assert len(load_store(tmp_path).runs) == 1

@@ -115,6 +115,35 @@ def test_the_environment_records_what_moves_numbers(monkeypatch: pytest.MonkeyPa
     assert variables["TRITON_F32_DEFAULT"] == "ieee" and variables["KDA_PROFILE"] == "ci"
     assert "TRITON_CACHE_DIR" not in variables and "KDA_SUITE_COMMIT" not in variables
     assert env["suite_commit"] == "abc123" and env["suite_commit_from"] == "KDA_SUITE_COMMIT"
+    # An allow-list, not prefixes alone: what moves CPU numerics is in, a credential's value is not.
+    monkeypatch.setenv("FLA_API_KEY", "s3cret")
+    monkeypatch.setenv("KDA_SECRET_TOKEN", "s3cret")
+    monkeypatch.setenv("MKL_CBWR", "AVX2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    variables = json.loads(str(environment(CPU)["variables"]))
+    assert variables["FLA_API_KEY"] == variables["KDA_SECRET_TOKEN"] == "<redacted>"
+    assert variables["MKL_CBWR"] == "AVX2" and variables["ATEN_CPU_CAPABILITY"] == "avx2"
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists() and "model name" in cpuinfo.read_text():
         assert env["device_name"] not in ("x86_64", "aarch64", ""), "the CPU's model, not its architecture"
+
+
+def test_the_suites_commit_is_its_own_checkouts_or_unknown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run from a folder inside another git repository, the records carried that repository's commit."""
+    from kda_reports import environment
+
+    monkeypatch.delenv("KDA_SUITE_COMMIT", raising=False)
+    outer = tmp_path / "other-project"
+    inside = outer / "vendor" / "kda-conformance"
+    inside.mkdir(parents=True)
+    for args in (
+        ["init", "-q"],
+        ["-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "--allow-empty", "-m", "x"],
+    ):
+        subprocess.run(["git", *args], cwd=outer, check=True, capture_output=True)
+    monkeypatch.setattr(environment, "_REPO", inside.resolve())
+    monkeypatch.setattr(environment, "_installed_commit", lambda: "")
+    assert environment.suite_commit() == ("unknown", "unknown")
+    monkeypatch.setattr(environment, "_REPO", outer.resolve())  # the project's own checkout
+    commit, source = environment.suite_commit()
+    assert source == "git" and len(commit) == 12
