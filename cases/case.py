@@ -292,4 +292,12 @@ class Case:
             parts.append("vfirst")
         if self.state_dtype != "fp32":
             parts.append(f"S:{self.state_dtype}")
+        if self.scale is not None:
+            parts.append(f"scale{self.scale:g}")
         return " ".join(parts)
+
+    @property
+    def test_id(self) -> str:
+        """The case in a pytest test id: its label, selectable with ``-k`` (``-k "bf16 and T2049"``), then its
+        id (``T2049_bf16_H2/2_K64V64_lb-5-kda-c2646cfb9360``)."""
+        return f"{self.label.replace(' ', '_')}-{self.id}"

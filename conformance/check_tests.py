@@ -50,7 +50,24 @@ def unanswered(check: str, backend: Backend, run: Run, record: Callable, fault: 
         raise fault
     findings = [fault_finding(judge_for(check, case, backend.name, run.config.device), fault)]
     record(findings)
-    raise AssertionError(failure_report(findings)) from None
+    pytest.fail(failure_report(findings) or "", pytrace=False)
+
+
+def fail(request: pytest.FixtureRequest, findings: list[Finding], report: str) -> NoReturn:
+    """Fail the test with ``report`` (said once, no traceback: the findings, their ratios to the limits, the
+    first bad point, the repro line), and give a CI's test report (JUnit XML) the first failure's case,
+    backend, check, worst error/limit and repro line as properties."""
+    failed = next((f for f in findings if f.failed), None)
+    if failed is not None:
+        properties = {
+            "kda_case_id": failed.case.id,
+            "kda_backend": failed.backend,
+            "kda_check": failed.check,
+            "kda_worst_ratio": f"{failed.worst:.4g}",
+            "kda_repro": failed.repro,
+        }
+        request.node.user_properties.extend(properties.items())
+    pytest.fail(report, pytrace=False)
 
 
 def finite_or_largest(x: float) -> float:
@@ -97,7 +114,7 @@ def check_test(check: Check) -> Callable[..., None]:
         report = check_report(check, findings, dict(drawn.params), kda_run.config.fails)
         if report:
             kda_run.examples.keep_failure(nodeid, [f.to_dict() for f in findings if not f.passed])
-            raise AssertionError(report)
+            fail(request, findings, report)
 
     test.__name__ = test.__qualname__ = check.test_name
     test.__doc__ = check.summary

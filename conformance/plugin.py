@@ -9,6 +9,7 @@ import os
 import platform
 import shlex
 import sys
+import textwrap
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -234,15 +235,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     run = metafunc.config.stash[RUN]
     if "kda_backend_name" in metafunc.fixturenames:
         metafunc.parametrize("kda_backend_name", list(run.config.backends))
-    if "first_sweep_case" in metafunc.fixturenames:
-        cases = run.config.grid.cases()
-        metafunc.parametrize("first_sweep_case", cases, ids=[c.id for c in cases])
-    if "long_case" in metafunc.fixturenames:
-        cases = run.config.long_cases()
-        metafunc.parametrize("long_case", cases, ids=[c.id for c in cases])
-    if "sentinel" in metafunc.fixturenames:
-        cases = run.config.sentinel_cases()
-        metafunc.parametrize("sentinel", cases, ids=[c.id for c in cases])
+    for fixture, cases in (
+        ("first_sweep_case", run.config.grid.cases),
+        ("long_case", run.config.long_cases),
+        ("sentinel", run.config.sentinel_cases),
+    ):
+        if fixture in metafunc.fixturenames:
+            chosen = cases()
+            metafunc.parametrize(fixture, chosen, ids=[c.test_id for c in chosen])
 
 
 @pytest.fixture(scope="session")
@@ -362,7 +362,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         name = getattr(getattr(item, "callspec", None), "params", {}).get("kda_backend_name")
         if name is not None:
             if name not in markers_of:
-                markers_of[name] = registry.get(name).markers(device)
+                backend = registry.get(name)
+                # A backend that runs interpreted here (FLA's Triton kernels on a CPU) is a tier of its own:
+                # `-m interpreter` selects it, `-m "not interpreter"` leaves its seconds-per-call tests out.
+                markers_of[name] = (
+                    *backend.markers(device),
+                    *(("interpreter",) if backend.interpreted(device) else ()),
+                )
             for backend_marker in markers_of[name]:
                 item.add_marker(getattr(pytest.mark, backend_marker))
         check = getattr(getattr(item, "obj", None), "kda_check", None)
@@ -481,7 +487,7 @@ def skip_counts(reports: list) -> dict[str, int]:
     for report in reports:
         longrepr = getattr(report, "longrepr", None)
         reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
-        reasons[" ".join(str(reason).removeprefix("Skipped: ").split())[:100]] += 1
+        reasons[textwrap.shorten(str(reason).removeprefix("Skipped: "), 160, placeholder=" ...")] += 1
     return dict(reasons.most_common())
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from kda_cases.case import Case
 from kda_cases.corpus import CorpusEntry, load_corpus
-from kda_conformance.check_tests import unanswered
+from kda_conformance.check_tests import fail, unanswered
 from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running.runner import run_backend
 from kda_conformance.running.session import Run
@@ -24,7 +24,7 @@ CORPUS = "corpus"  # how the run's example log names these tests
 
 
 @pytest.mark.kda_device_dependent
-@pytest.mark.parametrize("entry", ENTRIES, ids=[e.case.id for e in ENTRIES])
+@pytest.mark.parametrize("entry", ENTRIES, ids=[e.case.test_id for e in ENTRIES])
 def test_corpus_case(
     entry: CorpusEntry, kda_backend: Backend, kda_run: Run, kda_checked: Callable, request: pytest.FixtureRequest
 ) -> None:
@@ -43,29 +43,38 @@ def test_corpus_case(
     kda_run.examples.ran_once(nodeid, failed=report is not None)
     if report:
         kda_run.examples.keep_failure(nodeid, [f.to_dict() for f in findings if f.failed])
-        raise AssertionError(report)
+        fail(request, findings, report)
 
 
 @pytest.mark.kda_device_dependent
 def test_long_case(
-    long_case: Case, kda_backend: Backend, kda_run: Run, kda_checked: Callable, kda_record: Callable
+    long_case: Case,
+    kda_backend: Backend,
+    kda_run: Run,
+    kda_checked: Callable,
+    kda_record: Callable,
+    request: pytest.FixtureRequest,
 ) -> None:
     """A long case of the run (moved into the backend's envelope), within its budgets."""
     try:
         fitted = guard.fit(kda_backend, long_case)
     except BackendFault as fault:
         unanswered(BUDGET_CHECK, kda_backend, kda_run, kda_record, fault)
-    _within_budget(fitted, kda_backend, kda_run, kda_checked, "long case of the run")
+    _within_budget(fitted, kda_backend, kda_run, kda_checked, "long case of the run", request)
 
 
 @pytest.mark.kda_device_dependent
-def test_sentinel(sentinel: Case, kda_backend: Backend, kda_run: Run, kda_checked: Callable) -> None:
+def test_sentinel(
+    sentinel: Case, kda_backend: Backend, kda_run: Run, kda_checked: Callable, request: pytest.FixtureRequest
+) -> None:
     """A sentinel (cases/sentinels.json: the same inputs every night, each with its own error history,
     whose growth reports/regressions.py flags), within its budgets."""
-    _within_budget(sentinel, kda_backend, kda_run, kda_checked, "sentinel")
+    _within_budget(sentinel, kda_backend, kda_run, kda_checked, "sentinel", request)
 
 
-def _within_budget(case: Case, backend: Backend, kda_run: Run, kda_checked: Callable, what: str) -> None:
+def _within_budget(
+    case: Case, backend: Backend, kda_run: Run, kda_checked: Callable, what: str, request: pytest.FixtureRequest
+) -> None:
     try:
         supported = guard.supports(backend, case)
     except BackendFault:  # the budget check asks again, and records the backend's error
@@ -77,4 +86,5 @@ def _within_budget(case: Case, backend: Backend, kda_run: Run, kda_checked: Call
     if skipped and len(skipped) == len(findings):  # (a skip of one tensor beside judged ones is recorded)
         pytest.skip(f"{backend.name}: {skipped[0].verdict}: {skipped[0].reason}")
     report = failure_report(findings, f"{what} ({case.total_tokens} tokens)", kda_run.config.fails)
-    assert report is None, report
+    if report:
+        fail(request, findings, report)

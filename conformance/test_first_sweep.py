@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from kda_cases.case import Case
+from kda_conformance.check_tests import fail
 from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running.runner import run_backend
 from kda_kernels.protocol import Backend
@@ -14,7 +15,9 @@ from kda_reports.findings import failure_report
 
 
 @pytest.mark.kda_device_dependent
-def test_first_sweep(first_sweep_case: Case, kda_backend: Backend, kda_checked: Callable) -> None:
+def test_first_sweep(
+    first_sweep_case: Case, kda_backend: Backend, kda_checked: Callable, request: pytest.FixtureRequest
+) -> None:
     """The sweep's cases come from --kda-lengths/--kda-dtypes/--kda-heads/--kda-head-dim (plugin)."""
     backend = kda_backend
     findings = kda_checked(BUDGET_CHECK, first_sweep_case, backend, {}, lambda truth: run_backend(truth, backend))
@@ -22,4 +25,5 @@ def test_first_sweep(first_sweep_case: Case, kda_backend: Backend, kda_checked: 
     if skipped:
         pytest.skip(f"{backend.name}: {skipped[0].verdict}: {skipped[0].reason}")
     report = failure_report(findings)
-    assert report is None, report
+    if report:
+        fail(request, findings, report)

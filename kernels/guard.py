@@ -325,7 +325,7 @@ def run_paged_call(
     own = {int(s) for s in state_indices[:n].tolist()} | {int(s) for s in checkpoint_slots.tolist()}
     try:
         with _in_call(backend):
-            backend.run_paged(batch, pool, state_indices, has_initial_state, out, checkpoint_slots)  # type: ignore[attr-defined]
+            backend.run_paged(batch, pool, state_indices, has_initial_state, out, checkpoint_slots)  # type: ignore[misc]
     except BaseException:
         snapshot.put_back(skip=("pool",))  # the pool is the call's to write: as it left it
         raise

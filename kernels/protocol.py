@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,18 @@ class Backend(ABC):
     # The sequence metadata its API can take from the host (FLA's ``cu_seqlens_cpu``); the host-metadata
     # check runs for backends that name some.
     host_metadata_names: tuple[str, ...] = ()
+    # A correct control: `kda-conformance detection` expects it to pass (a plugin's backends are otherwise
+    # taken for planted bugs, which must be caught).
+    correct_control: bool = False
+
+    # Optional capabilities, None where the backend has none; a backend that has one defines the method.
+    # ``run_paged(batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None``: an in-place
+    # paged API, as a server calls it (kernels/serving.py documents the arguments); the serving checks call it
+    # instead of gathering and scattering around ``run``.
+    run_paged: Callable[..., None] | None = None
+    # ``standalone_source(case) -> str``: the source of a ``call(q, k, v, g, beta, initial_state, cu_seqlens,
+    # **kwargs)`` that needs only torch and the backend's own package, for `repro --write-test`.
+    standalone_source: Callable[[Case], str] | None = None
 
     def host_metadata(self, device: torch.device, cu_seqlens_cpu: torch.Tensor) -> dict[str, torch.Tensor]:
         """The host metadata for a batch with these ``cu_seqlens`` (on the CPU), built as a server builds it

@@ -16,9 +16,15 @@ from collections.abc import Callable
 from kda_kernels.protocol import Backend
 
 ENTRY_POINT_GROUP = "kda_conformance.backends"
+# The registered name of the same-precision baseline every limit derives from (kernels/torch_chunk.py).
+BASELINE = "torch_chunk"
 
 _FACTORIES: dict[str, Callable[[], Backend]] = {}
+# The plugin module each backend came from ("" for the built-in ones and entry points, which load by
+# themselves): a repro line names it, so that pasted into a fresh shell it finds the backend.
+_PLUGIN_OF: dict[str, str] = {}
 _loaded = False
+_loading_builtins = False
 
 
 class PluginError(RuntimeError):
@@ -32,6 +38,22 @@ def register(name: str, factory: Callable[[], Backend], *, replace: bool = False
     if name in _FACTORIES and not replace:
         raise ValueError(f"a backend named {name!r} is already registered")
     _FACTORIES[name] = factory
+    module = str(getattr(factory, "__module__", "") or "")
+    _PLUGIN_OF[name] = "" if _loading_builtins or module.startswith("kda_kernels") else module
+
+
+def plugin_of(name: str) -> str:
+    """The plugin module that registered backend ``name`` ("" for a built-in or entry-point backend)."""
+    _load()
+    return _PLUGIN_OF.get(name, "")
+
+
+def reset() -> None:
+    """Forget every backend and plugin, as a fresh process would start (the built-ins load again on use)."""
+    global _loaded
+    _FACTORIES.clear()
+    _PLUGIN_OF.clear()
+    _loaded = False
 
 
 def unregister(name: str) -> None:
@@ -67,10 +89,18 @@ def get(name: str) -> Backend:
 
 
 def _load() -> None:
-    global _loaded
+    global _loaded, _loading_builtins
     if _loaded:
         return
     _loaded = True
+    _loading_builtins = True
+    try:
+        _register_builtins()
+    finally:
+        _loading_builtins = False
+
+
+def _register_builtins() -> None:
     from kda_kernels.aiter import BACKENDS as AITER_BACKENDS
     from kda_kernels.fla import FlaChunk, FlaRecurrent
     from kda_kernels.torch_chunk import TorchChunk
@@ -78,7 +108,7 @@ def _load() -> None:
     register("fla_chunk", FlaChunk)
     register("fla_chunk32", lambda: FlaChunk(chunk_size=32))
     register("fla_recurrent", FlaRecurrent)
-    register("torch_chunk", TorchChunk)
+    register(BASELINE, TorchChunk)
     for aiter_backend in AITER_BACKENDS:
         register(aiter_backend.name, aiter_backend)
     for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):

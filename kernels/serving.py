@@ -194,7 +194,7 @@ def serve(
     checkpoints = torch.tensor(checkpoint_slots, dtype=torch.int32, device=device)
     batch = dataclasses.replace(inputs, initial_state=None, cu_seqlens=offsets)
     with torch.inference_mode():
-        if callable(getattr(backend, "run_paged", None)):
+        if backend.run_paged is not None:
             run_paged_call(backend, batch, pool, indices, has_initial, out, checkpoints)
         else:
             gather_run_scatter(backend, batch, pool, indices, has_initial, out, checkpoints)

@@ -13,6 +13,7 @@ import html
 import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
@@ -25,7 +26,7 @@ from kda_reports.runfile import record_coverage
 from kda_reports.store import COMPLETE, Store
 
 STYLE = """
-body { font-family: system-ui, sans-serif; margin: 0 auto; padding: 0 12px; max-width: 1200px; color: #222; }
+body { font-family: system-ui, sans-serif; margin: 0 auto; padding: 0 12px; max-width: 1600px; color: #222; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
 .scroll { overflow-x: auto; }
 table { border-collapse: collapse; font-size: 0.85em; }
@@ -33,9 +34,17 @@ th, td { border: 1px solid #ddd; padding: 3px 6px; text-align: left; vertical-al
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 code { font-size: 0.85em; word-break: break-all; }
 .fail { color: #b00020; font-weight: 600; } .pass { color: #1b7f3b; } .note { color: #666; font-size: 0.9em; }
+.warn { color: #a05a00; }
+#status { font-size: 1.1em; padding: 6px 10px; border-left: 6px solid; }
+#status.pass { border-color: #1b7f3b; background: #eef8f0; }
+#status.fail { border-color: #b00020; background: #fdeef0; }
 .plot { width: 100%; min-height: 360px; }
 details code { display: block; max-width: 60ch; }
 """
+
+
+# The colour of a verdict's count in a table of counts per verdict (a failure red, a pass green).
+COUNT_CLASS = {"fail": "fail", "error": "fail", "pass": "pass", "known": "warn", "warn": "warn"}
 
 
 def _table(frame: pd.DataFrame, table_id: str, code_columns: tuple[str, ...] = ()) -> str:
@@ -46,7 +55,10 @@ def _table(frame: pd.DataFrame, table_id: str, code_columns: tuple[str, ...] = (
     for _, row in frame.iterrows():
         cells = []
         for column, value in row.items():
-            if isinstance(value, float):
+            if column in COUNT_CLASS and isinstance(value, int | np.integer) and not isinstance(value, bool):
+                cls = f' class="num {COUNT_CLASS[column]}"' if value else ' class="num"'
+                cells.append(f"<td{cls}>{value}</td>")
+            elif isinstance(value, float):
                 text = "" if math.isnan(value) else ("inf" if math.isinf(value) else f"{value:.3g}")
                 cells.append(f'<td class="num">{text}</td>')
             elif column in code_columns:  # long commands fold away, so a narrow screen keeps short rows
@@ -60,23 +72,65 @@ def _table(frame: pd.DataFrame, table_id: str, code_columns: tuple[str, ...] = (
     return f'<div class="scroll">{table}</div>'
 
 
-def _figure_html(figure: go.Figure, div_id: str, first: bool) -> str:
-    figure.update_layout(margin=dict(l=50, r=10, t=40, b=40), height=420, legend=dict(font=dict(size=10)))
-    return figure.to_html(
-        full_html=False,
-        include_plotlyjs=True if first else False,
-        div_id=div_id,
-        config={"responsive": True, "displaylogo": False},
-        default_width="100%",
+class Plots:
+    """The page's plots: Plotly's script inlined with the first one drawn; a note in place of a plot with
+    nothing to draw."""
+
+    def __init__(self) -> None:
+        self.drawn = 0
+
+    def html(self, figure: go.Figure, div_id: str, empty: str) -> str:
+        if not figure.data:
+            return f'<p class="note" id="{div_id}">{html.escape(empty)}</p>'
+        figure.update_layout(margin=dict(l=50, r=10, t=40, b=40), height=420, legend=dict(font=dict(size=10)))
+        self.drawn += 1
+        return figure.to_html(
+            full_html=False,
+            include_plotlyjs=self.drawn == 1,
+            div_id=div_id,
+            config={"responsive": True, "displaylogo": False},
+            default_width="100%",
+        )
+
+
+def _ceiling(values: pd.Series) -> float:
+    """Where a plot draws non-finite values: ten times the largest finite one (1e3 if there is none)."""
+    finite = values[values.map(lambda v: math.isfinite(v)).astype(bool)] if len(values) else values
+    return 10.0 * float(finite.max()) if len(finite) and finite.max() > 0 else 1e3
+
+
+def _non_finite_trace(x: list, y: float, text: list[str], name: str) -> go.Scatter:
+    return go.Scatter(
+        x=x,
+        y=[y] * len(x),
+        mode="markers",
+        name=name,
+        text=text,
+        marker=dict(symbol="x", size=11, color="#b00020"),
     )
+
+
+def night_labels(runs: pd.DataFrame) -> dict[str, str]:
+    """Each run as its axis label: its start, to the minute, and its id (one category per night)."""
+    dates = runs["env_date"] if "env_date" in runs else pd.Series("", index=runs.index)
+    pairs = zip(runs["run_id"], dates, strict=True)
+    return {run_id: f"{str(date)[:16].replace('T', ' ')} {run_id}" for run_id, date in pairs}
 
 
 def error_vs_length(records: pd.DataFrame) -> go.Figure:
     """Max-abs error against the longest sequence, per backend and tensor, with each case's limit."""
     figure = go.Figure()
     budget = records["check"] == "budget" if "check" in records else True
-    measured = records[records["verdict"].isin(["pass", "fail"]) & records["max_abs"].notna() & budget].copy()
+    judged = records["verdict"].isin(["pass", "fail", "known"])
+    measured = records[judged & records["max_abs"].notna() & budget].copy()
     measured["length"] = longest(measured)
+    non_finite = ~measured["max_abs"].map(math.isfinite).astype(bool)
+    if non_finite.any():  # the worst failures: drawn at a marked ceiling, not dropped by the log axis
+        ceiling = _ceiling(pd.concat([measured["max_abs"], measured["budget"]]))
+        bad = measured[non_finite]
+        text = list((bad["backend"] + " " + bad["tensor"] + " " + bad["label"].astype(str)).map(html.escape))
+        figure.add_trace(_non_finite_trace(list(bad["length"]), ceiling, text, f"non-finite (drawn at {ceiling:.3g})"))
+        measured = measured[~non_finite]
     for (backend, tensor), part in measured.groupby(["backend", "tensor"]):
         part = part.sort_values("length")
         label = html.escape(f"{backend} {tensor}")  # the page's text: a tag or a label is never markup
@@ -94,7 +148,7 @@ def error_vs_length(records: pd.DataFrame) -> go.Figure:
         )
     figure.update_xaxes(type="log", title="longest sequence (tokens)")
     figure.update_yaxes(type="log", title="max-abs error (limit: dashes)")
-    figure.update_layout(title="Error against length, last run")
+    figure.update_layout(title="Error against length (the budget check), last run")
     return figure
 
 
@@ -102,43 +156,54 @@ def trends(groups: pd.DataFrame, runs: pd.DataFrame) -> go.Figure:
     """Worst error/limit ratio per backend x family x tensor over the runs (1 is the limit)."""
     figure = go.Figure()
     order = {run_id: i for i, run_id in enumerate(runs["run_id"])}
-    dates = dict(zip(runs["run_id"], runs.get("env_date", runs["run_id"]), strict=True))
-    finite = groups[groups["worst"].map(math.isfinite).astype(bool)].copy()  # (an empty mask selects rows too)
-    finite["night"] = finite["run_id"].map(order)
-    for key, part in finite.groupby(GROUP):
+    nights = night_labels(runs)
+    groups = groups[groups["run_id"].isin(order)].copy()
+    groups["night"] = groups["run_id"].map(order)
+    ceiling = _ceiling(groups["worst"])
+    finite = groups["worst"].map(math.isfinite).astype(bool)
+    for key, part in groups[finite].groupby(GROUP):
         part = part.sort_values("night")
         name = html.escape(" ".join(str(k) for k in key))
-        figure.add_trace(
-            go.Scatter(x=[dates[r] for r in part["run_id"]], y=part["worst"], mode="lines+markers", name=name)
-        )
-    figure.add_hline(y=1.0, line_dash="dash", line_color="#b00020", annotation_text="limit")
+        x = [nights[r] for r in part["run_id"]]
+        figure.add_trace(go.Scatter(x=x, y=part["worst"], mode="lines+markers", name=name))
+    bad = groups[~finite]
+    if len(bad):  # errors and non-finite outputs: the worst nights, at a marked ceiling
+        text = [html.escape(" ".join(str(row[k]) for k in GROUP)) for _, row in bad.iterrows()]
+        nights_bad = [nights[r] for r in bad["run_id"]]
+        figure.add_trace(_non_finite_trace(nights_bad, ceiling, text, f"error or non-finite (drawn at {ceiling:.3g})"))
+    if figure.data:
+        figure.add_hline(y=1.0, line_dash="dash", line_color="#b00020", annotation_text="limit")
     figure.update_yaxes(type="log", title="worst error / limit")
-    figure.update_xaxes(title="run")
-    figure.update_layout(title="Trends per case family (backend, family, tensor)")
+    figure.update_xaxes(title="night", type="category", categoryorder="array", categoryarray=list(nights.values()))
+    figure.update_layout(title="Trends per case family (backend, check, family, tensor)")
     return figure
 
 
 def sentinel_trends(records: pd.DataFrame, runs: pd.DataFrame) -> go.Figure:
     """Each sentinel's worst error/limit per backend over the runs (1 is the limit)."""
     figure = go.Figure()
-    dates = dict(zip(runs["run_id"], runs.get("env_date", runs["run_id"]), strict=True))
+    nights = night_labels(runs)
     worst = sentinel_worst(records)
-    worst = worst[worst["worst"].map(math.isfinite).astype(bool)]
+    worst = worst[worst["run_id"].isin(nights)]
+    ceiling = _ceiling(worst["worst"])
+    worst = worst.assign(worst=worst["worst"].where(worst["worst"].map(math.isfinite).astype(bool), ceiling))
     per_sentinel = worst.groupby(["run_id", "backend", "case_id", "label"], sort=False)["worst"].max().reset_index()
     order = {run_id: i for i, run_id in enumerate(runs["run_id"])}
     for (backend, _, label), part in per_sentinel.groupby(["backend", "case_id", "label"]):
         part = part.assign(night=part["run_id"].map(order)).sort_values("night")
         figure.add_trace(
             go.Scatter(
-                x=[dates[r] for r in part["run_id"]],
+                x=[nights[r] for r in part["run_id"]],
                 y=part["worst"],
                 mode="lines+markers",
                 name=html.escape(f"{backend} {label}"),
             )
         )
-    figure.add_hline(y=1.0, line_dash="dash", line_color="#b00020", annotation_text="limit")
+    if figure.data:
+        figure.add_hline(y=1.0, line_dash="dash", line_color="#b00020", annotation_text="limit")
+        figure.add_hline(y=ceiling, line_dash="dot", line_color="#999", annotation_text="error or non-finite")
     figure.update_yaxes(type="log", title="worst error / limit")
-    figure.update_xaxes(title="run")
+    figure.update_xaxes(title="night", type="category", categoryorder="array", categoryarray=list(nights.values()))
     figure.update_layout(title="Sentinels: the same inputs every night", showlegend=len(figure.data) <= 40)
     return figure
 
@@ -166,6 +231,11 @@ def status_line(last: pd.DataFrame, run: pd.Series, regressions: pd.DataFrame) -
         f"{'Green' if green else 'Red'}: last complete run {run['run_id']} ({when}): {verdicts}; "
         f"{len(flags)} regression flag(s)"
     )
+    new = flags[flags["kind"] == "new failure"] if not flags.empty else flags
+    if not new.empty:
+        first = new.iloc[0]
+        text += f"; {len(new)} new failure(s), the first {first['backend']} {first['check']} {first['family']}"
+        text += f": {first['repro']}" if first["repro"] else ""
     baselines = set(last["env_baseline"].dropna().astype(str)) - {SUITE_BASELINE} if "env_baseline" in last else set()
     if baselines:
         text += f"; its limits come from a replaced baseline ({', '.join(sorted(baselines))})"
@@ -210,7 +280,9 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
         measured = last[last["verdict"].isin(["pass", "fail", "error"])].copy()
         measured["worst"] = record_worst(measured)
         worst = measured.sort_values("worst", ascending=False).head(15)
-        worst_table = worst[["case_id", "label", "backend", "tensor", "verdict", "max_abs", "budget", "worst", "repro"]]
+        shown = ["case_id", "label", "backend", "check", "subject", "tensor", "verdict", "max_abs", "budget", "worst"]
+        worst_table = worst[[*shown, "repro"]]
+        plots = Plots()
         parts += [
             f"<p id='status' class='{'pass' if green else 'fail'}'>{html.escape(status)}</p>",
             f"<p class='note'>Newer runs, not compared: {html.escape(newer)}</p>" if newer else "",
@@ -231,14 +303,21 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
             "run, none of which reproduced them: remove them from the ledger.</p>",
             _table(stale_known_issues(last), "stale-known-issues"),
             "<h2>Error against length</h2>",
-            _figure_html(error_vs_length(last), "error-vs-length", first=True),
+            plots.html(
+                error_vs_length(last), "error-vs-length", "No budget-check record with a measured error in this run."
+            ),
             "<h2>Trends</h2>",
-            _figure_html(trends(nightly_groups(history), compared), "trends", first=False),
+            plots.html(trends(nightly_groups(history), compared), "trends", "No measured record to trend."),
             "<h2>Sentinel trends</h2>",
             "<p class='note'>The sentinels (cases/sentinels.json) run with the same inputs every night: each "
             f"line is one sentinel on one backend; growth past {SENTINEL_GROWTH:g} times its median is flagged "
             "above, within the budget or not.</p>",
-            _figure_html(sentinel_trends(history, compared), "sentinel-trends", first=False),
+            plots.html(
+                sentinel_trends(history, compared),
+                "sentinel-trends",
+                "No sentinel ran in these runs: the sentinels run in the nightly and long profiles "
+                "(kda-conformance nightly), not in the ci or smoke profile nor the first sweep.",
+            ),
             "<h2>Worst cases of the last complete run</h2>",
             _table(worst_table, "worst", code_columns=("repro",)),
             "<h2>What the checks observed, last complete run</h2>",

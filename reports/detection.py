@@ -8,6 +8,7 @@ backends, its specificity (docs/detection.md).
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Collection, Mapping
 
 import pandas as pd
@@ -30,7 +31,8 @@ def first_location(entry: dict) -> str:
 def _first_line(entries: list[dict]) -> str:
     for entry in entries:
         if entry["failed_at"] is not None and entry.get("findings"):
-            return Finding.from_dict(entry["findings"][0]).message(repro=False).splitlines()[0][:80]
+            line = Finding.from_dict(entry["findings"][0]).message(repro=False).splitlines()[0]
+            return textwrap.shorten(line, 80, placeholder=" ...")
     return "no finding"
 
 

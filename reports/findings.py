@@ -80,8 +80,11 @@ class Location:
     row: int | None = None  # a batch row, where the check compares rows rather than sequences
     slot: int | None = None
     position: int | None = None  # packed row position past the last token
+    checkpoint: int | None = None  # the case's n-th checkpoint (the state of ``sequence`` after ``token`` tokens)
 
     def __str__(self) -> str:
+        if self.checkpoint is not None:
+            return f"checkpoint {self.checkpoint} (seq {self.sequence} after {self.token} tokens) head {self.head}"
         if self.slot is not None:
             return f"slot {self.slot}"
         if self.position is not None:
@@ -184,8 +187,9 @@ class Finding:
             lines = [f"{head}: " + ("; ".join(self.problems) or "passed")]
             if self.errors is not None and self.budget is not None:
                 for limit in self.budget.limits:
+                    value = getattr(self.errors, limit.metric)
                     lines.append(
-                        f"  {limit.metric} = {getattr(self.errors, limit.metric):.3e}, limit {limit.value:.3e} "
+                        f"  {limit.metric} = {value:.3e}, {ratio(value, limit.value):.3g}x its limit {limit.value:.3e} "
                         f"(baseline {limit.baseline:.3e}, floor {limit.floor:.3e}, cap {limit.cap:.3e})"
                     )
                 lines.append(f"  first bad: {self.first_bad or '-'} (first point past the max-abs limit)")

@@ -98,12 +98,22 @@ def environment_change(runs: pd.DataFrame, before: str, after: str) -> str:
         f"{label} {a[key]} -> {b[key]}" for key, label in ENV_KEYS.items() if key in runs and str(a[key]) != str(b[key])
     ]
     suite = "env_suite_commit" in runs and str(a["env_suite_commit"]) != str(b["env_suite_commit"])
+    seed = "env_seed" in runs and _shown(a["env_seed"]) != _shown(b["env_seed"])
     parts = []
     if changes:
         parts.append("environment: " + ", ".join(changes))
     if suite:
         parts.append(f"suite: {a['env_suite_commit']} -> {b['env_suite_commit']}")
-    return "; ".join(parts) or "no change of environment or suite (other cases drawn, or nondeterminism)"
+    if seed:
+        parts.append(f"seed: {_shown(a['env_seed'])} -> {_shown(b['env_seed'])} (other cases drawn)")
+    return "; ".join(parts) or "no change of environment, suite or seed (nondeterminism, or a flaky kernel)"
+
+
+def _shown(value: object) -> str:
+    """A recorded value as text: a seed read back as 7.0 is 7; a missing one is 'derandomized'."""
+    if value is None or (isinstance(value, float) and math.isnan(value)) or value == "":
+        return "derandomized"
+    return f"{int(value)}" if isinstance(value, float) and value.is_integer() else str(value)
 
 
 def sentinel_worst(records: pd.DataFrame) -> pd.DataFrame:
@@ -158,7 +168,7 @@ def find_regressions(
     """Flags for the latest run against the ``window`` runs before it (see the module's docstring)."""
     columns = ["kind", *GROUP, "tonight", "before", "cause", "case_id", "repro"]
     env_runs = runs.copy()
-    for key in [*ENV_KEYS, "env_suite_commit"]:
+    for key in [*ENV_KEYS, "env_suite_commit", "env_seed"]:
         if key in records and key not in env_runs:
             env_runs = env_runs.merge(records.groupby("run_id")[key].first().reset_index(), on="run_id", how="left")
     order = list(runs["run_id"])
@@ -182,9 +192,12 @@ def find_regressions(
             "case_id": row["case_id"],
             "repro": row["repro"],
         }
-        if row["failed"] and (was is None or not was["failed"]):
-            kind = "new failure" if was is not None else "failure (family not measured the night before)"
-            flags.append({"kind": kind, **dict(zip(GROUP, key, strict=True)), **entry})
+        if was is None:  # a backend, check or case family new tonight: nothing to compare it with
+            if row["failed"]:
+                new = "not measured in the run before (a new backend, check or case family)"
+                flags.append({"kind": "new", **dict(zip(GROUP, key, strict=True)), **entry, "cause": new})
+        elif row["failed"] and not was["failed"]:
+            flags.append({"kind": "new failure", **dict(zip(GROUP, key, strict=True)), **entry})
         elif row["worst"] > floor and before > 0 and row["worst"] > growth * before:
             flags.append({"kind": "error growth", **dict(zip(GROUP, key, strict=True)), **entry})
     flags += sentinel_flags(records, order[-1 - window :], cause, sentinel_growth)

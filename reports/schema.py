@@ -52,7 +52,8 @@ RECORD_COLUMNS: dict[str, str] = {
     "max_abs_over_ref_rms": "max-abs error over RMS of the truth",
     "nonfinite": "number of NaN or Inf values returned",
     "first_bad": "where it first went wrong: the first point past the max-abs limit, `seq S token T head H` "
-    "(outputs) or `seq S head H` (states); or the memory a check found written, `slot N`, `row R token T head H`",
+    "(outputs), `seq S head H` (states), `checkpoint N (seq S after T tokens) head H`; or the memory a check found "
+    "written, `slot N`, `row R token T head H`",
     "error_curve": "max-abs error per 64 tokens along the packed rows, comma-separated (outputs only)",
     "budget": "max-abs limit from the tolerance rule",
     "ratio": "max_abs / budget",
@@ -92,7 +93,8 @@ RECORD_COLUMNS: dict[str, str] = {
     "env_run_id": "the run id again, as stored in the environment file",
     "env_complete": "False when the run was interrupted (Ctrl-C, a time limit) and holds only what was measured",
     "env_profile": "sweep profile (`smoke`, `ci`, `nightly`, `long`) of a profile run",
-    "env_seed": "seed of a randomized profile's draw ('' when derandomized); rerun with it to get the same cases",
+    "env_seed": "seed of a randomized profile's draw ('' when derandomized), or of the first sweep's cases "
+    "(`run --seed`); rerun with it to get the same cases",
     "env_command": "the command line that produced the run (`kda-conformance ...` or `pytest ...`)",
     "env_baseline": "`module.Class` of the baseline backend (`torch_chunk`) every limit derived from; "
     "`kda_kernels.torch_chunk.TorchChunk` unless a plugin replaced it",

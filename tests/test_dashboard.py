@@ -294,9 +294,18 @@ def test_a_new_kernel_shape_is_not_judged_against_another_shapes_history() -> No
     records, runs = _nights([0.3, 0.3, 0.3, 1.4], [False, False, False, True])
     records["case_head_k_dim"] = records["case_head_v_dim"] = [64, 64, 64, 16]
     flags = find_regressions(records, runs)
-    # Not "new failure ... no change of environment or suite" against K = 64's history: a family of its own.
-    assert list(flags["kind"]) == ["failure (family not measured the night before)"]
+    # Not "new failure ... no change of environment or suite" against K = 64's history: a family of its own,
+    # new tonight, whatever else changed (a backend added on night 2 was blamed on the environment).
+    assert list(flags["kind"]) == ["new"] and "not measured in the run before" in flags["cause"].iloc[0]
     assert "K16V16" in flags["family"].iloc[0]
+
+
+def test_a_seed_change_is_named_as_a_cause() -> None:
+    records, runs = _nights([0.2, 0.2, 0.2, 0.5], [False] * 4)
+    records["env_fla"] = runs["env_fla"] = "0.6.0"
+    records["env_seed"] = [1.0, 1.0, 1.0, 2.0]
+    flags = find_regressions(records, runs)
+    assert list(flags["kind"]) == ["error growth"] and flags["cause"].iloc[0] == "seed: 1 -> 2 (other cases drawn)"
 
 
 def test_a_sentinel_flags_an_error_grown_within_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

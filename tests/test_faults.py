@@ -87,7 +87,12 @@ def test_a_sticky_error_in_a_worker_costs_its_cases_only(tmp_path: Path) -> None
     sticky = by_backend["planted_sticky_fault"]
     assert set(sticky["verdict"]) == {"error"} and sticky["case_id"].nunique() == 3
     assert sticky["reason"].str.contains("illegal memory access").all()
-    assert sticky["repro"].str.startswith("kda-conformance run --device cpu --backend planted_sticky_fault").all()
+    plugin = "--plugin kda_planted_crashes"
+    assert (
+        sticky["repro"]
+        .str.startswith(f"kda-conformance run --device cpu {plugin} --backend planted_sticky_fault")
+        .all()
+    )
     assert "crashed while running" in done.stdout  # pytest-xdist replaced the worker and went on
 
 

@@ -57,7 +57,7 @@ def test_planted_bugs_minimize_to_small_cases(backend: str, capsys: pytest.Captu
     tokens = int(re.search(r"500 -> (\d+) tokens", line).group(1))  # type: ignore[union-attr]
     assert tokens <= most and line.rstrip().endswith(f"still {kept}"), line
     assert "heads 2/4 -> 1/1" in line and "K x V 64x64 -> 16x16" in line
-    assert f"repro: kda-conformance run --device cpu --backend {backend} --case" in out
+    assert f"repro: kda-conformance run --device cpu --plugin kda_planted_bugs --backend {backend} --case" in out
 
 
 def test_a_passing_case_has_nothing_to_minimize(capsys: pytest.CaptureFixture[str]) -> None:

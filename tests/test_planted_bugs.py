@@ -8,11 +8,15 @@ table with FLA's kernels added.
 from __future__ import annotations
 
 import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from kda_conformance.cli import build_parser
 from kda_conformance.cli.detection import DetectionRun, run_detection
 from kda_reports.detection import COLUMNS, detection_problems
 from kda_reports.findings import Finding
@@ -36,7 +40,8 @@ def test_every_planted_bug_is_caught_with_a_first_bad_point(detection: Detection
     table = detection.table.set_index("backend")
     missed = [name for name in zoo if table.loc[name, "caught by"] == "nothing"]
     assert not missed, detection.output[-3000:]
-    no_position = [name for name in zoo if not table.loc[name, "first bad"].startswith(("seq ", "row ", "slot "))]
+    located = ("seq ", "row ", "slot ", "checkpoint ")
+    no_position = [name for name in zoo if not table.loc[name, "first bad"].startswith(located)]
     assert not no_position, table.loc[no_position].to_string()
     assert detection.returncode == 1
 
@@ -87,3 +92,41 @@ def test_failures_carry_the_repro_command_of_their_check(detection: DetectionRun
                 assert f"--backend {entry['backend']}" in finding.repro and "repro: " in finding.message(), finding
                 budget = entry["check"] in ("budget", "corpus")
                 assert ("kda-conformance run " if budget else f"--check {entry['check']}") in finding.repro
+
+
+# Pastes repro lines into a fresh process, each line starting from the built-in backends alone (as a fresh
+# shell would): a line that dropped --plugin would not find its backend.
+PASTE = """
+import shlex, sys
+from kda_conformance.cli import main
+from kda_kernels import registry
+for line in sys.argv[1:]:
+    registry.reset()
+    sys.modules.pop("kda_planted_bugs", None)
+    print("exit", main(shlex.split(line)[1:]), flush=True)
+"""
+
+
+def test_every_printed_repro_line_reruns_what_it_names(detection: DetectionRun, tmp_path: Path) -> None:
+    """Every repro line the zoo's failures printed parses, names its plugin, and (one per check, pasted into
+    a fresh process) reproduces its finding: exit 1 where a tensor failed, 3 where the call erred."""
+    parser = build_parser()
+    first_per_check: dict[str, tuple[str, int]] = {}
+    lines = 0
+    for entry in detection.entries.values():
+        failed = [Finding.from_dict(data) for data in entry["findings"] if data["verdict"] in ("fail", "error")]
+        for finding in failed:
+            lines += 1
+            words = shlex.split(finding.repro)
+            args = parser.parse_args(words[1:])
+            assert args.plugin == ["kda_planted_bugs"] and words[0] == "kda-conformance", finding.repro
+            expected = 1 if any(f.verdict == "fail" for f in failed if f.repro == finding.repro) else 3
+            first_per_check.setdefault(entry["check"], (finding.repro, expected))
+    assert lines > 100 and len(first_per_check) >= 8, first_per_check
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
+    repros = [line for line, _ in first_per_check.values()]
+    done = subprocess.run(
+        [sys.executable, "-c", PASTE, *repros], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600
+    )
+    codes = [int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("exit ")]
+    assert codes == [code for _, code in first_per_check.values()], done.stdout[-4000:] + done.stderr[-2000:]

@@ -68,7 +68,7 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> lis
     case, inputs = truth.case, truth.inputs
     judge = judge_for(NAME, case, backend.name, inputs.device, params)
     T, batch = case.total_tokens, padded(inputs)
-    if callable(getattr(backend, "run_paged", None)):
+    if backend.run_paged is not None:
         # The server's call: the caller's output buffer is as long as the padded tensors.
         plan = dataclasses.replace(plan_pool(case), out_rows=batch.q.shape[1])
         served = run_serving(backend, batch, plan, "sentinel")

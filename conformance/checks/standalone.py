@@ -70,7 +70,7 @@ def write_standalone(case: Case, backend: Backend, device: torch.device, poison:
     path.parent.mkdir(parents=True, exist_ok=True)
     data_path = path.with_suffix(".pt")
     torch.save(data, data_path)
-    source = backend.standalone_source(served) if hasattr(backend, "standalone_source") else None
+    source = backend.standalone_source(served) if backend.standalone_source is not None else None
     if source is None:
         source = textwrap.dedent(
             f"""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import shlex
 import signal
 import sys
@@ -24,6 +25,7 @@ from kda_conformance.cli import (
     run,
 )
 from kda_conformance.cli.exits import INTERRUPTED
+from kda_reports.environment import suite_commit
 
 COMMANDS: tuple[ModuleType, ...] = (
     run,
@@ -45,10 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kda-conformance",
         description="How far is a KDA prefill kernel from the exact result? Sweeps, reports, dashboards, repros.",
     )
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_arguments(sub.add_parser(command.NAME, help=command.HELP, description=command.HELP))
     return parser
+
+
+def version() -> str:
+    """``kda-conformance 0.1.0 (commit abc123def456)``: the package's version and the suite's commit."""
+    try:
+        number = importlib.metadata.version("kda-conformance")
+    except importlib.metadata.PackageNotFoundError:
+        number = "(not installed)"
+    commit, source = suite_commit()
+    return f"kda-conformance {number} (commit {commit}, from {source})"
 
 
 def main(argv: list[str] | None = None) -> int:

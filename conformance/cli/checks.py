@@ -10,6 +10,7 @@ Every parameter a check draws is fixed: the split point mid-sequence, each poiso
 from __future__ import annotations
 
 import argparse
+import textwrap
 from pathlib import Path
 
 import pandas as pd
@@ -118,7 +119,8 @@ def summary(table: pd.DataFrame) -> pd.DataFrame:
 
 def _row(*values: str) -> dict[str, str]:
     row = dict(zip(COLUMNS, values, strict=True))
-    row["note"] = row["note"][:200]  # a table cell, not a log: the records keep the whole of it
+    # A table cell, not a log (the records keep the whole of it): shortened at a word, saying so.
+    row["note"] = textwrap.shorten(row["note"], 200, placeholder=" ...")
     return row
 
 

@@ -52,6 +52,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plugin-backends", action="store_true", help="with --backend: also every backend the plugins register"
     )
+    parser.add_argument(
+        "--planted",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a planted bug to run, which must be caught (repeatable; default: every plugin backend that is not "
+        "a correct control)",
+    )
+    parser.add_argument(
+        "--correct",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a correct control, which must pass (repeatable; a plugin backend too; also a backend class with "
+        "correct_control = True)",
+    )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="a warning (nondeterminism, garbage past the tokens) fails its test, so it counts as a catch",
+    )
     parser.add_argument("--profile", choices=list(PROFILES), default="ci", help="sweep profile (default: ci)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     parser.add_argument("--seed", type=int, default=None, help="seed of a randomized profile")
@@ -60,7 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def pytest_command(
-    backends: list[str], plugins: list[str], profile: str, device: str, out: Path, seed: int | None = None
+    backends: list[str],
+    plugins: list[str],
+    profile: str,
+    device: str,
+    out: Path,
+    seed: int | None = None,
+    strict: bool = False,
 ) -> list[str]:
     """The pytest command line the detection run uses (the plugin loads itself through ``-p``)."""
     command = [sys.executable, "-m", "pytest", *(str(CONFORMANCE / name) for name in SUITES)]
@@ -70,7 +97,7 @@ def pytest_command(
     command += [arg for name in backends for arg in ("--kda-backend", name)]
     if seed is not None:
         command += ["--kda-seed", str(seed)]
-    return command
+    return command + (["--kda-strict"] if strict else [])
 
 
 def run_detection(
@@ -82,10 +109,11 @@ def run_detection(
     seed: int | None = None,
     env: dict[str, str] | None = None,
     echo: Callable[[str], None] | None = None,
+    strict: bool = False,
 ) -> DetectionRun:
     """Run the checks and the corpus for ``backends`` and tabulate what caught each; ``echo`` gets pytest's
-    output line by line as it comes (its progress), for a run that takes minutes."""
-    command = pytest_command(backends, plugins, profile, device, out, seed)
+    output line by line as it comes (its progress), for a run that takes minutes; ``strict``: warnings fail."""
+    command = pytest_command(backends, plugins, profile, device, out, seed, strict)
     lines = []
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as process:
         assert process.stdout is not None
@@ -108,7 +136,14 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         for module in args.plugin:
             registry.load_plugin(module)
         from_plugins = sorted(set(registry.names()) - before)
-        names = [*args.backends, *(from_plugins if args.plugin_backends else [])] if args.backends else from_plugins
+        correct = [*(args.backends or []), *args.correct]
+        if args.planted:
+            planted = list(args.planted)
+        else:  # every plugin backend, unless --backend names the correct ones without --plugin-backends
+            planted = from_plugins if (args.plugin_backends or not args.backends) else []
+        correct += [n for n in planted if getattr(registry.get(n), "correct_control", False)]
+        planted = [n for n in planted if n not in correct]
+        names = list(dict.fromkeys([*correct, *planted]))
         backends = {name: registry.get(name) for name in names}
     except (KeyError, registry.PluginError) as exc:
         say(console, f"{exc.args[0]}", "error:", "red")
@@ -116,16 +151,20 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     if not names:
         say(console, "no backends: name them with --backend, or load a plugin that registers some", "error:", "red")
         return 2
-    # The plugins' backends (all of them by default, or with --plugin-backends) are the planted bugs, which
-    # must be caught; the backends named with --backend are correct ones, which must pass.
-    planted = [n for n in names if n in from_plugins and (args.plugin_backends or not args.backends)]
     console.print(
         f"detection: {len(planted)} planted, {len(names) - len(planted)} correct backends, profile {args.profile}, "
         f"device {args.device}; pytest's progress follows",
         highlight=False,
     )
     run = run_detection(
-        names, args.plugin, args.out, args.profile, args.device, args.seed, echo=lambda line: print(line, flush=True)
+        names,
+        args.plugin,
+        args.out,
+        args.profile,
+        args.device,
+        args.seed,
+        echo=lambda line: print(line, flush=True),
+        strict=args.strict,
     )
     markdown = detection_markdown(run.table, {n: b.description for n, b in backends.items()}, args.command_line)
     runs = sorted((Path(args.out) / "runs").glob("*.parquet"), key=lambda p: p.stat().st_mtime)

@@ -61,9 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _first_failure(path: Path) -> tuple[Case, str, str, dict[str, str]]:
-    """Case, backend, check and the check's parameters (read back from the repro line) of a run's first
-    failed record."""
+def _first_failure(path: Path) -> tuple[Case, str, str, dict[str, str], list[str]]:
+    """Case, backend, check, the check's parameters and the plugins (read back from the repro line) of a
+    run's first failed record."""
     records = read_run(path)
     failed = records[records["verdict"].isin(FAILED)]
     if failed.empty:
@@ -72,17 +72,19 @@ def _first_failure(path: Path) -> tuple[Case, str, str, dict[str, str]]:
     words = shlex.split(str(row.get("repro") or ""))
     names = check_params()
     params = {w[2:]: words[i + 1] for i, w in enumerate(words[:-1]) if w.startswith("--") and w[2:] in names}
+    plugins = [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--plugin"]
     check = str(row.get("check") or BUDGET_CHECK)
-    return Case.from_json(row["case_json"]), str(row["backend"]), check, params
+    return Case.from_json(row["case_json"]), str(row["backend"]), check, params, plugins
 
 
 def execute(args: argparse.Namespace, console: Console) -> int:
     if args.from_run is not None:
         try:
-            case, backend_name, check_name, given = _first_failure(args.from_run)
+            case, backend_name, check_name, given, plugins = _first_failure(args.from_run)
         except (OSError, ValueError) as exc:
             say(console, f"--from-run: {exc}", "error:", "red")
             return 2
+        args.plugin = [*args.plugin, *(p for p in plugins if p not in args.plugin)]
         check = get_check(check_name)
         params = {p.name: p.parse(given[p.name]) if p.name in given else None for p in check.params}
     else:

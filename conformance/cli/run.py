@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def profile_cases(config: RunConfig, examples: int | None, console: Console) -> list[Case]:
+def profile_cases(config: RunConfig, examples: int | None, console: Console, seed: int | None = None) -> list[Case]:
     """The corpus cases the profile admits, then freshly drawn ones (the seed goes into the report)."""
     profile = config.profile
     assert profile is not None
@@ -86,6 +86,12 @@ def profile_cases(config: RunConfig, examples: int | None, console: Console) -> 
     for line in config.kernel_pool_lines():
         console.print(line, highlight=False)
     drawn = draw_cases(profile, examples or profile.max_examples, config.seed)
+    if seed is not None and config.seed is None:
+        say(
+            console,
+            f"profile {profile.name} is derandomized (the same cases every run): --seed {seed} is not used",
+            "note:",
+        )
     how = "derandomized" if config.seed is None else f"seed {config.seed} (rerun with --seed {config.seed})"
     console.print(f"profile {profile.name}: {len(pinned)} corpus cases, {len(drawn)} drawn, {how}")
     return pinned + drawn
@@ -141,7 +147,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     if args.cases:
         cases = list(args.cases)
     elif config.profile is not None:
-        cases = profile_cases(config, args.examples, console)
+        cases = profile_cases(config, args.examples, console, args.seed)
     else:
         cases = config.grid.cases()
     run = Run(config, hung_exit=ERRORED)  # a hung case (--case-timeout) ends the sweep: an error

@@ -85,6 +85,13 @@ def locate(case: Case, measurement: Measurement, limit: float) -> Location | Non
     if measurement.per_index is None:
         return None
     bad = ~(measurement.per_index <= limit)  # NaN marks a non-finite value: bad whatever the limit
+    if measurement.tensor == "checkpoint_states":  # the n-th checkpoint: a sequence at a token, as the case says
+        hits = bad.nonzero()
+        if not len(hits):
+            return None
+        n = int(hits[0, 0])
+        seq, position = case.checkpoints[n]
+        return Location(sequence=seq, token=position, head=int(hits[0, 1]), checkpoint=n)
     if measurement.tensor != "o":
         hits = bad.nonzero()
         return Location(sequence=int(hits[0, 0]), head=int(hits[0, 1])) if len(hits) else None

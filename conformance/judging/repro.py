@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from kda_cases.case import Case
+from kda_kernels import registry
 
 BUDGET_CHECK = "budget"
 
@@ -22,10 +23,14 @@ def repro_line(
 ) -> str:
     """One shell line that reruns ``check`` on exactly this case, backend and device type."""
     device_type = torch.device(device).type
-    if check == BUDGET_CHECK:
-        head = f"kda-conformance run --device {device_type} --backend {shlex.quote(backend)}"
-    else:
-        head = f"kda-conformance repro --device {device_type} --backend {shlex.quote(backend)}"
+    command = "run" if check == BUDGET_CHECK else "repro"
+    head = f"kda-conformance {command} --device {device_type}"
+    # The plugins that registered the backend and the baseline its limits derive from: without them the
+    # pasted line would not find the backend (or would judge it against the built-in baseline).
+    plugins = dict.fromkeys(p for p in (registry.plugin_of(backend), registry.plugin_of(registry.BASELINE)) if p)
+    head += "".join(f" --plugin {shlex.quote(module)}" for module in plugins)
+    head += f" --backend {shlex.quote(backend)}"
+    if check != BUDGET_CHECK:
         head += "".join(f" --{name} {shlex.quote(str(value))}" for name, value in (params or {}).items())
         head += f" --check {check}"
     return f"{head} --case {shlex.quote(case.to_json())}"

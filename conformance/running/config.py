@@ -194,6 +194,8 @@ class RunConfig:
         if self.profile is not None:
             env["profile"] = self.profile.name
             env["seed"] = "" if self.seed is None else self.seed
+        else:  # the first sweep's cases come from the grid's seed
+            env["seed"] = self.grid.seed
         if self.shard is not None:
             env["shard"] = f"{self.shard[0]}/{self.shard[1]}"
         return env

@@ -25,7 +25,8 @@ def configure_hypothesis(profile: Profile) -> None:
         derandomize=profile.derandomize,
         # A derandomized profile replays the same cases every run: no failure database to consult.
         database=None if profile.derandomize else DirectoryBasedExampleDatabase(FAILURE_DATABASE),
-        print_blob=True,
+        # No "@reproduce_failure" blob: every failure prints the repro line that reruns it.
+        print_blob=False,
         # No shrinking in any profile: with compiled kernels every shrunk case is a new shape and a new Triton
         # compile (on the H200 one fp32 failure's shrinking took about 450 s of a 540 s nightly slot and no
         # other property ran); in the CPU interpreter it takes minutes. The failing case is printed whole,

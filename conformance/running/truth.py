@@ -18,7 +18,7 @@ from kda_reference.run import reference_form, run_reference
 from kda_reports.findings import Budget
 
 # The same-precision baseline the tolerance rule scales (kernels/torch_chunk.py), by its registered name.
-BASELINE = "torch_chunk"
+BASELINE = registry.BASELINE
 
 
 @dataclass(frozen=True)

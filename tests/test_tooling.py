@@ -1,0 +1,71 @@
+"""The habits a kernel engineer brings: pytest's -k, --lf and JUnit XML work on the conformance tests, a
+failure says what it must once, detection takes a subset of planted bugs and named controls, --version."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from kda_cases.case import Case
+from kda_conformance.cli import main
+from kda_conformance.cli.detection import pytest_command
+
+REPO = Path(__file__).resolve().parent.parent
+PLUGINS = Path(__file__).with_name("plugins")
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
+
+
+def pytest_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-o", f"cache_dir={tmp_path / 'cache'}"]
+    command += ["--kda-device", "cpu", "--kda-out", str(tmp_path / "out"), *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=ENV, timeout=600)
+
+
+def test_test_ids_read_and_select_by_the_cases_label() -> None:
+    case = Case(seq_lens=(2049,), dtype="fp32", initial_state="random")
+    assert case.test_id.startswith("T2049_fp32_H2/2_K64V64_lb-5_h0:random-kda-") and case.test_id.endswith(case.id)
+    assert "scale0.25" in Case(seq_lens=(9,), scale=0.25).label  # two cases apart by their scale print apart
+
+
+def test_a_failure_says_it_once_with_its_ratio_and_repro_and_lf_and_junit_work(tmp_path: Path) -> None:
+    select = ["conformance/test_corpus.py", "-k", "bf16 and T130", "--kda-plugin", "kda_planted_bugs"]
+    select += ["--kda-backend", "planted_nan_at_one_position", "--kda-backend", "torch_chunk"]
+    done = pytest_run(tmp_path, *select, "--junitxml", str(tmp_path / "junit.xml"))
+    assert done.returncode == 1, done.stdout[-3000:]
+    failures = done.stdout.split("= FAILURES =")[1].split("short test summary")[0]
+    assert failures.count("repro: kda-conformance run --device cpu --plugin kda_planted_bugs") == 1
+    assert "x its limit" in failures and "reproduce_failure" not in failures and "assert None" not in failures
+    assert "Traceback" not in failures and "AssertionError" not in failures
+    suite = ET.parse(tmp_path / "junit.xml").getroot()
+    failed = [case for case in suite.iter("testcase") if case.find("failure") is not None]
+    assert failed and all("T130" in case.get("name", "") and "bf16" in case.get("name", "") for case in failed)
+    properties = {p.get("name"): p.get("value") for p in failed[0].iter("property")}
+    assert {"kda_case_id", "kda_backend", "kda_check", "kda_worst_ratio", "kda_repro"} <= set(properties)
+    assert properties["kda_backend"] == "planted_nan_at_one_position" and properties["kda_worst_ratio"] == "inf"
+    again = pytest_run(tmp_path, *select, "--lf")
+    assert again.returncode == 1 and f"{len(failed)} failed" in again.stdout and " passed" not in again.stdout
+
+
+def test_detection_takes_planted_bugs_and_correct_controls_and_counts_warnings_when_strict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])
+    argv = ["detection", "--plugin", "kda_behaviours", "--planted", "test_nondeterministic"]
+    argv += ["--correct", "torch_chunk", "--profile", "smoke", "--out", str(tmp_path)]
+    assert main([*argv, "--strict"]) == 0  # the nondeterminism warning is a catch under --strict
+    table = capsys.readouterr().out.split("| backend")[1]
+    assert "| test_nondeterministic" in table and "| torch_chunk" in table and "test_garbage_tail" not in table
+    assert "--kda-strict" in pytest_command(["a"], [], "ci", "cpu", tmp_path, strict=True)
+    assert "--kda-strict" not in pytest_command(["a"], [], "ci", "cpu", tmp_path)
+
+
+def test_version_names_the_package_and_the_commit(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("kda-conformance 0.1.0 (commit ")
