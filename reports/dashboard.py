@@ -261,6 +261,7 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
         last_id = complete["run_id"].iloc[-1] if not complete.empty else runs["run_id"].iloc[-1]
         last = records[records["run_id"] == last_id]
         compared = complete if not complete.empty else runs[runs["run_id"] == last_id]  # the trends' runs
+        which = "last complete run" if not complete.empty else "newest run (not complete)"
         history = records[records["run_id"].isin(compared["run_id"])]
         if complete.empty:
             green, status = False, f"No run in the store has finished yet: below, the newest ({last_id}), not compared."
@@ -280,19 +281,18 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
         measured = last[last["verdict"].isin(["pass", "fail", "error"])].copy()
         measured["worst"] = record_worst(measured)
         worst = measured.sort_values("worst", ascending=False).head(15)
-        shown = ["case_id", "label", "backend", "check", "subject", "tensor", "verdict", "max_abs", "budget", "worst"]
-        worst_table = worst[[*shown, "repro"]]
+        columns = ["case_id", "label", "backend", "check", "subject", "tensor", "verdict", "max_abs", "budget", "worst"]
+        worst_table = worst[[*columns, "repro"]]
         plots = Plots()
         parts += [
             f"<p id='status' class='{'pass' if green else 'fail'}'>{html.escape(status)}</p>",
             f"<p class='note'>Newer runs, not compared: {html.escape(newer)}</p>" if newer else "",
             "<h2>Overview</h2>",
-            f"<p>{len(runs)} runs ({len(complete)} complete); last complete run <code>{html.escape(last_id)}</code>."
-            "</p>",
+            f"<p>{len(runs)} runs ({len(complete)} complete); {which} <code>{html.escape(last_id)}</code>.</p>",
             _table(runs, "runs"),
-            "<h3>Last complete run per backend</h3>",
+            f"<h3>{which.capitalize()} per backend</h3>",
             _table(per_backend, "per-backend"),
-            "<h3>Last complete run's environment</h3>",
+            f"<h3>{which.capitalize()}: environment</h3>",
             _table(env_table, "environment"),
             "<h2>Regressions (last complete run against the complete runs before it)</h2>",
             f"<p class='note'>Worst error/limit per backend, case family and tensor against the median of up to "
@@ -318,13 +318,13 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
                 "No sentinel ran in these runs: the sentinels run in the nightly and long profiles "
                 "(kda-conformance nightly), not in the ci or smoke profile nor the first sweep.",
             ),
-            "<h2>Worst cases of the last complete run</h2>",
+            f"<h2>Worst cases of the {which}</h2>",
             _table(worst_table, "worst", code_columns=("repro",)),
-            "<h2>What the checks observed, last complete run</h2>",
+            f"<h2>What the checks observed, {which}</h2>",
             "<p class='note'>Beyond pass and fail: batch invariance, padded tails, metadata patterns, "
             "determinism, known issues (cases per backend, check and observation).</p>",
             _table(observations(last), "observations"),
-            "<h2>Axis coverage, last complete run</h2>",
+            f"<h2>Axis coverage, {which}</h2>",
             "<p class='note'>Distinct cases per value of each axis (cases/coverage.py): the values a run "
             "did not reach are where its bugs could hide.</p>",
             _table(record_coverage(last), "coverage"),

@@ -173,9 +173,8 @@ def test_dashboard_renders_in_a_real_browser(history: Path, tmp_path: Path) -> N
     page, regressions = build_dashboard(load_store(history), tmp_path / "dashboard.html")
     assert not regressions.empty
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    screenshot = ARTIFACTS / "dashboard-narrow.png"
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0"]
-    flags += ["--virtual-time-budget=15000", "--window-size=420,3000"]
+    flags += ["--virtual-time-budget=15000"]
     browser = chromium()
     done = subprocess.run(
         [browser, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=180, check=False
@@ -187,10 +186,26 @@ def test_dashboard_renders_in_a_real_browser(history: Path, tmp_path: Path) -> N
     assert not console, console
     table = re.search(r'<table id="regressions">.*?</table>', dom, flags=re.S)
     assert table and "new failure" in table.group(0) and "fp32" in table.group(0) and "torch_chunk" in table.group(0)
-    shot = subprocess.run(
-        [browser, *flags, f"--screenshot={screenshot}", page.as_uri()], capture_output=True, timeout=180, check=False
-    )
-    assert screenshot.exists() and screenshot.stat().st_size > 10_000, shot.stderr[-2000:]
+    # The first screen answers "is tonight green, and if not, what broke?"; counts coloured by verdict.
+    status = re.search(r"<p id=.status. class=.(\w+).>(.*?)</p>", dom)
+    assert status and status.group(1) == "fail" and status.group(2).startswith("Red: last complete run"), status
+    new = "; 2 new failure(s), the first torch_chunk budget fp32 typical T&lt;="
+    assert new in status.group(2) and ": kda-conformance run --device cpu --backend torch_chunk" in status.group(2)
+    per_backend = re.search(r'<table id="per-backend">.*?</table>', dom, flags=re.S).group(0)  # type: ignore[union-attr]
+    assert 'class="num fail"' in per_backend and 'class="num pass"' in per_backend
+    worst = re.search(r'<table id="worst">.*?</table>', dom, flags=re.S).group(0)  # type: ignore[union-attr]
+    assert "<th>check</th>" in worst and "<th>subject</th>" in worst
+    environment = re.search(r'<table id="environment">.*?</table>', dom, flags=re.S).group(0)  # type: ignore[union-attr]
+    assert ">nan<" not in environment
+    assert "No sentinel ran in these runs" in dom  # a note, not an empty plot
+    assert f"2026-11-1{NIGHTS - 1} 02:00 2026111{NIGHTS - 1}T020000Z-night{NIGHTS - 1}" in dom  # one category a night
+    for width, name in ((420, "dashboard-narrow.png"), (1400, "dashboard-wide.png")):
+        screenshot = ARTIFACTS / name
+        size = [f"--window-size={width},3000"]
+        shot = subprocess.run(
+            [browser, *flags, *size, f"--screenshot={screenshot}", page.as_uri()], capture_output=True, timeout=180
+        )
+        assert screenshot.exists() and screenshot.stat().st_size > 10_000, shot.stderr[-2000:]
 
 
 def test_nightly_command_adds_a_run_and_rebuilds_the_dashboard(tmp_path: Path) -> None:
