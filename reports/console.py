@@ -13,6 +13,7 @@ COLUMNS = (
     ("case", 17),
     ("label", 48),
     ("backend", 26),
+    ("check", 13),
     ("tensor", 17),
     ("verdict", 8),
     ("max_abs", 9),
@@ -23,7 +24,7 @@ COLUMNS = (
     ("rms_ratio", 9),
     ("s", 7),
 )
-TEXT_COLUMNS = 5
+TEXT_COLUMNS = 6
 RECORD_LINE_HEADER = " ".join(
     f"{title:{width}}" if i < TEXT_COLUMNS else f"{title:>{width}}" for i, (title, width) in enumerate(COLUMNS)
 )
@@ -38,7 +39,8 @@ def record_line(r: dict) -> str:
 
     seconds = r.get("seconds")
     return (
-        f"{r['case_id']:17} {str(r['label'])[:48]:48} {r['backend']:26} {r.get('tensor') or '-':17} "
+        f"{r['case_id']:17} {str(r['label'])[:48]:48} {r['backend']:26} {r.get('check') or 'budget':13} "
+        f"{r.get('tensor') or '-':17} "
         f"{r['verdict']:8} {num('max_abs', 9)} {num('budget', 9)} {num('ratio', 7, '.3f')} {num('rel_rms', 9)} "
         f"{num('budget_rel_rms', 9)} {num('rel_rms_ratio', 9, '.3f')} "
         + (f"{seconds:7.2f}" if isinstance(seconds, float) and seconds == seconds else f"{'':7}")

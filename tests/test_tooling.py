@@ -69,3 +69,45 @@ def test_version_names_the_package_and_the_commit(capsys: pytest.CaptureFixture[
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.startswith("kda-conformance 0.1.0 (commit ")
+
+
+def test_every_command_checks_its_inputs_before_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    big = ["run", "--device", "cpu", "--backend", "torch_chunk", "--lengths", "100000000", "--heads", "64"]
+    assert main([*big, "--out", str(tmp_path)]) == 2
+    said = capsys.readouterr().out
+    assert "needs about" in said and "GiB at its peak" in said and not list((tmp_path / "runs").glob("*"))
+    assert main(["benchmark", "--backend", "no_such_backend", "--lengths", "16"]) == 2
+    assert "--backend: ['no_such_backend'] unknown" in capsys.readouterr().out
+    for bad in (["--lengths", "-3"], ["--heads", "0"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit) as done:
+            main(["benchmark", *bad])
+        assert done.value.code == 2
+    # The suite's own corpus files are cases too (--case takes what `corpus add` wrote).
+    corpus = REPO / "cases" / "corpus" / "kda-7735f63ee3cc.json"
+    assert (
+        main(["run", "--device", "cpu", "--backend", "torch_chunk", "--case", str(corpus), "--out", str(tmp_path)]) == 0
+    )
+
+
+def test_the_cpu_allocator_running_out_is_out_of_memory() -> None:
+    from kda_conformance.running.faults import is_out_of_memory
+
+    message = "[enforce fail at alloc_cpu.cpp:117] . DefaultCPUAllocator: can't allocate memory: you tried to allocate"
+    assert is_out_of_memory(RuntimeError(message)) and is_out_of_memory(MemoryError())
+
+
+def test_checks_run_prints_a_repro_line_for_each_failure(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    case = Case(seq_lens=(20, 0, 13), packed=True, num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
+    argv = ["checks", "--run", "--device", "cpu", "--plugin", "kda_planted_bugs", "--backend", "planted_future_leak"]
+    assert main([*argv, "--case", case.to_json()]) == 1
+    out = capsys.readouterr().out
+    assert "checking planted_future_leak: prefix --at 11" in out and "{" not in out.split("checking")[1][:60]
+    assert "FAIL planted_future_leak prefix --at 11; repro: kda-conformance repro --device cpu --plugin" in out
+    # A kernel wrong under every cu_seqlens pattern has a numerical error, not a broken in-place contract.
+    cu_rows = [line for line in out.splitlines() if "| cu_seqlens" in line]
+    assert cu_rows and not any("contract broken" in line for line in cu_rows), cu_rows

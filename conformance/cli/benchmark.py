@@ -35,9 +35,12 @@ import torch
 from rich.console import Console
 
 from kda_cases.case import Case
-from kda_cases.devices import synchronize
+from kda_cases.devices import resolve_device, synchronize
 from kda_cases.files import atomic_write_text
 from kda_cases.materialize import KDAInputs, materialize
+from kda_conformance.cli.common import add_backends, add_device, say, typed
+from kda_conformance.cli.exits import USAGE
+from kda_conformance.running.config import parse_count, parse_lengths
 from kda_kernels import registry
 from kda_reference.chunked import DEFAULT_CHUNK, kda_chunked
 from kda_reference.recurrent import kda_recurrent
@@ -124,7 +127,8 @@ def _fla_naive(x: KDAInputs) -> Callable[[], object] | None:
 
 def run_benchmark(args: argparse.Namespace) -> list[str]:
     device = torch.device(args.device)
-    backends = [registry.get(name) for name in args.backends.split(",")] if args.backends else []
+    backends = [registry.get(name) for name in args.backends]
+    untimed: dict[str, str] = {}  # why a contender's cell is nan, said under the table
     rate, bandwidth = device_ceilings(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [
@@ -146,7 +150,7 @@ def run_benchmark(args: argparse.Namespace) -> list[str]:
     naive_short = _fla_naive(short)
     if naive_short is not None:
         naive_short()
-    for T in (int(t) for t in args.lengths.split(",")):
+    for T in args.lengths:
         # Drawing the inputs (on the CPU, from the case's seed) is part of every case's cost.
         synchronize(device)
         start = time.perf_counter()
@@ -155,10 +159,14 @@ def run_benchmark(args: argparse.Namespace) -> list[str]:
         inputs_seconds = time.perf_counter() - start
         calls: dict[str, Callable[[], object] | None] = dict(_forms(x))
         calls["fla_naive_fp32"] = _fla_naive(x)
+        if calls["fla_naive_fp32"] is None:
+            untimed["fla_naive_fp32"] = "fla-core is not installed"
         for backend in backends:
             available = backend.availability(device)
             supported = backend.supports(x.case) if available else available
             calls[backend.name] = (lambda b=backend, x=x: b.run(x)) if supported else None
+            if not supported:
+                untimed[backend.name] = f"T={T}: {supported.reason}"
         seconds: dict[str, float] = {}
         peaks = dict.fromkeys(calls, float("nan"))
         chunked_allocated = float("nan")
@@ -169,6 +177,7 @@ def run_benchmark(args: argparse.Namespace) -> list[str]:
             loop_like = contender in ("loop", "fla_naive_fp32")
             if loop_like and args.loop_up_to and T > args.loop_up_to:
                 seconds[contender] = float("nan")
+                untimed[contender] = f"not timed above --loop-up-to {args.loop_up_to} tokens"
                 continue
             if not loop_like:
                 call()  # warm-up: compile, autotune, allocator
@@ -192,7 +201,10 @@ def run_benchmark(args: argparse.Namespace) -> list[str]:
         del x, calls
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return lines
+    notes = [f"nan for {contender}: {why}" for contender, why in untimed.items()]
+    if notes:
+        print("\n".join(["", *notes]), flush=True)
+    return lines + (["", *notes] if notes else [])
 
 
 def run_small(args: argparse.Namespace) -> list[str]:
@@ -213,18 +225,56 @@ def run_small(args: argparse.Namespace) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    parser.add_argument("--lengths", default="2048,8192,32768,131072", help="comma-separated sequence lengths")
-    parser.add_argument("--heads", type=int, default=16, help="heads (= value heads) of every case (default: 16)")
-    parser.add_argument("--head-dim", type=int, default=128, help="K = V of every case (default: 128)")
-    parser.add_argument("--backends", default="", help="registered backends to time too, e.g. fla_chunk,fla_recurrent")
-    parser.add_argument("--repeats", type=int, default=3, help="timed calls per fast contender (median)")
-    parser.add_argument("--loop-up-to", type=int, default=0, help="skip the token loops above this length (0: never)")
+    add_device(parser, default="cpu")
+    parser.add_argument(
+        "--lengths",
+        type=typed(parse_lengths),
+        default=(2048, 8192, 32768, 131072),
+        help="comma-separated sequence lengths (default: 2048,8192,32768,131072)",
+    )
+    parser.add_argument(
+        "--heads", type=typed(lambda t: parse_count("heads", t)), default=16, help="heads (= value heads; default: 16)"
+    )
+    parser.add_argument(
+        "--head-dim", type=typed(lambda t: parse_count("head dim", t)), default=128, help="K = V (default: 128)"
+    )
+    add_backends(parser, default="none")
+    parser.add_argument(
+        "--backends",
+        dest="backend_list",
+        type=lambda text: [x for x in text.split(",") if x],
+        default=[],
+        help="the same as repeated --backend, comma-separated (fla_chunk,fla_recurrent)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=typed(lambda t: parse_count("repeats", t)),
+        default=3,
+        help="timed calls per fast contender (median; default: 3)",
+    )
+    parser.add_argument(
+        "--loop-up-to",
+        type=typed(lambda t: parse_count("loop-up-to", t, lowest=0)),
+        default=0,
+        help="skip the token loops above this length (0: never)",
+    )
     parser.add_argument("--small", action="store_true", help="only the short-length comparison of the exact forms")
     parser.add_argument("--table", type=Path, default=None, help="also write the table (markdown) to this file")
 
 
 def execute(args: argparse.Namespace, console: Console) -> int:
+    args.backends = [*(args.backends or []), *args.backend_list]
+    try:  # options checked before any work: a device that is not there, a backend that is not registered
+        args.device = str(resolve_device(args.device))
+        for module in args.plugin:
+            registry.load_plugin(module)
+        unknown = [name for name in args.backends if name not in registry.names()]
+    except (ValueError, registry.PluginError) as exc:
+        say(console, str(exc), "error:", "red")
+        return USAGE
+    if unknown:
+        say(console, f"--backend: {unknown} unknown; known backends: {', '.join(registry.names())}", "error:", "red")
+        return USAGE
     lines = run_small(args) if args.small else run_benchmark(args)
     if args.table is not None:
         atomic_write_text(args.table, f"Produced by `{args.command_line}`\n\n" + "\n".join(lines) + "\n")

@@ -19,7 +19,7 @@ from rich.console import Console
 from kda_cases.case import Case
 from kda_cases.files import atomic_write_text
 from kda_conformance.checks import CHECKS, run_check
-from kda_conformance.cli.common import add_backends, add_device, config_from_args, parse_case, typed
+from kda_conformance.cli.common import add_backends, add_device, config_from_args, parse_case, say, typed
 from kda_conformance.cli.exits import PASSED, verdict_exit
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault
@@ -96,15 +96,15 @@ def run_table(backends: list[str], device, case: Case, console: Console) -> pd.D
                 rows.append(_row(name, check.name, "", "", "skip", reason))
                 continue
             for params in _params(check.name, fitted):
-                console.print(f"{name} {check.name} {params}", highlight=False)
-                try:
-                    findings = run_check(check, fitted, backend, device, params)
-                except Exception as exc:  # a check that raises is a result of the table, not the end of it
-                    findings = []
-                    rows.append(_row(name, check.name, str(params), "", "error", f"{type(exc).__name__}: {exc}"))
+                shown = "".join(f" --{key} {value}" for key, value in params.items())
+                console.print(f"checking {name}: {check.name}{shown}", highlight=False)
+                findings = run_check(check, fitted, backend, device, params)  # what raises is a finding too
                 for f in findings:
-                    what = (f"{params} " if params else "") + f"{f.subject} {f.tensor}".strip()
+                    what = (f"{shown.strip()} " if params else "") + f"{f.subject} {f.tensor}".strip()
                     rows.append(_row(name, check.name, what, f.observed, f.verdict, "; ".join(f.problems) or f.reason))
+                # Each failure's line to rerun it, once per check and parameters.
+                for repro in dict.fromkeys(f.repro for f in findings if f.failed and f.repro):
+                    say(console, repro, f"FAIL {name} {check.name}{shown}; repro:", "red")
     return pd.DataFrame(rows, columns=COLUMNS)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -64,7 +65,10 @@ def parse_case(text: str) -> Case:
             raise ValueError(f"--case takes case JSON, a .json file or a corpus id; {text!r} is none of them")
         source = Path(stripped).read_text()
     try:
-        return Case.from_json(source)
+        data = json.loads(source)
+        if isinstance(data, dict) and isinstance(data.get("case"), dict) and "why" in data:
+            data = data["case"]  # a corpus entry (cases/corpus/*.json): the case it pins
+        return Case.from_dict(data) if isinstance(data, dict) else Case.from_json(source)
     except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"--case: not a valid case: {exc}") from None
 

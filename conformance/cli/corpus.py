@@ -48,6 +48,15 @@ def execute(args: argparse.Namespace, console: Console) -> int:
             (Case.from_json(text), f"{why}: {backend} {tensor or 'raised'}")
             for text, backend, tensor in zip(bad["case_json"], bad["backend"], bad["tensor"], strict=True)
         ]
+    if args.dir == CORPUS_DIR and {"site-packages", "dist-packages"} & set(CORPUS_DIR.parts):
+        say(
+            console,
+            f"the default corpus folder lies in the installed package ({CORPUS_DIR}): pin into your checkout's "
+            "cases/corpus with --dir, or install the suite editable (pip install -e)",
+            "error:",
+            "red",
+        )
+        return 2
     for case, why in found:
         path, new = save_case(case, why, args.dir)
         console.print(f"{'added' if new else 'already pinned'}: {path.name} ({case.label})", highlight=False)

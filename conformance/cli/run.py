@@ -28,6 +28,7 @@ from kda_conformance.cli.dashboard import after_run
 from kda_conformance.cli.exits import ERRORED, FAILED, INTERRUPTED, NOTHING_RAN, PASSED, USAGE, verdict_exit
 from kda_conformance.cli.sweep import SweepResult, sweep
 from kda_conformance.running.config import RunConfig, baseline_warning
+from kda_conformance.running.memory import too_large
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
 from kda_reports.console import record_table, stale_lines
@@ -150,6 +151,11 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         cases = profile_cases(config, args.examples, console, args.seed)
     else:
         cases = config.grid.cases()
+    oversized = [why for why in (too_large(case, config.device) for case in cases) if why]
+    if oversized:  # before any work: a sweep must not die in the allocator minutes in
+        for why in oversized:
+            say(console, why, "error:", "red")
+        return USAGE
     run = Run(config, hung_exit=ERRORED)  # a hung case (--case-timeout) ends the sweep: an error
     code = report(sweep(run, cases, console, args.verbose), console, args.allow_empty, config.strict)
     if args.dashboard and code != INTERRUPTED:

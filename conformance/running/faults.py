@@ -40,6 +40,7 @@ OUT_OF_MEMORY = (
     "cudaerrormemoryallocation",
     "cublas_status_alloc_failed",
     "hipblas_status_alloc_failed",
+    "can't allocate memory",  # torch's CPU allocator (DefaultCPUAllocator)
 )
 # Exit code of a pytest-xdist worker that ended itself after a sticky device error (xdist replaces it).
 DEVICE_LOST_EXIT = 75
@@ -52,7 +53,9 @@ def is_sticky(text: str | BaseException) -> bool:
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, torch.cuda.OutOfMemoryError) or any(p in str(exc).lower() for p in OUT_OF_MEMORY)
+    if isinstance(exc, torch.cuda.OutOfMemoryError | MemoryError):
+        return True
+    return any(p in str(exc).lower() for p in OUT_OF_MEMORY)
 
 
 def memory_report(exc: BaseException, device: torch.device) -> str:

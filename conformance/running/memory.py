@@ -48,6 +48,25 @@ def expected_gib(case: Case) -> float:
     return FLOOR_GIB + BYTES_PER_WORK * work(case) / 2**30
 
 
+def device_gib(device: torch.device) -> float:
+    """The memory of ``device``: the GPU's, or the machine's RAM for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**30
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def too_large(case: Case, device: torch.device) -> str | None:
+    """Why ``case`` cannot fit ``device`` at all (its expected peak beyond the device's memory), or None:
+    refused before a run starts, with the estimate, rather than dying in the allocator minutes in."""
+    need, have = expected_gib(case), device_gib(device)
+    if need <= have:
+        return None
+    return (
+        f"case {case.id} ({case.label}) needs about {need:.0f} GiB at its peak (truth, baseline and kernel; "
+        f"conformance/running/memory.py), more than the {have:.0f} GiB of {device}"
+    )
+
+
 def shares_for(case: Case, device_gib: float) -> int:
     """The shares of a ``device_gib`` GPU that ``case`` takes: at least one, at most all of them."""
     share = USABLE * device_gib / SHARES
