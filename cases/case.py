@@ -56,7 +56,7 @@ def _is_sequence(value: object) -> bool:
 def _sequence(name: str, value: object) -> Sequence:
     if not _is_sequence(value):
         raise ValueError(f"{name} must be a list, got {value!r}")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def _integer(name: str, value: object) -> int:

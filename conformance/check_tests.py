@@ -80,7 +80,7 @@ def check_test(check: Check) -> Callable[..., None]:
     findings' message and repro line."""
 
     @given(data=st.data())
-    def test(  # type: ignore[no-untyped-def]
+    def test(
         kda_backend: Backend,
         kda_run: Run,
         kda_checked: Callable,
@@ -118,7 +118,7 @@ def check_test(check: Check) -> Callable[..., None]:
 
     test.__name__ = test.__qualname__ = check.test_name
     test.__doc__ = check.summary
-    test.kda_check = check  # type: ignore[attr-defined]
+    test.kda_check = check
     return test
 
 

@@ -21,17 +21,11 @@ import torch
 
 from kda_cases.case import Case
 from kda_cases.devices import gpu_arch
-from kda_cases.profiles import Profile
-from kda_conformance.running.config import (
-    ConfigError,
-    Grid,
-    baseline_warning,
-    build_config,
-    parse_dtypes,
-    parse_lengths,
-)
+from kda_cases.grids import FIRST_SWEEP_DTYPES
+from kda_conformance.running.config import ConfigError, Grid, baseline_warning, build_config
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost
 from kda_conformance.running.memory import visible_device, visible_gpus
+from kda_conformance.running.options import add_pytest_options
 from kda_conformance.running.search import (
     check_seed,
     configure_hypothesis,
@@ -45,7 +39,6 @@ from kda_conformance.running.truth import CaseTruth
 from kda_kernels import guard, registry, triton_interpret
 from kda_kernels.guard import BackendFault
 from kda_kernels.protocol import Backend
-from kda_reference.run import FORMS
 from kda_reports.console import RECORD_LINE_HEADER, record_line, stale_lines
 from kda_reports.findings import Finding, stale_known_issues
 
@@ -55,94 +48,11 @@ HEADER_SHOWN = pytest.StashKey[bool]()  # -v: the record lines' header, once per
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("kda", "KDA conformance")
-    group.addoption("--kda-device", default="auto", help="device under test: auto (default), cpu, cuda, cuda:N")
-    group.addoption(
-        "--kda-backend",
-        action="append",
-        default=None,
-        metavar="NAME",
-        help="backend to test (repeatable); default: every registered backend",
-    )
-    group.addoption(
-        "--kda-plugin",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import MODULE, which registers more backends (repeatable)",
-    )
-    group.addoption("--kda-lengths", default=None, help="first-sweep sequence lengths, e.g. 37,2048,32768")
-    group.addoption("--kda-dtypes", default="bf16,fp32", help="first-sweep input dtypes (default: bf16,fp32)")
-    group.addoption("--kda-heads", type=int, default=2, help="first-sweep heads, H = HV (default: 2)")
-    group.addoption("--kda-head-dim", type=int, default=64, help="first-sweep K = V (default: 64)")
-    group.addoption("--kda-out", default="out", help="where a run's report goes (default: out)")
-    group.addoption(
-        "--kda-profile",
-        default=None,
-        help="sweep profile for the property tests: smoke, ci, nightly, long "
-        "(default: ci on a CPU, nightly on a GPU; also KDA_PROFILE)",
-    )
-    group.addoption(
-        "--kda-seed",
-        type=int,
-        default=None,
-        help="seed of a randomized profile's search (default: a fresh one, printed and recorded in the report)",
-    )
-    group.addoption(
-        "--kda-strict",
-        action="store_true",
-        default=None,
-        help="a selected backend or device that is missing fails instead of skipping, so a CI job cannot go "
-        "green by skipping everything (also KDA_STRICT=1)",
-    )
-    group.addoption(
-        "--kda-batch-invariant",
-        action="store_true",
-        default=False,
-        help="the backends promise batch invariance: a change of earlier outputs within the chunk of a changed "
-        "token fails (otherwise it is reported as not batch-invariant)",
-    )
-    group.addoption(
-        "--kda-reference-form",
-        choices=FORMS,
-        default=None,
-        help="exact form of the float64 truth: auto (default: the chunked form from a few tokens on), loop "
-        "(the token-by-token definition) or chunked (also KDA_REFERENCE_FORM)",
-    )
-    group.addoption(
-        "--kda-run-id",
-        default=None,
-        help="the run's id (default: a new one; also KDA_RUN_ID): hosts running shards of one night give one id",
-    )
-    group.addoption(
-        "--kda-shard",
-        default=None,
-        metavar="I/N",
-        help="run the I-th of N shares of the tests, split by a stable hash of their names (also KDA_SHARD)",
-    )
-    group.addoption(
-        "--kda-gpus",
-        default=None,
-        metavar="LIST",
-        help="with pytest-xdist: the GPUs the workers spread over, e.g. 0,1 (default: every visible GPU)",
-    )
-    group.addoption(
-        "--kda-case-timeout",
-        type=float,
-        default=None,
-        metavar="S",
-        help="seconds one check of one case may take; past it the case is recorded as an error (hung) and the "
-        "process ends, which pytest-xdist replaces (default: no limit)",
-    )
-    group.addoption(
-        "--kda-examples",
-        type=int,
-        default=None,
-        help="cases per property and backend (default: the profile's; recorded with the profile's name)",
-    )
+    """The run's options as ``--kda-NAME``, from the one table the command line shares (running/options.py)."""
+    add_pytest_options(parser.getgroup("kda", "KDA conformance"))
 
 
-def _run_config(config: pytest.Config):  # type: ignore[no-untyped-def]
+def _run_config(config: pytest.Config):
     option = config.getoption
     # Under pytest-xdist the controller fixes the seed and the run id, so that every worker draws from the
     # same seed and writes a part of the same run.
@@ -151,10 +61,10 @@ def _run_config(config: pytest.Config):  # type: ignore[no-untyped-def]
         seed = config.workerinput["kda_seed"] if seed is None else seed
         run_id = config.workerinput["kda_run_id"]
     try:
-        lengths = parse_lengths(option("--kda-lengths")) if option("--kda-lengths") else None
+        lengths = option("--kda-lengths")
         grid = Grid(
             **({"lengths": lengths} if lengths else {}),
-            dtypes=parse_dtypes(option("--kda-dtypes")),
+            dtypes=option("--kda-dtypes") or FIRST_SWEEP_DTYPES,
             heads=option("--kda-heads"),
             head_dim=option("--kda-head-dim"),
         )
@@ -210,7 +120,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node) -> None:  # type: ignore[no-untyped-def]
+def pytest_configure_node(node) -> None:
     """pytest-xdist, in the controller: each worker gets the run's seed and id, and its GPU."""
     run_config = node.config.stash[RUN].config
     node.workerinput["kda_seed"] = run_config.seed
@@ -249,13 +159,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def kda_run(request: pytest.FixtureRequest) -> Run:
     """The run: its configuration, the truth of its cases, its records and example log."""
     return request.config.stash[RUN]
-
-
-@pytest.fixture(scope="session")
-def kda_profile(kda_run: Run) -> Profile:
-    """The sweep profile chosen by --kda-profile (or KDA_PROFILE, or the device's default)."""
-    assert kda_run.config.profile is not None
-    return kda_run.config.profile
 
 
 @pytest.fixture(scope="session")
@@ -392,8 +295,8 @@ def _corpus_cases_outermost(items: list[pytest.Item]) -> None:
     slots = [i for i, item in enumerate(items) if _case_of(item) is not None]
     first_seen: dict[str, int] = {}
     for i in slots:
-        first_seen.setdefault(_case_of(items[i]), len(first_seen))  # type: ignore[arg-type]
-    in_case_order = sorted((items[i] for i in slots), key=lambda item: first_seen[_case_of(item)])  # type: ignore[index]
+        first_seen.setdefault(_case_of(items[i]), len(first_seen))
+    in_case_order = sorted((items[i] for i in slots), key=lambda item: first_seen[_case_of(item)])
     for i, item in zip(slots, in_case_order, strict=True):
         items[i] = item
 
@@ -473,7 +376,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 @pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error) -> None:  # type: ignore[no-untyped-def]
+def pytest_testnodedown(node, error) -> None:
     """pytest-xdist, in the controller: a worker's example log joins the run's (its stage totals come
     with its part of the run, which an interrupted night still writes)."""
     output = getattr(node, "workeroutput", {})
@@ -491,7 +394,7 @@ def skip_counts(reports: list) -> dict[str, int]:
     return dict(reasons.most_common())
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     run = config.stash[RUN]
     written = config.stash.get(WRITTEN, {})
     tr = terminalreporter

@@ -68,8 +68,8 @@ NO_EXIT = "a backend may not end the process"
 
 def fault(backend: Backend, what: str, case: Case | None = None, **where: object) -> BackendFault:
     """A BackendFault charged to ``backend``: ``what`` it did (its name goes first), ``where`` in memory."""
-    broken = BackendFault(f"{backend.name} {what}", **where)  # type: ignore[arg-type]
-    broken.case = case  # type: ignore[attr-defined]
+    broken = BackendFault(f"{backend.name} {what}", **where)
+    broken.case = case
     _charge(broken, backend)
     return broken
 
@@ -77,7 +77,7 @@ def fault(backend: Backend, what: str, case: Case | None = None, **where: object
 def _charge(exc: BaseException, backend: Backend) -> None:
     if raised_by(exc) is None:
         try:
-            exc.kda_backend = backend.name  # type: ignore[attr-defined]
+            exc.kda_backend = backend.name
         except AttributeError:  # an exception type without a __dict__: the message still names the backend
             pass
 
@@ -151,7 +151,7 @@ def _answer(backend: Backend, question: str, ask: Callable[[], object], case: Ca
         with _in_call(backend):
             return ask()
     except BackendFault as broken:
-        broken.case = case  # type: ignore[attr-defined]
+        broken.case = case
         raise
     except Exception as exc:
         said = f"raised {type(exc).__name__} in {question}: {exc} (it must answer, never raise)"
@@ -160,12 +160,12 @@ def _answer(backend: Backend, question: str, ask: Callable[[], object], case: Ca
 
 def availability(backend: Backend, device: torch.device) -> Support:
     """``backend.availability(device)``; a BackendFault where it raises."""
-    return _answer(backend, "availability", lambda: backend.availability(device), None)  # type: ignore[return-value]
+    return _answer(backend, "availability", lambda: backend.availability(device), None)
 
 
 def supports(backend: Backend, case: Case) -> Support:
     """``backend.supports(case)``; a BackendFault (naming the case) where it raises."""
-    return _answer(backend, "supports", lambda: backend.supports(case), case)  # type: ignore[return-value]
+    return _answer(backend, "supports", lambda: backend.supports(case), case)
 
 
 def fit(backend: Backend, case: Case) -> Case:
@@ -325,7 +325,7 @@ def run_paged_call(
     own = {int(s) for s in state_indices[:n].tolist()} | {int(s) for s in checkpoint_slots.tolist()}
     try:
         with _in_call(backend):
-            backend.run_paged(batch, pool, state_indices, has_initial_state, out, checkpoint_slots)  # type: ignore[misc]
+            backend.run_paged(batch, pool, state_indices, has_initial_state, out, checkpoint_slots)
     except BaseException:
         snapshot.put_back(skip=("pool",))  # the pool is the call's to write: as it left it
         raise

@@ -123,7 +123,7 @@ def _patch_autotune() -> None:
 
     original_run = Autotuner.run
 
-    def run_first_config(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def run_first_config(self, *args, **kwargs):
         if len(self.configs) > 1:
             self.configs = self.configs[:1]
         return original_run(self, *args, **kwargs)
@@ -131,13 +131,13 @@ def _patch_autotune() -> None:
     Autotuner.run = run_first_config
 
 
-def _to_f32(data):  # type: ignore[no-untyped-def]
+def _to_f32(data):
     import numpy as np
 
     return (data.astype(np.uint32) << 16).view(np.float32)
 
 
-def _to_bf16(data):  # type: ignore[no-untyped-def]
+def _to_bf16(data):
     """fp32 -> bf16 bits, round to nearest even, NaN kept a quiet NaN (a GPU's cvt.rn.bf16.f32)."""
     import numpy as np
 
@@ -171,28 +171,28 @@ def _patch_bf16_arith() -> None:
     original_dot = builder.create_dot
     original_fma = builder.create_fma
 
-    def binary_op(self, lhs, rhs, op):  # type: ignore[no-untyped-def]
+    def binary_op(self, lhs, rhs, op):
         if is_bf16(lhs) or is_bf16(rhs):
             return encoded(original_binary(self, decoded(lhs), decoded(rhs), op))
         return original_binary(self, lhs, rhs, op)
 
-    def unary_op(self, arg, op):  # type: ignore[no-untyped-def]
+    def unary_op(self, arg, op):
         if is_bf16(arg):
             return encoded(original_unary(self, decoded(arg), op))
         return original_unary(self, arg, op)
 
-    def ternary_op(self, lhs, rhs, other, op):  # type: ignore[no-untyped-def]
+    def ternary_op(self, lhs, rhs, other, op):
         # np.where on raw bits is a correct select; np.clip on raw bits is not.
         if op is np.clip and is_bf16(lhs):
             return encoded(original_ternary(self, decoded(lhs), decoded(rhs), decoded(other), op))
         return original_ternary(self, lhs, rhs, other, op)
 
-    def create_fma(self, x, y, z):  # type: ignore[no-untyped-def]
+    def create_fma(self, x, y, z):
         if is_bf16(z):
             return encoded(original_fma(self, decoded(x), decoded(y), decoded(z)))
         return original_fma(self, x, y, z)
 
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # type: ignore[no-untyped-def]
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         # A GPU multiplies bf16 operands exactly and accumulates in d's type (fp32).
         return original_dot(self, decoded(a), decoded(b), d, input_precision, max_num_imprecise_acc)
 
@@ -212,12 +212,12 @@ def _patch_bf16_round() -> None:
     original_cast = builder.cast_impl
     original_fp_to_fp = builder.create_fp_to_fp
 
-    def cast_impl(self, src, dst_type):  # type: ignore[no-untyped-def]
+    def cast_impl(self, src, dst_type):
         if dst_type.scalar == tl.bfloat16 and src.dtype.scalar != tl.bfloat16:
             return interp.TensorHandle(_to_bf16(src.data.astype(np.float32)), tl.bfloat16)
         return original_cast(self, src, dst_type)
 
-    def create_fp_to_fp(self, src, dst_type, rounding_mode):  # type: ignore[no-untyped-def]
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
         if dst_type.scalar == tl.bfloat16 and src.dtype.scalar == tl.float32:
             return cast_impl(self, src, dst_type)
         return original_fp_to_fp(self, src, dst_type, rounding_mode)
@@ -233,7 +233,7 @@ def _patch_loop_index() -> None:
 
     for name, module in list(sys.modules.items()):
         if name.startswith("fla.") and module is not None:
-            module.range = _loop_range  # type: ignore[attr-defined]
+            module.range = _loop_range
 
 
 def _use_gather_fallback() -> None:

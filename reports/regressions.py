@@ -65,7 +65,7 @@ def _lengths(value: object) -> list[int]:
         return []
     if isinstance(value, str):
         return [int(x) for x in value.strip("[]() ").replace(",", " ").split()]
-    return [int(x) for x in value]  # type: ignore[union-attr]
+    return [int(x) for x in value]
 
 
 def nightly_groups(records: pd.DataFrame) -> pd.DataFrame:

@@ -79,7 +79,7 @@ def test_bad_case_names_the_argument(changes: dict, message: str) -> None:
         Case(**changes)
 
 
-def _digest(tensors) -> str:  # type: ignore[no-untyped-def]
+def _digest(tensors) -> str:
     h = hashlib.sha256()
     for t in tensors:
         if t is not None:
@@ -152,7 +152,7 @@ def test_long_cases_cover_every_dtype_and_change_with_the_seed() -> None:
 
 def test_equal_cases_have_one_id_whatever_the_number_types() -> None:
     as_float = Case(seq_lens=[40], lower_bound=-5.0, key_rho=0.0, num_heads=2)
-    as_int = Case(seq_lens=(40.0,), lower_bound=-5, key_rho=0, num_heads=2.0)  # type: ignore[arg-type]
+    as_int = Case(seq_lens=(40.0,), lower_bound=-5, key_rho=0, num_heads=2.0)
     assert as_int == as_float and as_int.id == as_float.id
     assert Case.from_json('{"seq_lens": [40], "lower_bound": -5}').id == as_float.id
 

@@ -29,7 +29,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) / max(scale, 1e-300) if a.numel() else 0.0
 
 
-def both(case: Case, chunk_size: int = 64, device: str = "cpu", block_elements: int | None = None):  # type: ignore[no-untyped-def]
+def both(case: Case, chunk_size: int = 64, device: str = "cpu", block_elements: int | None = None):
     inputs = materialize(case, device)
     loop = kda_recurrent(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.options)
     x = inputs

@@ -55,7 +55,7 @@ def test_first_bad_state_names_sequence_and_head() -> None:
     assert str(locate(case, measure("final_state", got, want), 0.1)) == "seq 1 head 0"
 
 
-def _dropping_checkpoints(claims: bool):  # type: ignore[no-untyped-def]
+def _dropping_checkpoints(claims: bool):
     """torch_chunk with its checkpoint states dropped from the result, claiming to produce them or not."""
     import dataclasses
 
@@ -64,7 +64,7 @@ def _dropping_checkpoints(claims: bool):  # type: ignore[no-untyped-def]
     class Dropped(TorchChunk):
         produces_checkpoints = claims
 
-        def run(self, inputs):  # type: ignore[no-untyped-def]
+        def run(self, inputs):
             return dataclasses.replace(super().run(inputs), checkpoint_states=None)
 
     return Dropped()

@@ -36,7 +36,7 @@ class Raises(TorchChunk):
     name = "test_raises"
     error: BaseException = RuntimeError()
 
-    def run(self, inputs):  # type: ignore[no-untyped-def]
+    def run(self, inputs):
         raise Raises.error
 
 
@@ -44,7 +44,7 @@ class NanCheckpoints(TorchChunk):
     name = "test_nan_checkpoints"
     produces_checkpoints = True
 
-    def run(self, inputs):  # type: ignore[no-untyped-def]
+    def run(self, inputs):
         out = super().run(inputs)
         return dataclasses.replace(out, checkpoint_states=torch.full_like(out.checkpoint_states, math.nan))
 
@@ -61,7 +61,7 @@ def checked(run: Run, backend: str = "torch_chunk", case: Case = CASE) -> list:
 
 
 @pytest.fixture
-def run(tmp_path) -> Run:  # type: ignore[no-untyped-def]
+def run(tmp_path) -> Run:
     return Run(build_config(device="cpu", out=tmp_path), journal=False)
 
 
@@ -79,7 +79,7 @@ OOM_FORMS: list[Callable[[], BaseException]] = [
 def test_out_of_memory_in_any_form_and_stage_is_the_machines(
     run: Run, stage: str, form: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def raise_it(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def raise_it(*args, **kwargs):
         raise OOM_FORMS[form]()
 
     if stage == "materialize":
@@ -97,7 +97,7 @@ def test_out_of_memory_in_any_form_and_stage_is_the_machines(
 
 
 def test_the_memory_report_survives_a_device_that_cannot_be_queried(monkeypatch: pytest.MonkeyPatch) -> None:
-    def dead(*args):  # type: ignore[no-untyped-def]
+    def dead(*args):
         raise torch.AcceleratorError("CUDA error: out of memory")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -107,7 +107,7 @@ def test_the_memory_report_survives_a_device_that_cannot_be_queried(monkeypatch:
 
 
 def test_the_suites_own_error_names_the_suite_and_its_stage(run: Run, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def broken(*args, **kwargs):
         raise ValueError("a bug of the suite's")
 
     monkeypatch.setattr(truth, "run_reference", broken)

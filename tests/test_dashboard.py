@@ -191,11 +191,11 @@ def test_dashboard_renders_in_a_real_browser(history: Path, tmp_path: Path) -> N
     assert status and status.group(1) == "fail" and status.group(2).startswith("Red: last complete run"), status
     new = "; 2 new failure(s), the first torch_chunk budget fp32 typical T&lt;="
     assert new in status.group(2) and ": kda-conformance run --device cpu --backend torch_chunk" in status.group(2)
-    per_backend = re.search(r'<table id="per-backend">.*?</table>', dom, flags=re.S).group(0)  # type: ignore[union-attr]
+    per_backend = re.search(r'<table id="per-backend">.*?</table>', dom, flags=re.S).group(0)
     assert 'class="num fail"' in per_backend and 'class="num pass"' in per_backend
-    worst = re.search(r'<table id="worst">.*?</table>', dom, flags=re.S).group(0)  # type: ignore[union-attr]
+    worst = re.search(r'<table id="worst">.*?</table>', dom, flags=re.S).group(0)
     assert "<th>check</th>" in worst and "<th>subject</th>" in worst
-    environment = re.search(r'<table id="environment">.*?</table>', dom, flags=re.S).group(0)  # type: ignore[union-attr]
+    environment = re.search(r'<table id="environment">.*?</table>', dom, flags=re.S).group(0)
     assert ">nan<" not in environment
     assert "No sentinel ran in these runs" in dom  # a note, not an empty plot
     assert f"2026-11-1{NIGHTS - 1} 02:00 2026111{NIGHTS - 1}T020000Z-night{NIGHTS - 1}" in dom  # one category a night

@@ -150,7 +150,7 @@ def _spans(tmp_path: Path, counts: tuple[int, int]) -> list[tuple[float, float]]
         worker.start()
     for worker in workers:
         worker.join(30)
-    return [tuple(map(float, log.read_text().split())) for log in logs]  # type: ignore[misc]
+    return [tuple(map(float, log.read_text().split())) for log in logs]
 
 
 def test_gpu_memory_shares_let_cases_run_side_by_side_while_they_fit(tmp_path: Path) -> None:
@@ -188,7 +188,7 @@ def test_out_of_memory_is_retried_alone_and_then_a_resource_outcome(tmp_path: Pa
     )
     check = get_check("prefix")
 
-    def raises(truth):  # type: ignore[no-untyped-def]
+    def raises(truth):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     with pytest.raises(DeviceLost) as lost:
@@ -218,7 +218,7 @@ def test_a_sticky_error_raised_when_the_case_gives_its_memory_back_is_still_that
     assert error.verdict == "error" and error.backend == "torch_chunk" and is_sticky(error.reason)
 
     # The kernel raised it itself: the error keeps the kernel's own place, not the release's.
-    def kernel_fault(truth):  # type: ignore[no-untyped-def]
+    def kernel_fault(truth):
         raise RuntimeError("CUDA error: misaligned address")
 
     with pytest.raises(DeviceLost) as lost:

@@ -1,4 +1,4 @@
-"""``kda-conformance minimize``: planted bugs shrink to small cases that fail the same way (docs/minimize.md
+"""``kda-conformance minimize``: planted bugs shrink to small cases that fail the same way (README.md
 lists the sizes), the reductions are valid cases, and a run's first failure can be the start."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_planted_bugs_minimize_to_small_cases(backend: str, capsys: pytest.Captu
     out = capsys.readouterr().out
     kept, most = PLANTED[backend]
     line = next(line for line in out.splitlines() if line.startswith("minimal case"))
-    tokens = int(re.search(r"500 -> (\d+) tokens", line).group(1))  # type: ignore[union-attr]
+    tokens = int(re.search(r"500 -> (\d+) tokens", line).group(1))
     assert tokens <= most and line.rstrip().endswith(f"still {kept}"), line
     assert "heads 2/4 -> 1/1" in line and "K x V 64x64 -> 16x16" in line
     assert f"repro: kda-conformance run --device cpu --plugin kda_planted_bugs --backend {backend} --case" in out

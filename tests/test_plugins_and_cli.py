@@ -64,9 +64,9 @@ def test_cli_rejects_bad_input_with_a_clear_message(capsys: pytest.CaptureFixtur
 
 def test_register_refuses_duplicates_and_bad_names() -> None:
     with pytest.raises(ValueError, match="already registered"):
-        registry.register("fla_chunk", object)  # type: ignore[arg-type]
+        registry.register("fla_chunk", object)
     with pytest.raises(ValueError, match="must be letters"):
-        registry.register("bad name", object)  # type: ignore[arg-type]
+        registry.register("bad name", object)
 
 
 def test_a_backend_must_call_itself_by_its_registered_name() -> None:

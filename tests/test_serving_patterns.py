@@ -112,7 +112,7 @@ def _finding(verdict: str, ratio: float, **case_fields: object) -> Finding:
     limit = Limit("max_abs", 1.0, 1.0, 0.0, 1.0, "baseline")
     budget = Budget("o", limit, dataclasses.replace(limit, metric="rel_rms"))
     errors = Errors(ratio, 0.0, ratio, 0, True)
-    case = Case(seq_lens=(40,), **case_fields)  # type: ignore[arg-type]
+    case = Case(seq_lens=(40,), **case_fields)
     return Finding("budget", case, "fla_chunk", "cuda", verdict, tensor="o", errors=errors, budget=budget)
 
 

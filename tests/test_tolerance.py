@@ -27,7 +27,7 @@ def judge(got: torch.Tensor, want: torch.Tensor, budget: Budget, dtype: torch.dt
     return judge.verdict(measure(budget.tensor, got, want), budget, dtype)
 
 
-def tensor_error(name: str, got: torch.Tensor, want: torch.Tensor):  # type: ignore[no-untyped-def]
+def tensor_error(name: str, got: torch.Tensor, want: torch.Tensor):
     return measure(name, got, want).errors
 
 

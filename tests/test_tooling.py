@@ -111,3 +111,11 @@ def test_checks_run_prints_a_repro_line_for_each_failure(
     # A kernel wrong under every cu_seqlens pattern has a numerical error, not a broken in-place contract.
     cu_rows = [line for line in out.splitlines() if "| cu_seqlens" in line]
     assert cu_rows and not any("contract broken" in line for line in cu_rows), cu_rows
+
+
+def test_the_command_line_reference_is_the_parser() -> None:
+    from kda_conformance.cli.reference import cli_markdown
+
+    assert (REPO / "docs" / "cli.md").read_text() == cli_markdown(), (
+        "docs/cli.md is stale: python -m kda_conformance.cli.reference docs/cli.md"
+    )

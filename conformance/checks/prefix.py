@@ -54,7 +54,7 @@ def chunk_start(case: Case, p: int, chunk: int) -> int:
 
 
 def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> list[Finding]:
-    case, inputs, p = truth.case, truth.inputs, int(params["at"])  # type: ignore[call-overload]
+    case, inputs, p = truth.case, truth.inputs, int(params["at"])
     judge = judge_for(NAME, case, backend.name, inputs.device, params)
     limit = truth.budgets["o"].max_abs.value
     first, again = call_backend(backend, inputs), call_backend(backend, inputs)

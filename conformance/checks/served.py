@@ -32,13 +32,13 @@ def serving_case(case: Case, backend: Backend) -> Case:
     return served if backend.produces_checkpoints else served.replace(checkpoints=())
 
 
-def run_serving(backend: Backend, inputs: KDAInputs, *args, **kwargs) -> ServingRun:  # type: ignore[no-untyped-def]
+def run_serving(backend: Backend, inputs: KDAInputs, *args, **kwargs) -> ServingRun:
     """The harness's ``run_serving``, its time counted as the backend's (running.stages)."""
     with CLOCK.stage("backend", inputs.device):
         return harness.run_serving(backend, inputs, *args, **kwargs)
 
 
-def serve(backend: Backend, inputs: KDAInputs, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+def serve(backend: Backend, inputs: KDAInputs, *args, **kwargs) -> None:
     """The harness's ``serve``, its time counted as the backend's (running.stages)."""
     with CLOCK.stage("backend", inputs.device):
         harness.serve(backend, inputs, *args, **kwargs)

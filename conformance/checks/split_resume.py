@@ -42,7 +42,7 @@ def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
 
 
 def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> list[Finding]:
-    case, inputs, p = truth.case, truth.inputs, int(params["at"])  # type: ignore[call-overload]
+    case, inputs, p = truth.case, truth.inputs, int(params["at"])
     judge = judge_for(NAME, case, backend.name, inputs.device, params)
     T = case.seq_lens[0]
     prefix_inputs, suffix_case = split_inputs(inputs, p)

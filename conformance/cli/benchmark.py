@@ -47,6 +47,7 @@ from kda_reference.recurrent import kda_recurrent
 
 NAME = "benchmark"
 HELP = "time the float64 reference forms beside FLA's float32 loop and the kernels, with peak memory"
+EXAMPLE = "kda-conformance benchmark --device cuda --backend fla_chunk --lengths 2048,131072"
 
 LOOP_WARMUP_TOKENS = 64
 

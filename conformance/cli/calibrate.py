@@ -20,6 +20,7 @@ from kda_reports.runfile import read_run
 
 NAME = "calibrate"
 HELP = "measure error/budget ratios over a grid of cases and write the calibration table"
+EXAMPLE = "kda-conformance calibrate --device cuda --backend fla_chunk --lengths 37,2048 --table docs/calibration.md"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -40,6 +40,7 @@ TABLE_CASE = Case(
     checkpoints=((0, 64), (0, 100), (2, 33)),
     seed=20261130,
 )
+EXAMPLE = "kda-conformance checks --run --device cpu --backend torch_chunk"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +80,7 @@ def _params(name: str, case: Case) -> list[dict]:
     return [{}]
 
 
-def run_table(backends: list[str], device, case: Case, console: Console) -> pd.DataFrame:  # type: ignore[no-untyped-def]
+def run_table(backends: list[str], device, case: Case, console: Console) -> pd.DataFrame:
     rows = []
     for name in backends:
         backend = registry.get(name)

@@ -22,12 +22,8 @@ from kda_conformance.running.config import (
     RunConfig,
     build_config,
     parse_choices,
-    parse_count,
-    parse_dtypes,
-    parse_head_dim,
-    parse_lengths,
 )
-from kda_reference.run import FORMS
+from kda_conformance.running.options import add_options
 from kda_reports.runfile import DEFAULT_OUT
 
 CLI_DEFAULT_BACKENDS = ("fla_chunk", "fla_recurrent")
@@ -81,24 +77,12 @@ def say(console: Console, text: str, label: str = "", style: str = "") -> None:
 
 
 def add_device(parser: argparse.ArgumentParser, default: str = "auto") -> None:
-    parser.add_argument("--device", default=default, help=f"auto, cpu, cuda or cuda:N (default: {default})")
+    add_options(parser, ["device"], device=default)
 
 
 def add_backends(parser: argparse.ArgumentParser, default: str = "fla_chunk and fla_recurrent") -> None:
-    parser.add_argument(
-        "--plugin",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import MODULE, which registers more backends (repeatable)",
-    )
-    parser.add_argument(
-        "--backend",
-        action="append",
-        dest="backends",
-        metavar="NAME",
-        help=f"backend to test, repeatable (default: {default})",
-    )
+    """``--plugin`` and ``--backend`` (``default``: which backends run when none is named, in words)."""
+    add_options(parser, ["plugin", "backend"], notes={"backend": f"default: {default}"})
 
 
 def add_check_params(parser: argparse.ArgumentParser) -> None:
@@ -123,52 +107,22 @@ def missing_params(check: Check, params: dict[str, object], console: Console) ->
     return bool(missing)
 
 
-def add_out(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: ./out)")
+def add_out(parser: argparse.ArgumentParser, required: bool = False) -> None:
+    add_options(parser, ["out"], required={"out"} if required else set())
 
 
 def add_grid(parser: argparse.ArgumentParser, default_dtypes: tuple[str, ...]) -> None:
-    parser.add_argument(
-        "--lengths",
-        type=typed(parse_lengths),
-        default=None,
-        help=f"sequence lengths (default: {','.join(map(str, FIRST_SWEEP_LENGTHS))})",
-    )
-    parser.add_argument(
-        "--dtypes",
-        type=typed(parse_dtypes),
-        default=default_dtypes,
-        help=f"input dtypes (default: {','.join(default_dtypes)})",
-    )
-    parser.add_argument(
-        "--heads",
-        type=typed(lambda text: parse_count("heads", text)),
-        default=2,
-        help="query/key heads (= value heads) per case (default: 2)",
-    )
-    parser.add_argument(
-        "--head-dim",
-        type=typed(parse_head_dim),
-        default=64,
-        help="K = V head dimension, a multiple of 16 up to 256 (default: 64)",
-    )
-    parser.add_argument(
-        "--seed",
-        type=typed(lambda text: parse_count("seed", text, lowest=0)),
-        default=None,
-        help="the cases' seed: the grid's inputs, or a profile's draw (default: 0 for the grid, fresh for a profile)",
+    add_options(
+        parser,
+        ["lengths", "dtypes", "heads", "head-dim", "seed"],
+        dtypes=default_dtypes,
+        notes={"lengths": f"default: {','.join(map(str, FIRST_SWEEP_LENGTHS))}"},
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="print each record as it is measured")
 
 
 def add_strict(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--strict",
-        action="store_true",
-        default=None,
-        help="warnings (nondeterminism, garbage past the tokens, a known issue that no longer reproduces) and "
-        "backends that cannot run fail the run instead of passing or skipping (also KDA_STRICT=1)",
-    )
+    add_options(parser, ["strict"])
 
 
 def add_regressions(parser: argparse.ArgumentParser) -> None:
@@ -182,13 +136,7 @@ def add_regressions(parser: argparse.ArgumentParser) -> None:
 
 
 def add_reference_form(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--reference-form",
-        choices=FORMS,
-        default=None,
-        help="exact form of the float64 truth: auto (default: the chunked form from a few tokens on), "
-        "loop (the token-by-token definition) or chunked",
-    )
+    add_options(parser, ["reference-form"])
 
 
 def add_isolation(parser: argparse.ArgumentParser) -> None:
@@ -199,15 +147,13 @@ def add_isolation(parser: argparse.ArgumentParser) -> None:
         help="run each case in a worker process, so a crash or a hang costs that case only "
         "(default: on for GPUs, off on the CPU)",
     )
-    parser.add_argument(
-        "--case-timeout",
-        type=float,
-        default=DEFAULT_CASE_TIMEOUT,
-        metavar="S",
-        help=f"seconds one case may take on one backend (default: {DEFAULT_CASE_TIMEOUT:g}); past it the case is "
-        "recorded as hung: with --isolate its worker process is killed and the sweep goes on, without it the sweep "
-        "stops there (exit 3)",
-    )
+    add_options(
+        parser,
+        ["case-timeout"],
+        case_timeout=DEFAULT_CASE_TIMEOUT,
+        notes={"case-timeout": "with --isolate its worker process is killed and the sweep goes on; without "
+               "it the sweep stops there (exit 3)"},
+    )  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace, console: Console, writes: bool = False) -> RunConfig | None:

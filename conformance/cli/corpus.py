@@ -14,6 +14,7 @@ from kda_reports.runfile import read_run
 
 NAME = "corpus"
 HELP = "list or add pinned cases (cases/corpus)"
+EXAMPLE = 'kda-conformance corpus add --from-run out/runs/RUN_ID.parquet --why "seen in the nightly"'
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -8,18 +8,18 @@ from pathlib import Path
 import pandas as pd
 from rich.console import Console
 
-from kda_conformance.cli.common import add_regressions, say
+from kda_conformance.cli.common import add_out, add_regressions, say
 from kda_conformance.cli.exits import ERRORED, FAILED, PASSED, USAGE
 from kda_reports.dashboard import build_dashboard
-from kda_reports.runfile import DEFAULT_OUT
 from kda_reports.store import StoreError, load_store
 
 NAME = "dashboard"
 HELP = "build the HTML tolerance dashboard from a run store"
+EXAMPLE = "kda-conformance dashboard --out /srv/kda-store --fail-on-flags"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--store", type=Path, default=DEFAULT_OUT, help="the store: a run folder (default: ./out)")
+    add_out(parser)
     parser.add_argument("--html", type=Path, default=None, help="where to write it (default: STORE/dashboard.html)")
     parser.add_argument(
         "--fail-on-flags",
@@ -62,7 +62,7 @@ def after_run(store_dir: Path, window: int, growth: float, console: Console, cod
 
 def execute(args: argparse.Namespace, console: Console) -> int:
     try:
-        regressions = rebuild_dashboard(args.store, args.html, args.window, args.growth, console)
+        regressions = rebuild_dashboard(args.out, args.html, args.window, args.growth, console)
     except StoreError as exc:
         say(console, f"--store: {exc}", "error:", "red")
         return USAGE

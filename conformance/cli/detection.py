@@ -19,6 +19,7 @@ from kda_cases.files import atomic_write_text
 from kda_cases.profiles import PROFILES
 from kda_conformance.checks import CHECKS
 from kda_conformance.cli.common import say
+from kda_conformance.running.options import pytest_argv
 from kda_kernels import registry
 from kda_reports.detection import detection_markdown, detection_problems, detection_table
 from kda_reports.runfile import DEFAULT_OUT, read_run, record_coverage
@@ -27,6 +28,7 @@ NAME = "detection"
 HELP = "run the properties and the corpus for some backends (say, planted bugs) and tabulate what caught each"
 CONFORMANCE = Path(__file__).resolve().parent.parent
 SUITES = ("test_properties.py", "test_serving.py", "test_corpus.py")
+EXAMPLE = "PYTHONPATH=tests/plugins kda-conformance detection --plugin kda_planted_bugs --correct torch_chunk"
 
 
 @dataclass(frozen=True)
@@ -89,15 +91,12 @@ def pytest_command(
     seed: int | None = None,
     strict: bool = False,
 ) -> list[str]:
-    """The pytest command line the detection run uses (the plugin loads itself through ``-p``)."""
+    """The pytest command line the detection run uses (the plugin loads itself through ``-p``), its options
+    from the one table of run options."""
     command = [sys.executable, "-m", "pytest", *(str(CONFORMANCE / name) for name in SUITES)]
     command += ["-q", "-p", "kda_conformance.plugin", "-p", "no:cacheprovider", "--import-mode=importlib"]
-    command += ["--kda-device", device, "--kda-profile", profile, "--kda-out", str(out)]
-    command += [arg for module in plugins for arg in ("--kda-plugin", module)]
-    command += [arg for name in backends for arg in ("--kda-backend", name)]
-    if seed is not None:
-        command += ["--kda-seed", str(seed)]
-    return command + (["--kda-strict"] if strict else [])
+    values = {"device": device, "profile": profile, "out": out, "plugin": plugins, "backend": backends}
+    return command + pytest_argv({**values, "seed": seed, "strict": strict})
 
 
 def run_detection(

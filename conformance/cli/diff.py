@@ -23,6 +23,7 @@ HELP = "compare two runs' records, every column but times, run ids and the suite
 # What differs between two runs of the same code on the same inputs by design.
 IGNORED = ("seconds", "reference_seconds", "run_id", "env_run_id", "env_date", "env_suite_commit", "env_hostname")
 SHOWN = 10
+EXAMPLE = "kda-conformance diff out/runs/BEFORE.parquet out/runs/AFTER.parquet"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -31,6 +31,7 @@ from kda_reports.runfile import read_run
 
 NAME = "minimize"
 HELP = "search a smaller case that fails the same check the same way, and print its repro line"
+EXAMPLE = "kda-conformance minimize --from-run out/runs/RUN_ID.parquet --budget-s 120"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,64 +19,58 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kda_cases.profiles import PROFILES
-from kda_conformance.cli.common import add_backends, add_device, add_reference_form, add_regressions, add_strict, say
+from kda_conformance.cli.common import add_out, add_regressions, say
 from kda_conformance.cli.dashboard import after_run
-from kda_conformance.running.config import ConfigError, build_config
+from kda_conformance.running.config import DEFAULT_CASE_TIMEOUT, ConfigError, build_config
+from kda_conformance.running.options import OPTIONS, add_options, pytest_argv
 
 NAME = "nightly"
 HELP = "the nightly job: the night's tests over parallel workers into a store, then the dashboard"
 CONFORMANCE = Path(__file__).resolve().parent.parent
 SUITES = ("test_properties.py", "test_serving.py", "test_corpus.py")
+EXAMPLE = "kda-conformance nightly --out /srv/kda-store --device cuda --backend fla_chunk --backend fla_recurrent"
+
+
+# The run options the night takes (running/options.py), handed to its pytest run as --kda-NAME.
+PASSED_ON = (
+    "device",
+    "plugin",
+    "backend",
+    "profile",
+    "examples",
+    "seed",
+    "gpus",
+    "shard",
+    "run-id",
+    "case-timeout",
+    "strict",
+    "reference-form",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--store", type=Path, required=True, help="the run store (a folder kept between nights)")
-    add_device(parser)
-    add_backends(parser, default="every registered backend")
-    parser.add_argument("--profile", choices=list(PROFILES), default="nightly", help="sweep profile (default: nightly)")
-    parser.add_argument(
-        "--examples", type=int, default=None, help="cases per check and backend (default: the profile's)"
+    add_out(parser, required=True)
+    add_options(
+        parser,
+        PASSED_ON,
+        profile="nightly",
+        case_timeout=DEFAULT_CASE_TIMEOUT,
+        notes={"backend": "default: every registered backend"},
     )
-    parser.add_argument("--seed", type=int, default=None, help="the draw's seed (default: a fresh one, recorded)")
     parser.add_argument(
         "--workers", default="auto", help="pytest-xdist workers: a number, or auto (one per core; default)"
     )
-    parser.add_argument("--gpus", default=None, metavar="LIST", help="the GPUs the workers spread over (default: all)")
-    parser.add_argument("--shard", default=None, metavar="I/N", help="run the I-th of N shares (hosts of one night)")
-    parser.add_argument(
-        "--run-id", default=None, help="the run's id (default: a new one; the shards of a night share one)"
-    )
-    parser.add_argument(
-        "--case-timeout",
-        type=float,
-        default=900.0,
-        metavar="S",
-        help="seconds one check of one case may take (default: 900)",
-    )
     parser.add_argument("-v", "--verbose", action="store_true", help="print each record as it is measured")
-    add_strict(parser)
     add_regressions(parser)
-    add_reference_form(parser)
 
 
 def pytest_command(args: argparse.Namespace, run_id: str) -> list[str]:
-    """The night as one pytest command line (the plugin loads itself through ``-p``)."""
+    """The night as one pytest command line (the plugin loads itself through ``-p``), the night's options
+    passed on from the one table of run options."""
     command = [sys.executable, "-m", "pytest", *(str(CONFORMANCE / name) for name in SUITES)]
     command += ["-p", "kda_conformance.plugin", "-p", "no:cacheprovider", "--import-mode=importlib", "-q"]
-    command += ["-n", str(args.workers), "--kda-device", args.device, "--kda-profile", args.profile]
-    command += ["--kda-out", str(args.store), "--kda-run-id", run_id, "--kda-case-timeout", str(args.case_timeout)]
-    options = {
-        "--kda-seed": args.seed,
-        "--kda-examples": args.examples,
-        "--kda-gpus": args.gpus,
-        "--kda-shard": args.shard,
-        "--kda-reference-form": args.reference_form,
-    }
-    command += [arg for option, value in options.items() if value is not None for arg in (option, str(value))]
-    command += [arg for module in args.plugin for arg in ("--kda-plugin", module)]
-    command += [arg for name in args.backends or () for arg in ("--kda-backend", name)]
-    command += ["--kda-strict"] if args.strict else []
+    values = {name: getattr(args, OPTIONS[name].dest) for name in PASSED_ON}
+    command += ["-n", str(args.workers), *pytest_argv({**values, "out": args.out, "run-id": run_id})]
     return command + (["-v"] if args.verbose else [])
 
 
@@ -88,7 +83,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
             profile=args.profile,
             examples=args.examples,
             seed=args.seed,
-            out=args.store,
+            out=args.out,
             reference_form=args.reference_form,
             run_id=args.run_id,
             shard=args.shard,
@@ -102,7 +97,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         say(console, f"--store: {problem}", "error:", "red")
         return 2
     command = pytest_command(args, config.run_id)
-    console.print(f"nightly run {config.run_id}: " + " ".join(command[1:]), highlight=False, soft_wrap=True)
+    console.print(f"nightly run {config.run_id}: {shlex.join(command)}", highlight=False, soft_wrap=True)
     # Triton's disk cache keeps autotuning results too: a kernel configuration one worker tuned is not tuned
     # again by the others, nor by tomorrow's night on the same machine.
     env = {
@@ -112,7 +107,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     }
     returncode = _run_pytest(command, env, console)
     # pytest's exit codes: 1 when a test failed; an interrupted or broken night is not a kernel failure.
-    return after_run(args.store, args.window, args.growth, console, returncode)
+    return after_run(args.out, args.window, args.growth, console, returncode)
 
 
 def _run_pytest(command: list[str], env: dict[str, str], console: Console) -> int:

@@ -31,6 +31,10 @@ from kda_kernels.guard import BackendFault
 NAME = "repro"
 HELP = "rerun one check on one case, say where it goes wrong, and write a standalone test"
 DEFAULT_POISON = "nan"
+EXAMPLE = (
+    "kda-conformance repro --device cpu --backend fla_recurrent --check poison --poison nan "
+    """--case '{"seq_lens": [20, 0, 13], "packed": true}'"""
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -8,7 +8,6 @@ from rich.console import Console
 
 from kda_cases.case import Case
 from kda_cases.corpus import load_corpus
-from kda_cases.profiles import PROFILES
 from kda_cases.strategies import draw_cases
 from kda_conformance.cli.common import (
     add_backends,
@@ -29,6 +28,7 @@ from kda_conformance.cli.exits import ERRORED, FAILED, INTERRUPTED, NOTHING_RAN,
 from kda_conformance.cli.sweep import SweepResult, sweep
 from kda_conformance.running.config import RunConfig, baseline_warning
 from kda_conformance.running.memory import too_large
+from kda_conformance.running.options import add_options
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
 from kda_reports.console import record_table, stale_lines
@@ -36,6 +36,7 @@ from kda_reports.findings import stale_known_issues
 
 NAME = "run"
 HELP = "run the conformance sweep and write a report"
+EXAMPLE = "kda-conformance run --device cpu --backend torch_chunk --lengths 37,130 --out out"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,14 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device(parser)
     add_backends(parser)
     add_grid(parser, default_dtypes=("bf16", "fp32"))
-    parser.add_argument(
-        "--profile",
-        choices=list(PROFILES),
-        default=None,
-        help="instead of the first sweep: the committed corpus plus cases drawn for this profile",
-    )
-    parser.add_argument(
-        "--examples", type=int, default=None, help="cases to draw for --profile (default: the profile's)"
+    add_options(
+        parser,
+        ["profile", "examples"],
+        notes={"profile": "instead of the first sweep: the committed corpus plus cases drawn for this profile"},
     )
     parser.add_argument(
         "--dashboard",

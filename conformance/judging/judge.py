@@ -106,7 +106,7 @@ class Judge:
             device=self.device,
             verdict=verdict,
             repro=self.repro,
-            **fields,  # type: ignore[arg-type]
+            **fields,
         )
 
 

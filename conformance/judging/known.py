@@ -109,7 +109,7 @@ def apply_known(findings: Iterable[Finding], issues: Iterable[KnownIssue] | None
                 issue = allowing[0]
                 reason = f"known issue {issue.id}: {issue.description} ({issue.upstream})"
                 known = dict(verdict="known", observed=f"known: {issue.id}", reason=reason, known_issue=issue.id)
-                result.append(dataclasses.replace(finding, **known))  # type: ignore[arg-type]
+                result.append(dataclasses.replace(finding, **known))
             else:
                 widest = max(matching, key=lambda i: i.allowed)
                 worse = f"worse than known issue {widest.id} allows: {finding.worst:.3g} of the limit"

@@ -200,12 +200,6 @@ class RunConfig:
             env["shard"] = f"{self.shard[0]}/{self.shard[1]}"
         return env
 
-    def seed_line(self) -> str:
-        assert self.profile is not None
-        if self.seed is None:
-            return "derandomized"
-        return f"seed {self.seed}"
-
     def long_cases(self) -> list[Case]:
         """The run's long cases (the profile's ``long_dtypes``), drawn from its seed."""
         if self.profile is None or not self.profile.long_dtypes:

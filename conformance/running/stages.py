@@ -112,7 +112,7 @@ def note_stage(exc: BaseException, name: str) -> None:
     """Mark ``exc`` with the stage it was raised in (the innermost one), so whoever catches it can say where."""
     if stage_of(exc) is None:
         try:
-            exc.kda_stage = name  # type: ignore[attr-defined]
+            exc.kda_stage = name
         except AttributeError:
             pass
 

@@ -21,9 +21,9 @@ from kda_kernels.torch_chunk import TorchChunk
 EXPECTED: dict[str, tuple[str, str]] = {}
 
 
-def hostile(name: str, verdict: str, reason: str):  # type: ignore[no-untyped-def]
+def hostile(name: str, verdict: str, reason: str):
     def add(cls: type) -> type:
-        cls.name = name  # type: ignore[attr-defined]
+        cls.name = name
         EXPECTED[name] = (verdict, reason)
         register(name, cls, replace=True)
         return cls
@@ -31,7 +31,7 @@ def hostile(name: str, verdict: str, reason: str):  # type: ignore[no-untyped-de
     return add
 
 
-def _right_then(inputs: KDAInputs, spoil) -> BackendOutput:  # type: ignore[no-untyped-def]
+def _right_then(inputs: KDAInputs, spoil) -> BackendOutput:
     """The correct answer, computed before ``spoil(inputs)`` writes into the inputs: a backend that passes
     itself and would fail whoever runs after it on the same inputs."""
     out = TorchChunk().run(inputs)
@@ -83,14 +83,14 @@ class RaisesSystemExit(TorchChunk):
 @hostile("hostile_returns_none", "error", "returned NoneType, not a BackendOutput")
 class ReturnsNone(TorchChunk):
     def run(self, inputs: KDAInputs) -> BackendOutput:
-        return None  # type: ignore[return-value]
+        return None
 
 
 @hostile("hostile_returns_a_tuple", "error", "returned a tuple of 2, not a BackendOutput")
 class ReturnsATuple(TorchChunk):
     def run(self, inputs: KDAInputs) -> BackendOutput:
         out = super().run(inputs)
-        return (out.o, out.final_state)  # type: ignore[return-value]
+        return (out.o, out.final_state)
 
 
 @hostile("hostile_returns_meta", "error", "returned o on the meta device")

@@ -341,7 +341,7 @@ class IgnoresInitialState(TorchChunk):
 class PagedBaseline(TorchChunk):
     """The baseline behind a paged API: gather, run, scatter, as the harness does for any backend."""
 
-    def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:  # type: ignore[no-untyped-def]
+    def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:
         gather_run_scatter(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots)
 
 
@@ -351,7 +351,7 @@ class PagedBaseline(TorchChunk):
     "vLLM #51562/#51565 (stateless first chunk classified as decode)",
 )
 class PoolFreshReadsSlot(PagedBaseline):
-    def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:  # type: ignore[no-untyped-def]
+    def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:
         everyone = torch.ones_like(has_initial_state)
         super().run_paged(batch, pool, state_indices, everyone, out, checkpoint_slots)
 
@@ -362,7 +362,7 @@ class PoolFreshReadsSlot(PagedBaseline):
     "KDA-FACTS: padding rows scatter into slot 0",
 )
 class PaddingWritesSlot0(PagedBaseline):
-    def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:  # type: ignore[no-untyped-def]
+    def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:
         super().run_paged(batch, pool, state_indices, has_initial_state, out, checkpoint_slots)
         padding = state_indices[batch.case.num_seqs :].long()
         pool[padding.clamp(min=0)] = 0
@@ -374,7 +374,7 @@ class PaddingWritesSlot0(PagedBaseline):
     "sglang #36880/#38997 (PAD -1 remapped onto a live slot)",
 )
 class PadWrapsToLastSlot(PagedBaseline):
-    def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:  # type: ignore[no-untyped-def]
+    def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:
         super().run_paged(batch, pool, state_indices, has_initial_state, out, checkpoint_slots)
         pool[state_indices[batch.case.num_seqs :].long()] = 0  # -1 wraps to the last slot
 
@@ -385,7 +385,7 @@ class PadWrapsToLastSlot(PagedBaseline):
     "vLLM #53212 (prefix-cache hit restores an unwritten checkpoint)",
 )
 class CheckpointSlotUnwritten(PagedBaseline):
-    def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:  # type: ignore[no-untyped-def]
+    def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:
         keep = pool[checkpoint_slots.long()].clone()
         super().run_paged(batch, pool, state_indices, has_initial_state, out, checkpoint_slots)
         pool[checkpoint_slots.long()] = keep
@@ -397,7 +397,7 @@ class CheckpointSlotUnwritten(PagedBaseline):
     "sglang #30974, FlashKDA's torch.empty_like output",
 )
 class UninitialisedOutputTail(PagedBaseline):
-    def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:  # type: ignore[no-untyped-def]
+    def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:
         scratch = torch.empty_like(out)
         super().run_paged(batch, pool, state_indices, has_initial_state, scratch, checkpoint_slots)
         out.copy_(scratch)
@@ -415,7 +415,7 @@ class CuSeqlensIdentityCache(PagedBaseline):
         # the tensor itself, so its id cannot pass to another tensor once it is freed.
         self.cached: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:  # type: ignore[no-untyped-def]
+    def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:
         super().run_paged(batch, pool, state_indices, has_initial_state, out, checkpoint_slots)
         _, cached = self.cached.setdefault(id(batch.cu_seqlens), (batch.cu_seqlens, batch.cu_seqlens.clone()))
         if torch.equal(cached, batch.cu_seqlens):

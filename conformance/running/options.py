@@ -1,0 +1,219 @@
+"""The run's options, in one table: each option's name, kind, default, environment variable and help.
+
+The command line (``--device``), pytest (``--kda-device``) and the pytest command lines that ``nightly`` and
+``detection`` build are all made from this table, so a name, a check or a help text cannot drift between
+them. A command may give an option a default of its own (``run`` tests FLA's two kernels unless told; pytest
+every registered backend): its help says so. docs/cli.md shows the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kda_cases.case import DTYPES
+from kda_cases.profiles import PROFILES
+from kda_conformance.running.config import (
+    DEFAULT_CASE_TIMEOUT,
+    PROFILE_VARIABLE,
+    RUN_ID_VARIABLE,
+    SHARD_VARIABLE,
+    STRICT_VARIABLE,
+    parse_count,
+    parse_dtypes,
+    parse_head_dim,
+    parse_lengths,
+    parse_shard,
+)
+from kda_reference.run import FORM_VARIABLE, FORMS
+from kda_reports.runfile import DEFAULT_OUT
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"seconds must be a positive number, got {text!r}") from None
+    if not value > 0:
+        raise ValueError(f"seconds must be a positive number, got {value}")
+    return value
+
+
+def shard(text: str) -> str:
+    parse_shard(text)
+    return text
+
+
+@dataclass(frozen=True)
+class Option:
+    """One run option. ``name`` is its spelling without dashes: ``--name`` on the command line, ``--kda-name``
+    in pytest. ``parse`` turns its text into a value (a ValueError names what is wrong); ``repeat`` options
+    collect a list; ``flag`` options take no value."""
+
+    name: str
+    help: str
+    default: Any = None
+    parse: Callable[[str], Any] | None = None
+    kind: str = "text"  # how the table shows it: text, number, list, flag, choice, path
+    choices: tuple[str, ...] | None = None
+    env: str = ""  # the environment variable that sets it where the option is not given
+    metavar: str | None = None
+    repeat: bool = False
+    flag: bool = False
+    aliases: tuple[str, ...] = ()  # other command-line spellings, kept for old command lines
+
+    @property
+    def dest(self) -> str:
+        return "backends" if self.name == "backend" else self.name.replace("-", "_")
+
+    def kwargs(self, default: Any) -> dict[str, Any]:
+        """argparse's (and pytest's) keyword arguments for this option with ``default``."""
+        help_text = self.help + (f" (also {self.env})" if self.env else "")
+        if self.flag:
+            return {"action": "store_true", "default": default, "help": help_text, "dest": self.dest}
+        kwargs: dict[str, Any] = {"default": default, "help": help_text, "dest": self.dest}
+        if self.repeat:
+            kwargs["action"] = "append"
+        if self.parse is not None:
+            kwargs["type"] = _typed(self.parse)
+        if self.choices is not None:
+            kwargs["choices"] = list(self.choices)
+        if self.metavar:
+            kwargs["metavar"] = self.metavar
+        return kwargs
+
+
+def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` as an argparse type: its ValueError becomes argparse's message naming the option."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
+
+
+OPTIONS: dict[str, Option] = {
+    option.name: option
+    for option in (
+        Option("device", "device under test: auto (a GPU if torch sees one), cpu, cuda or cuda:N", "auto"),
+        Option("backend", "backend to test (repeatable)", kind="list", metavar="NAME", repeat=True),
+        Option(
+            "plugin", "import MODULE, which registers more backends (repeatable)", [], kind="list", repeat=True,
+            metavar="MODULE",
+        ),
+        Option(
+            "out", "the run store: the folder runs are written to and read from", DEFAULT_OUT, Path, "path",
+            metavar="DIR", aliases=("--store",),
+        ),
+        Option(
+            "profile", "sweep profile of the generated cases", None, kind="choice", choices=tuple(PROFILES),
+            env=PROFILE_VARIABLE,
+        ),
+        Option("examples", "cases per check and backend (default: the profile's)", None,
+               lambda t: parse_count("examples", t), "number"),
+        Option("seed", "seed of a randomized profile's draw (default: a fresh one, printed and recorded), or of the "
+               "first sweep's cases (default: 0)",
+               None, lambda t: parse_count("seed", t, lowest=0), "number"),
+        Option("strict", "warnings (nondeterminism, garbage past the tokens, a known issue that no longer "
+               "reproduces) and backends that cannot run fail instead of passing or skipping", None, kind="flag",
+               env=STRICT_VARIABLE, flag=True),
+        Option("batch-invariant", "the backends promise batch invariance: a change of earlier outputs within the "
+               "chunk of a changed token fails (otherwise it is a warning)", False, kind="flag", flag=True),
+        Option("reference-form", "exact form of the float64 truth: auto (the chunked form from a few tokens on), "
+               "loop (the token-by-token definition) or chunked", None, kind="choice", choices=FORMS,
+               env=FORM_VARIABLE),
+        Option("run-id", "the run's id (default: a new one): the shards of one night share one", None,
+               env=RUN_ID_VARIABLE),
+        Option("shard", "run the I-th of N shares of the tests (hosts of one night)", None, shard, metavar="I/N",
+               env=SHARD_VARIABLE),
+        Option("gpus", "the GPUs parallel workers spread over, e.g. 0,1 (default: every visible one)", None,
+               metavar="LIST"),
+        Option("case-timeout", "seconds one check of one case may take; past it the case is recorded as hung "
+               "and its process ends", None, positive_seconds, "number", metavar="S"),
+        Option("lengths", "first-sweep sequence lengths, comma-separated", None, parse_lengths, "list"),
+        Option("dtypes", f"first-sweep input dtypes, comma-separated ({', '.join(DTYPES)})", None, parse_dtypes,
+               "list"),
+        Option("heads", "first-sweep query/key heads (= value heads)", 2, lambda t: parse_count("heads", t),
+               "number"),
+        Option("head-dim", "first-sweep K = V, a multiple of 16 up to 256", 64, parse_head_dim, "number"),
+    )
+}  # fmt: skip
+
+# The options every pytest run takes (as --kda-NAME).
+PYTEST_OPTIONS = tuple(OPTIONS)
+# What the command line's commands default to where they differ from the table.
+CASE_TIMEOUT_DEFAULT = DEFAULT_CASE_TIMEOUT
+
+
+def add_options(
+    parser: argparse.ArgumentParser,
+    names: Iterable[str],
+    notes: Mapping[str, str] | None = None,
+    required: Collection[str] = (),
+    **defaults: Any,
+) -> None:
+    """The command-line options ``names`` (``--device``), each with the table's default or ``defaults``'
+    (keyed by the option's dest: ``head_dim=128``); ``notes`` adds a command's own words to an option's help
+    (its default where the command fills it in later), ``required`` makes options required."""
+    notes = notes or {}
+    for name in names:
+        option = OPTIONS[name]
+        default = defaults.get(option.dest, option.default)
+        kwargs = option.kwargs(default)
+        if name in notes:
+            kwargs["help"] += f" ({notes[name]})"
+        elif default not in (None, [], False) and "(default" not in option.help:
+            shown = ",".join(map(str, default)) if isinstance(default, list | tuple) else default
+            kwargs["help"] += f" (default: {shown})"
+        if name in required:
+            kwargs["required"] = True
+        parser.add_argument(f"--{name}", *option.aliases, **kwargs)
+
+
+def add_pytest_options(group: Any) -> None:
+    """Every option as ``--kda-NAME`` in a pytest option group."""
+    for name in PYTEST_OPTIONS:
+        option = OPTIONS[name]
+        kwargs = option.kwargs(option.default)
+        kwargs["dest"] = f"kda_{option.dest}"
+        group.addoption(f"--kda-{name}", **kwargs)
+
+
+def pytest_argv(values: Mapping[str, Any]) -> list[str]:
+    """``--kda-NAME VALUE`` for each option given (not None; a list repeats the option, a flag is named when
+    true), in the table's order: how ``nightly`` and ``detection`` hand their options to pytest."""
+    argv: list[str] = []
+    for name, option in OPTIONS.items():
+        value = values.get(name)
+        if value is None or value is False or (option.repeat and not value):
+            continue
+        if option.flag:
+            argv.append(f"--kda-{name}")
+        elif option.repeat:
+            argv += [arg for item in value for arg in (f"--kda-{name}", str(item))]
+        elif isinstance(value, list | tuple):
+            argv += [f"--kda-{name}", ",".join(map(str, value))]
+        else:
+            argv += [f"--kda-{name}", str(value)]
+    return argv
+
+
+def options_markdown() -> str:
+    """The table of run options (docs/cli.md)."""
+    lines = [
+        "| command line | pytest | kind | default | environment | what it does |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, option in OPTIONS.items():
+        spellings = ", ".join(f"`{s}`" for s in (f"--{name}", *option.aliases))
+        default = "" if option.default in (None, [], False) else f"`{option.default}`"
+        env = f"`{option.env}`" if option.env else ""
+        lines.append(f"| {spellings} | `--kda-{name}` | {option.kind} | {default} | {env} | {option.help} |")
+    return "\n".join(lines) + "\n"
