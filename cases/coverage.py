@@ -15,6 +15,8 @@ import pandas as pd
 from kda_cases.case import Case
 
 CHUNK = 64  # the chunk of FLA's and AITER's default pipelines; FlashKDA's are 16 and 32, inside it
+SEGMENT_EDGES = (2047, 2048, 2049)  # around FlashKDA's segment of 2048 tokens (64 chunks of 32)
+LONG_TOKENS = 131072
 
 
 def _band(case: Case) -> str:
@@ -59,7 +61,33 @@ def _precision_edge(case: Case) -> str:
     return f"{case.dtype} across chunks, " + ("with h0" if case.has_initial_state else "no h0")
 
 
-AXES: dict[str, Callable[[Case], str]] = {
+def _head_count(case: Case) -> str:
+    if case.num_v_heads > case.num_heads:
+        return "GVA"
+    return "1" if case.num_heads == 1 else ("2-7" if case.num_heads < 8 else ">= 8")
+
+
+def _length_edges(case: Case) -> tuple[str, ...]:
+    """The edges its sequences end on: 64m - 1, 64m, 64m + 1 (chunks), and 2047 to 2049 (FlashKDA's segments)."""
+    edges = set()
+    for n in case.seq_lens:
+        if n >= CHUNK - 1 and n % CHUNK in (CHUNK - 1, 0, 1):
+            edges.add({CHUNK - 1: "64m - 1", 0: "64m", 1: "64m + 1"}[n % CHUNK])
+        if n in SEGMENT_EDGES:
+            edges.add(str(n))
+    return tuple(sorted(edges)) or ("-",)
+
+
+def _checkpoint_positions(case: Case) -> tuple[str, ...]:
+    if not case.checkpoints:
+        return ("-",)
+    return tuple(
+        sorted({"on a chunk boundary" if t and t % CHUNK == 0 else "off chunk boundaries" for _, t in case.checkpoints})
+    )
+
+
+# An axis gives one value per case, or several (a case with sequences on two edges counts for both).
+AXES: dict[str, Callable[[Case], str | tuple[str, ...]]] = {
     "length band": _band,
     "chunk boundary": _boundary,
     "heads": _heads,
@@ -73,6 +101,17 @@ AXES: dict[str, Callable[[Case], str]] = {
     "state dtype": lambda c: c.state_dtype,
     "packing": _packing,
     "checkpoints": lambda c: "some" if c.checkpoints else "none",
+    "checkpoint position": _checkpoint_positions,
+    "head count": _head_count,
+    "head dim K": lambda c: str(c.head_k_dim),
+    "head dim V": lambda c: str(c.head_v_dim),
+    "K = V = 128": lambda c: c.dtype if c.head_k_dim == c.head_v_dim == 128 else "-",
+    "scale": lambda c: "default" if c.scale is None else "explicit",
+    "[B, T] batch with h0": lambda c: (
+        "B >= 2 with h0" if not c.packed and c.num_seqs >= 2 and c.has_initial_state else "-"
+    ),
+    "length edge": _length_edges,
+    "long (128K tokens)": lambda c: c.dtype if c.total_tokens >= LONG_TOKENS else "-",
 }
 
 # What the ci profile (its corpus cases and its drawn ones) must reach: a test fails when one goes unreached.
@@ -101,20 +140,46 @@ CI_REQUIRED: dict[str, tuple[str, ...]] = {
     "state dtype": ("fp32", "bf16"),
     "packing": ("one sequence", "[B, T] batch", "packed", "packed, a zero-length member"),
     "checkpoints": ("none", "some"),
+    "checkpoint position": ("on a chunk boundary",),
+    "head count": (">= 8",),
+    "K = V = 128": ("bf16",),
+    "scale": ("default", "explicit"),
+    "[B, T] batch with h0": ("B >= 2 with h0",),
+    "length edge": ("64m + 1",),
+}
+
+# What every night reaches on every backend that supports it, whatever its seed (cases/guarantee.py draws the
+# cases that make it so; the run's long cases bring 128K tokens in each dtype).
+NIGHT_REQUIRED: dict[str, tuple[str, ...]] = {
+    "gate": ("lower_bound", "softplus", "log"),
+    "dtype": ("bf16", "fp16", "fp32"),
+    "state dtype": ("fp32", "bf16"),
+    "state layout": ("k_first", "v_first"),
+    "scale": ("default", "explicit"),
+    "head dim K": ("32", "64", "128", "256"),
+    "head dim V": ("32", "64", "128", "256"),
+    "K = V = 128": ("bf16", "fp16", "fp32"),
+    "head count": ("1", "2-7", ">= 8", "GVA"),
+    "[B, T] batch with h0": ("B >= 2 with h0",),
+    "packing": ("packed, a zero-length member",),
+    "length edge": ("64m - 1", "64m", "64m + 1", "2047", "2048", "2049"),
+    "checkpoint position": ("on a chunk boundary", "off chunk boundaries"),
+    "long (128K tokens)": ("bf16", "fp16", "fp32"),
 }
 
 
-def axis_values(case: Case) -> dict[str, str]:
-    """The value of every axis for one case."""
-    return {axis: value(case) for axis, value in AXES.items()}
+def axis_values(case: Case) -> dict[str, tuple[str, ...]]:
+    """The values of every axis for one case (most axes: one)."""
+    return {axis: (found,) if isinstance(found := value(case), str) else found for axis, value in AXES.items()}
 
 
 def coverage(cases: Iterable[Case]) -> pd.DataFrame:
     """Distinct cases per axis and value (columns axis, value, cases), in AXES order."""
     counts: dict[tuple[str, str], set[str]] = {}
     for case in cases:
-        for axis, value in axis_values(case).items():
-            counts.setdefault((axis, value), set()).add(case.id)
+        for axis, values in axis_values(case).items():
+            for value in values:
+                counts.setdefault((axis, value), set()).add(case.id)
     rows = [{"axis": axis, "value": value, "cases": len(ids)} for (axis, value), ids in counts.items()]
     order = {axis: i for i, axis in enumerate(AXES)}
     table = pd.DataFrame(rows, columns=["axis", "value", "cases"])

@@ -61,6 +61,13 @@ class Profile:
     # Whether the run includes the sentinels (cases/sentinels.py): the same 47 cases every night, each with
     # a history of its own. Up to 128K tokens x 8 value heads x 128^2: the GPU profiles only.
     sentinels: bool = False
+    # Whether the run includes the guaranteed cases (cases/guarantee.py), whose kernel configurations are then
+    # the pool its drawn cases take theirs from: the night reaches every value of NIGHT_REQUIRED, whatever
+    # the seed.
+    guaranteed: bool = False
+    # At most this many distinct kernel configurations in one run's planned cases (the guaranteed and drawn
+    # ones, the corpus, the sentinels, the long cases): each is a compile and autotune per Triton backend.
+    max_kernel_configs: int = 2**31
 
     @property
     def value_heads_limit(self) -> int:
@@ -130,9 +137,11 @@ PROFILES: dict[str, Profile] = {
             False,
             True,
             max_work=2**35,
-            kernel_configs=3,
+            kernel_configs=7,
             long_dtypes=("bf16", "fp16", "fp32", "bf16"),
             sentinels=True,
+            guaranteed=True,
+            max_kernel_configs=40,
         ),
         Profile(
             "long",

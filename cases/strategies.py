@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.errors import HypothesisSideeffectWarning
 
 from kda_cases.case import BETA_REGIMES, GATE_REGIMES, INITIAL_STATES, STATE_LAYOUTS, Case
+from kda_cases.guarantee import guaranteed_cases
+from kda_cases.kernel_configs import kernel_config
 from kda_cases.profiles import BOUNDARY_LENGTHS, Profile
 
 CHECKPOINT_GRIDS = (16, 32, 64)
@@ -69,24 +71,6 @@ def checkpoints(draw: st.DrawFn, lens: tuple[int, ...]) -> tuple[tuple[int, int]
         on_grid = st.integers(min_value=0, max_value=n // grid).map(lambda k, g=grid: k * g)
         marks.add((seq, draw(st.one_of(on_grid, st.integers(min_value=0, max_value=n)))))
     return tuple(sorted(marks))
-
-
-# The axes that select which compiled kernels a backend runs (and so what a Triton compile costs).
-KERNEL_FIELDS = (
-    "num_heads",
-    "num_v_heads",
-    "head_k_dim",
-    "head_v_dim",
-    "dtype",
-    "state_dtype",
-    "gate",
-    "lower_bound",
-    "safe_gate",
-    "l2norm_in_kernel",
-    "beta_sigmoid_in_kernel",
-    "state_layout",
-    "packed",
-)
 
 
 @st.composite
@@ -146,20 +130,21 @@ def cases(draw: st.DrawFn, profile: Profile) -> Case:
 
 
 def with_kernel_pool(profile: Profile, seed: int | None) -> Profile:
-    """``profile`` with its run's pool of kernel configurations: the kernel axes of the first
-    ``profile.kernel_configs`` cases drawn from ``seed`` (unchanged when the profile has no pool)."""
+    """``profile`` with its run's pool of kernel configurations (unchanged when the profile has no pool): the
+    configurations of the night's guaranteed cases where the profile has them (cases/guarantee.py), else of
+    the first ``profile.kernel_configs`` cases drawn from ``seed``."""
     if not profile.kernel_configs or profile.kernel_pool:
         return profile
     pool: list[tuple[tuple[str, object], ...]] = []
-    with warnings.catch_warnings():
-        # Drawn while pytest configures (the run header names the pool): Hypothesis warns of work done in a plugin.
-        warnings.simplefilter("ignore", HypothesisSideeffectWarning)
-        drawn = draw_cases(profile, 8 * profile.kernel_configs, seed)
+    if profile.guaranteed:
+        drawn = guaranteed_cases(seed)
+    else:
+        with warnings.catch_warnings():
+            # Drawn while pytest configures (the run header names the pool): Hypothesis warns of work done in a plugin.
+            warnings.simplefilter("ignore", HypothesisSideeffectWarning)
+            drawn = draw_cases(profile, 8 * profile.kernel_configs, seed)
     for case in drawn:
-        entry = (
-            *((name, getattr(case, name)) for name in KERNEL_FIELDS),
-            ("has_initial_state", case.has_initial_state),
-        )
+        entry = kernel_config(case)
         if entry not in pool and len(pool) < profile.kernel_configs:
             pool.append(entry)
     return dataclasses.replace(profile, kernel_pool=tuple(pool))

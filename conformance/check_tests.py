@@ -100,8 +100,9 @@ def check_test(check: Check) -> Callable[..., None]:
             drawn = check.draw(data, profile, backend)
         except BackendFault as fault:  # its fit or supports raised on the drawn case: its error, recorded
             unanswered(check.name, backend, kda_run, kda_record, fault)
-        for axis, value in axis_values(drawn.case).items():  # Hypothesis's statistics: the axes reached
-            event(f"{axis}: {value}")
+        for axis, values in axis_values(drawn.case).items():  # Hypothesis's statistics: the axes reached
+            for value in values:
+                event(f"{axis}: {value}")
         findings = kda_checked(
             check.name, drawn.case, backend, drawn.params, lambda truth: check.run(truth, backend, drawn.params)
         )

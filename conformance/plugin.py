@@ -149,6 +149,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         ("first_sweep_case", run.config.grid.cases),
         ("long_case", run.config.long_cases),
         ("sentinel", run.config.sentinel_cases),
+        ("guaranteed_case", run.config.guaranteed_cases),
     ):
         if fixture in metafunc.fixturenames:
             chosen = cases()
@@ -246,6 +247,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # Profiles without long cases or sentinels: no "empty parameter set" skip lines.
     empty = {"test_long_case"} if not run.config.long_cases() else set()
     empty |= {"test_sentinel"} if not run.config.sentinel_cases() else set()
+    empty |= {"test_guaranteed_case"} if not run.config.guaranteed_cases() else set()
     if empty:
         unused = [item for item in items if getattr(item, "originalname", None) in empty]
         config.hook.pytest_deselected(items=unused)
@@ -285,7 +287,7 @@ def _case_of(item: pytest.Item) -> str | None:
     params = getattr(getattr(item, "callspec", None), "params", {})
     if "entry" in params:
         return params["entry"].case.id
-    case = params.get("long_case", params.get("sentinel"))
+    case = params.get("long_case", params.get("sentinel", params.get("guaranteed_case")))
     return case.id if isinstance(case, Case) else None
 
 

@@ -21,6 +21,7 @@ from kda_cases.files import atomic_write
 from kda_cases.sentinels import SENTINEL_GROWTH
 from kda_reports.environment import SUITE_BASELINE
 from kda_reports.findings import VERDICTS, stale_known_issues
+from kda_reports.reach import MISSED, backend_coverage
 from kda_reports.regressions import GROUP, find_regressions, longest, nightly_groups, record_worst, sentinel_worst
 from kda_reports.runfile import record_coverage
 from kda_reports.store import COMPLETE, Store
@@ -179,6 +180,80 @@ def trends(groups: pd.DataFrame, runs: pd.DataFrame) -> go.Figure:
     return figure
 
 
+def _of_run(frame: pd.DataFrame, run_id: str) -> pd.DataFrame:
+    return frame[frame["run_id"] == run_id] if len(frame) and "run_id" in frame else frame
+
+
+def night_time(records: pd.DataFrame, nights: pd.DataFrame, quarantines: pd.DataFrame) -> pd.DataFrame:
+    """Per backend of one night: the night's wall time (its parts summed), compile seconds, seconds in the
+    backend's calls, cases run and skipped (with the commonest reasons), and quarantined configurations."""
+    rows = []
+    wall = float(nights["wall_seconds"].sum()) if len(nights) else float("nan")
+    for backend, part in records[records["backend"] != "(suite)"].groupby("backend"):
+        skip = part["verdict"] == "skip"
+        ran_cases = set(part.loc[~skip, "case_id"])
+        skipped_cases = set(part.loc[skip, "case_id"]) - ran_cases
+        reasons = part.loc[skip].drop_duplicates("case_id")["reason"].fillna("").str.slice(0, 90).value_counts()
+        compiled = sum(float(by.get(backend, 0.0)) for by in nights["compile_by_backend"]) if len(nights) else 0.0
+        mine = quarantines[quarantines["backend"] == backend] if len(quarantines) else quarantines
+        quarantined_cases = part["reason"].fillna("").str.startswith("quarantined after")
+        rows.append(
+            {
+                "backend": backend,
+                "night wall s": round(wall, 1),
+                "compile s": round(compiled, 1),
+                "backend s": round(float(part.drop_duplicates(["check", "case_id"])["seconds"].fillna(0).sum()), 1),
+                "cases run": len(ran_cases),
+                "cases skipped": len(skipped_cases),
+                "why skipped (cases)": "; ".join(f"{r} ({n})" for r, n in reasons.head(3).items()),
+                "quarantined configs": len(mine),
+                "cases not launched (quarantine)": int(part.loc[quarantined_cases, "case_id"].nunique()),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def night_walls(nights: pd.DataFrame, runs: pd.DataFrame) -> go.Figure:
+    """Each night's wall time (its parts stacked: shards run on several hosts) and its compile stage."""
+    figure = go.Figure()
+    labels = night_labels(runs)
+    shown = nights[nights["run_id"].isin(labels)] if len(nights) else nights
+    for part_name, part in shown.groupby("part") if len(shown) else ():
+        x = [labels[r] for r in part["run_id"]]
+        name = f"part {part_name}" if part_name else "night"
+        figure.add_trace(go.Bar(x=x, y=part["wall_seconds"] / 60, name=f"{name}: wall"))
+    if len(shown):
+        compile_min = shown.groupby("run_id")["compile_wall_seconds"].sum() / 60
+        x = [labels[r] for r in compile_min.index]
+        figure.add_trace(go.Scatter(x=x, y=compile_min, mode="lines+markers", name="compile stage (wall, all parts)"))
+    figure.update_layout(barmode="stack", title="The night's wall time (minutes)")
+    figure.update_xaxes(title="night", type="category", categoryorder="array", categoryarray=list(labels.values()))
+    figure.update_yaxes(title="minutes")
+    return figure
+
+
+def coverage_by_backend(records: pd.DataFrame) -> pd.DataFrame:
+    """The required axis values per backend (reports/reach.py): how many it reached, how many lie outside its
+    envelope, and the ones the night missed, named."""
+    table = backend_coverage(records)
+    rows = []
+    for backend, part in table.groupby("backend"):
+        missed = part[part["status"] == MISSED]
+        rows.append(
+            {
+                "backend": backend,
+                "reached": int((part["status"] == "reached").sum()),
+                "required": len(part),
+                "not supported": ", ".join(
+                    f"{a} {v}"
+                    for a, v in part[part["status"] == "not supported"][["axis", "value"]].itertuples(index=False)
+                ),
+                "NOT REACHED": ", ".join(f"{a} {v}" for a, v in missed[["axis", "value"]].itertuples(index=False)),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
 def sentinel_trends(records: pd.DataFrame, runs: pd.DataFrame) -> go.Figure:
     """Each sentinel's worst error/limit per backend over the runs (1 is the limit)."""
     figure = go.Figure()
@@ -276,7 +351,8 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
         )
         per_backend = pd.crosstab(last["backend"], last["verdict"]).reset_index()
         env = last.iloc[0][[c for c in last.columns if c.startswith("env_")]]
-        shown = ["" if pd.isna(v) else str(v) for v in env]
+        # A seed or a count read back as a float (a column with gaps) is shown as the integer it is.
+        shown = ["" if pd.isna(v) else str(int(v) if isinstance(v, float) and v.is_integer() else v) for v in env]
         env_table = pd.DataFrame({"": [c.removeprefix("env_") for c in env.index], "value": shown})
         measured = last[last["verdict"].isin(["pass", "fail", "error"])].copy()
         measured["worst"] = record_worst(measured)
@@ -324,6 +400,35 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
             "<p class='note'>Beyond pass and fail: batch invariance, padded tails, metadata patterns, "
             "determinism, known issues (cases per backend, check and observation).</p>",
             _table(observations(last), "observations"),
+            f"<h2>The night's time, {which}</h2>",
+            "<p class='note'>Per backend: the night's wall time (its parts summed), the compile stage's seconds "
+            "(kda-conformance nightly compiles every kernel configuration up front), seconds in the backend's "
+            "calls, cases run and skipped, and kernel configurations quarantined after a crash (their later "
+            "cases recorded as errors without launching). Runs made without `kda-conformance nightly` have no "
+            "night file: their wall and compile columns are empty.</p>",
+            _table(
+                night_time(
+                    last,
+                    _of_run(store.nights, last_id),
+                    _of_run(store.quarantines, last_id),
+                ),
+                "night-time",
+            ),
+            _table(_of_run(store.quarantines, last_id), "quarantines")
+            if len(_of_run(store.quarantines, last_id))
+            else "",
+            plots.html(
+                night_walls(store.nights, compared),
+                "night-walls",
+                "No run here was made by kda-conformance nightly (it writes each night's wall time).",
+            ),
+            f"<h2>Required values per backend, {which}</h2>",
+            "<p class='note'>Every night must reach each value of NIGHT_REQUIRED (cases/coverage.py) on every "
+            "backend that supports it: gate forms, dtypes, state dtypes and layouts, default and explicit scale, "
+            "head dims, head counts, batches with an initial state, packed zero-length members, chunk and "
+            "segment edges, checkpoints on and off chunk boundaries, 128K tokens in each dtype. A value whose "
+            "cases a backend only skipped is outside its envelope; NOT REACHED is a hole in the night.</p>",
+            _table(coverage_by_backend(last), "coverage-by-backend"),
             f"<h2>Axis coverage, {which}</h2>",
             "<p class='note'>Distinct cases per value of each axis (cases/coverage.py): the values a run "
             "did not reach are where its bugs could hide.</p>",

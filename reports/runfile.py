@@ -36,8 +36,33 @@ def run_stem(run_id: str, part: str | None = None) -> str:
     return f"{run_id}.{part}" if part else run_id
 
 
+# Every file a run (or a part of it) keeps under ``<out>/runs``: ``<run_id>[.<part>].<suffix>``. Only this table
+# spells the suffixes; everything else asks ``run_path`` / ``run_file`` for a path.
+RUN_FILE_SUFFIXES = {
+    "records": "parquet",
+    "environment": "env.json",
+    "partial": "partial.jsonl",
+    "timing": "timing.json",
+    "checks": "checks.json",
+    "summary_md": "summary.md",
+    "summary_csv": "summary.csv",
+    "quarantine": "quarantine.jsonl",
+    "night": "night.json",
+}
 # What follows ``<run_id>.`` in a file of a whole run (otherwise it names a part: ``gw3``, ``s2of4-gw1``).
-RUN_FILE_KINDS = ("parquet", "env", "partial", "timing", "checks", "summary")
+RUN_FILE_KINDS = tuple(dict.fromkeys(suffix.split(".")[0] for suffix in RUN_FILE_SUFFIXES.values()))
+
+
+def run_path(out_dir: Path | str, stem: str, kind: str) -> Path:
+    """The file of ``kind`` (a key of RUN_FILE_SUFFIXES) of the run or part named ``stem`` (``run_stem``)."""
+    if kind not in RUN_FILE_SUFFIXES:
+        raise ValueError(f"kind must be one of {', '.join(RUN_FILE_SUFFIXES)}, got {kind!r}")
+    return Path(out_dir) / "runs" / f"{stem}.{RUN_FILE_SUFFIXES[kind]}"
+
+
+def run_file(out_dir: Path | str, run_id: str, part: str | None, kind: str) -> Path:
+    """Where a run (or its ``part``) keeps its file of ``kind``: ``<out>/runs/<run_id>[.<part>].<suffix>``."""
+    return run_path(out_dir, run_stem(run_id, part), kind)
 
 
 def run_files(out_dir: Path, run_id: str, part: str | None = None) -> list[Path]:
@@ -60,14 +85,8 @@ def run_id_of(path: Path) -> str:
 
 def write_run(records: pd.DataFrame, env: dict, out_dir: Path, stem: str) -> dict[str, Path]:
     """Write ``runs/<stem>.parquet``, ``.env.json``, ``.summary.md`` and ``.csv`` under ``out_dir``."""
-    runs = out_dir / "runs"
-    runs.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "records": runs / f"{stem}.parquet",
-        "environment": runs / f"{stem}.env.json",
-        "summary_md": runs / f"{stem}.summary.md",
-        "summary_csv": runs / f"{stem}.summary.csv",
-    }
+    (out_dir / "runs").mkdir(parents=True, exist_ok=True)
+    paths = {kind: run_path(out_dir, stem, kind) for kind in ("records", "environment", "summary_md", "summary_csv")}
     atomic_write(paths["environment"], lambda p: p.write_text(json.dumps(env, indent=2, sort_keys=True)))
     atomic_write(paths["records"], lambda p: records.to_parquet(p, index=False))
     table = summary(records)
@@ -101,9 +120,8 @@ class RunRecorder:
         self.env = {**env, "run_id": self.run_id}
         self.out_dir = Path(out_dir)
         self.rows: list[dict] = []
-        runs = self.out_dir / "runs"
-        runs.mkdir(parents=True, exist_ok=True)
-        self.partial = runs / f"{self.stem}.partial.jsonl"
+        (self.out_dir / "runs").mkdir(parents=True, exist_ok=True)
+        self.partial = run_path(self.out_dir, self.stem, "partial")
         self._live: IO[str] | None = None  # the journal, its lock held while the run runs (see journal_is_live)
 
     def _stamp(self, row: dict, env: dict) -> dict:
@@ -141,7 +159,7 @@ class RunRecorder:
         frame = conform_records(pd.DataFrame([self._stamp(row, env) for row in self.rows]))
         paths = write_run(frame, env, self.out_dir, self.stem)
         if timing is not None:
-            paths["timing"] = self.out_dir / "runs" / f"{self.stem}.timing.json"
+            paths["timing"] = run_path(self.out_dir, self.stem, "timing")
             atomic_write(paths["timing"], lambda p: p.write_text(json.dumps(timing, indent=1)))
         self.partial.unlink(missing_ok=True)
         if self._live is not None:
@@ -231,7 +249,7 @@ def merge_parts(out_dir: Path, stem: str, parts: str, env: dict, timing: dict | 
         frame["env_complete"] = env.get("complete", True)
     paths = write_run(frame, env, Path(out_dir), stem)
     if timing is not None:
-        paths["timing"] = runs / f"{stem}.timing.json"
+        paths["timing"] = run_path(out_dir, stem, "timing")
         atomic_write(paths["timing"], lambda p: p.write_text(json.dumps(timing, indent=1)))
     for leftover in runs.glob(f"{parts}*"):
         leftover.unlink(missing_ok=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from kda_reports.findings import VERDICTS
+from kda_reports.quarantine import Quarantine
 from kda_reports.runfile import journal_is_live, read_journal, run_id_of
 from kda_reports.schema import REQUIRED_COLUMNS, validate_records
 
@@ -29,6 +30,10 @@ class Store:
     records: pd.DataFrame  # every readable row of every run, oldest run first
     runs: pd.DataFrame  # one row per run: id, date, completeness, counts, environment
     problems: list[str] = field(default_factory=list)  # files skipped or partly read, and why
+    # One row per night part that ``kda-conformance nightly`` wrote (runs/<run>[.<part>].night.json): its wall
+    # time, compile stage, workers and cache; and every (backend, configuration) it quarantined.
+    nights: pd.DataFrame = field(default_factory=pd.DataFrame)
+    quarantines: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     @property
     def complete_runs(self) -> pd.DataFrame:
@@ -123,7 +128,37 @@ def load_store(root: Path) -> Store:
                 )
         frames.append(frame)
     records = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    return Store(records, summarize_runs(records, live), problems)
+    nights, quarantines = _nights(runs_dir, problems)
+    return Store(records, summarize_runs(records, live), problems, nights, quarantines)
+
+
+def _nights(runs_dir: Path, problems: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The nights' own files: each part's night.json, and each part's quarantine list."""
+    nights = []
+    for path in sorted(runs_dir.glob("*.night.json")):
+        try:
+            night = json.loads(path.read_text())
+            compiled = night.get("compile") or {}
+            nights.append(
+                {
+                    "run_id": run_id_of(path),
+                    "part": night.get("part") or "",
+                    "wall_seconds": float(night["wall_seconds"]),
+                    "workers": night.get("workers"),
+                    "compile_seconds": float(compiled.get("seconds", 0.0)),
+                    "compile_wall_seconds": float(compiled.get("wall_seconds", 0.0)),
+                    "compile_by_backend": compiled.get("seconds_by_backend", {}),
+                    "kernel_configs": night.get("kernel_configs"),
+                    "cache": night.get("cache", {}).get("state", ""),
+                }
+            )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            problems.append(f"{path.name}: not readable ({_said(exc)})")
+    quarantined = []
+    for path in sorted(runs_dir.glob("*.quarantine.jsonl")):
+        for entry in Quarantine(path).entries():
+            quarantined.append({"run_id": run_id_of(path), **entry.__dict__})
+    return pd.DataFrame(nights), pd.DataFrame(quarantined)
 
 
 ENV_SHOWN = ("env_date", "env_profile", "env_device_name", "env_arch", "env_suite_commit", "env_complete")

@@ -3,6 +3,7 @@ process isolation (a backend that segfaults and one that hangs cost their own ca
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -209,11 +210,24 @@ def test_dashboard_renders_in_a_real_browser(history: Path, tmp_path: Path) -> N
 
 
 def test_nightly_command_adds_a_run_and_rebuilds_the_dashboard(tmp_path: Path) -> None:
-    argv = ["nightly", "--store", str(tmp_path), "--profile", "smoke", "--examples", "1"]
+    """Two nights: each compiles its kernel configurations up front (--compile on: on a CPU it is otherwise
+    off), keeps Triton's cache beside the store, and writes its night file; the dashboard shows each night's
+    time per backend and the trend of the nights' wall time."""
+    argv = ["nightly", "--store", str(tmp_path), "--profile", "smoke", "--examples", "1", "--compile", "on"]
     assert main([*argv, "--backend", "torch_chunk", "--device", "cpu"]) == 0
-    assert main([*argv, "--backend", "torch_chunk", "--device", "cpu"]) == 0
+    assert main([*argv, "--backend", "torch_chunk", "--device", "cpu", "--workers", "2"]) == 0
     store = load_store(tmp_path)
     assert len(store.runs) == 2 and (tmp_path / "dashboard.html").stat().st_size > 100_000
+    assert len(store.nights) == 2 and (store.nights["compile_seconds"] > 0).all()
+    for night_file in (tmp_path / "runs").glob("*.night.json"):
+        night = json.loads(night_file.read_text())
+        assert night["cache"]["dir"].endswith("triton-cache")
+        assert night["compile"]["outcomes"] == {"compiled": night["kernel_configs"]}
+        timing = json.loads(night_file.with_name(night_file.name.replace(".night.", ".timing.")).read_text())
+        assert timing["seconds"]["compile"] == night["compile"]["seconds"] > 0
+    page = (tmp_path / "dashboard.html").read_text()
+    assert 'id="night-time"' in page and "night-walls" in page and "coverage-by-backend" in page
+    assert "The night's wall time (minutes)" in page
 
 
 def test_an_interrupted_nightly_keeps_what_ran_and_shows_it(tmp_path: Path) -> None:

@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from kda_cases.case import Case
+from kda_cases.corpus import load_corpus
+from kda_cases.grids import first_sweep_cases
 from kda_conformance.checks import get_check
 from kda_conformance.cli import main
 from kda_conformance.cli.exits import ERRORED
@@ -94,6 +96,42 @@ def test_a_sticky_error_in_a_worker_costs_its_cases_only(tmp_path: Path) -> None
         .all()
     )
     assert "crashed while running" in done.stdout  # pytest-xdist replaced the worker and went on
+
+
+def test_a_configuration_that_crashed_is_launched_once_a_night(tmp_path: Path) -> None:
+    """The first sweep's bf16 cases fall in three kernel configurations (one sequence with and without an
+    initial state, and the packed batch); a backend that crashes on bf16 is launched once per configuration,
+    its later cases of each recorded as quarantined, its fp32 cases untouched."""
+    log = tmp_path / "launches.log"
+    done = pytest_run(
+        "conformance/test_first_sweep.py",
+        "-n",
+        "2",
+        "--max-worker-restart",
+        "8",
+        "--kda-plugin",
+        "kda_planted_crashes",
+        "--kda-backend",
+        "planted_bf16_crash",
+        "--kda-out",
+        str(tmp_path / "store"),
+        env={**ENV, "KDA_LAUNCH_LOG": str(log)},
+    )
+    assert done.returncode == 1, done.stdout[-3000:]
+    launched_bf16 = [line.split()[0] for line in log.read_text().splitlines() if line.endswith("bf16")]
+    assert done.stdout.count("crashed while running") == 3, done.stdout[-3000:]  # a quarantined case crashes nothing
+    records = load_store(tmp_path / "store").records
+    reasons = records["reason"].fillna("")
+    quarantined = records[reasons.str.startswith("quarantined after")]
+    crashed = records[reasons.str.contains("misaligned address") & ~reasons.str.startswith("quarantined")]
+    assert len(launched_bf16) == len(set(launched_bf16)) == 3, log.read_text()
+    assert set(crashed["case_id"]) == set(launched_bf16)
+    assert quarantined["case_id"].nunique() == 6 and set(quarantined["verdict"]) == {"error"}
+    assert quarantined["reason"].str.contains("not launched").all()
+    assert set(quarantined["case_id"]).isdisjoint(launched_bf16)
+    sweep = first_sweep_cases()
+    fp32 = {c.id for c in sweep if c.dtype == "fp32"}
+    assert set(records[records["verdict"] == "pass"]["case_id"]) == fp32, records[["case_id", "verdict", "reason"]]
 
 
 def test_without_xdist_a_sticky_error_stops_the_session_naming_the_case(tmp_path: Path) -> None:
@@ -217,7 +255,10 @@ def test_a_sticky_error_raised_when_the_case_gives_its_memory_back_is_still_that
     [error] = lost.value.findings
     assert error.verdict == "error" and error.backend == "torch_chunk" and is_sticky(error.reason)
 
-    # The kernel raised it itself: the error keeps the kernel's own place, not the release's.
+    # The kernel raised it itself: the error keeps the kernel's own place, not the release's (a fresh run: the
+    # first one quarantined the case's kernel configuration on this backend, as a night does).
+    run = Run(build_config(device="cpu", backends=["torch_chunk"], out=tmp_path))
+
     def kernel_fault(truth):
         raise RuntimeError("CUDA error: misaligned address")
 
@@ -420,3 +461,86 @@ def test_an_invalid_case_is_the_suites_error_not_the_backends(tmp_path: Path, mo
     [finding] = run.checked("budget", Case(seq_lens=(37,)), backend, {}, lambda t: run_backend(t, backend))
     assert finding.verdict == "error" and finding.backend == "(suite)"
     assert finding.reason.startswith("invalid case (not torch_chunk's error): case kda-")
+
+
+def test_workers_per_gpu_come_from_its_memory_and_the_largest_case() -> None:
+    from kda_cases.grids import long_cases
+    from kda_conformance.running.memory import CONTEXT_GIB, TRUTH_CACHE_GIB, USABLE, expected_gib, plan_workers
+
+    long = long_cases(("bf16",), 131072, 1)
+    h200 = plan_workers(139.8, 1, long)
+    assert h200.workers_per_gpu == 16 and h200.largest == long[0]
+    small = plan_workers(48.0, 2, long)
+    # Every worker's context and truth cache beside the shares, which still hold the largest case.
+    per_worker = CONTEXT_GIB + TRUTH_CACHE_GIB
+    assert USABLE * 48.0 - small.workers_per_gpu * per_worker >= expected_gib(long[0])
+    assert USABLE * 48.0 - (small.workers_per_gpu + 1) * per_worker < expected_gib(long[0])
+    assert small.workers == 2 * small.workers_per_gpu and "workers per GPU x 2 GPU(s)" in small.line()
+    assert shares_for(long[0], 48.0, small.workers_per_gpu) <= SHARES
+    assert plan_workers(24.0, 1, long).workers_per_gpu == 1  # never none
+
+
+def test_the_compile_stage_runs_each_job_once_and_goes_on_after_a_crash(tmp_path: Path, monkeypatch) -> None:
+    """A configuration whose compile leaves the device context dead ends its process; the jobs after it go on
+    in a new one, and each job has one result."""
+    from kda_cases.case import Case
+    from kda_conformance.running.compile import compile_jobs, run_jobs, summary
+
+    monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])
+    configs = [Case(seq_lens=(37,)), Case(seq_lens=(37,), dtype="fp32"), Case(seq_lens=(37,), dtype="fp16")]
+    jobs = compile_jobs(["planted_bf16_crash", "torch_chunk"], configs)
+    results = run_jobs(jobs, 1, "cpu", ["kda_planted_crashes"], tmp_path)
+    outcome = {(r["backend"], r["config"].split()[3]): r["outcome"] for r in results}
+    assert len(results) == len(jobs) == 6
+    assert outcome.pop(("planted_bf16_crash", "bf16")) == "failed"
+    assert set(outcome.values()) == {"compiled"}, results
+    assert len(list(tmp_path.glob("compile-0-*.jobs.json"))) == 2  # the crash cost one new process
+    totals = summary(results, 1.0)
+    assert totals["jobs"] == 6 and totals["outcomes"] == {"failed": 1, "compiled": 5}
+
+
+def test_a_configuration_whose_compile_crashed_is_quarantined_before_the_cases(tmp_path: Path) -> None:
+    """The night's compile stage meets the crash first: the cases of the crashing configurations are recorded
+    as quarantined errors (each with its repro) and none of them launches the backend."""
+    log = tmp_path / "launches.log"
+    command = [sys.executable, "-m", "kda_conformance.cli", "nightly", "--out", str(tmp_path / "store")]
+    command += ["--device", "cpu", "--profile", "smoke", "--examples", "1", "--workers", "2", "--compile", "on"]
+    command += ["--plugin", "kda_planted_crashes", "--backend", "planted_bf16_crash"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600,
+                          env={**ENV, "KDA_LAUNCH_LOG": str(log)})  # fmt: skip
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert "quarantined: planted_bf16_crash" in done.stdout
+    records = load_store(tmp_path / "store").records
+    corpus = {entry.case.id for entry in load_corpus()}  # the planned cases (the drawn ones have their own)
+    bf16 = records[(records["case_dtype"] == "bf16") & records["case_id"].isin(corpus)]
+    assert len(bf16) >= 3 and set(bf16["verdict"]) == {"error"}
+    assert bf16["reason"].str.match(r"quarantined after kda-\w+ \(compile\)").all()
+    assert bf16["repro"].str.contains("--backend planted_bf16_crash").all()
+    launches = [line.split() for line in log.read_text().splitlines()]
+    night_bf16 = set(bf16["case_id"])
+    assert not night_bf16 & {case_id for case_id, dtype in launches if dtype == "bf16"}
+
+
+def test_a_shard_compiles_the_configurations_of_its_own_tests() -> None:
+    from kda_cases.case import Case
+    from kda_conformance.running.compile import shard_jobs
+
+    corpus = [Case(seq_lens=(37,)), Case(seq_lens=(64,), dtype="fp32"), Case(seq_lens=(65,), dtype="fp16")]
+    pool = [Case(seq_lens=(100,), num_heads=4, num_v_heads=4), Case(seq_lens=(10,), head_k_dim=32)]
+    nodeids = [
+        f"conformance/test_corpus.py::test_corpus_case[fla_chunk-{corpus[0].test_id}]",
+        f"conformance/test_corpus.py::test_corpus_case[torch_chunk-{corpus[1].test_id}]",
+        f"conformance/test_corpus.py::test_corpus_case[fla_chunk-{corpus[1].test_id}]",
+        "conformance/test_properties.py::test_within_budget[fla_recurrent]",
+        "conformance/test_properties.py::test_prefix_outputs_ignore_later_tokens[fla_recurrent]",
+    ]
+    jobs = shard_jobs(nodeids, corpus, pool)
+    pairs = {(job.backend, job.case.dtype, job.case.num_heads, job.case.head_k_dim) for job in jobs}
+    assert pairs == {
+        ("fla_chunk", "bf16", 2, 64),
+        ("fla_chunk", "fp32", 2, 64),
+        ("torch_chunk", "fp32", 2, 64),
+        ("fla_recurrent", "bf16", 4, 64),
+        ("fla_recurrent", "bf16", 2, 32),
+    }
+    assert len(jobs) == 5 and all(job.case.max_len == 70 for job in jobs)  # short cases of each configuration

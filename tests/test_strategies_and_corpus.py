@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, given, settings
 
 from kda_cases.case import Case
 from kda_cases.corpus import load_corpus, save_case
+from kda_cases.kernel_configs import kernel_config
 from kda_cases.profiles import BOUNDARY_LENGTHS, PROFILES, get_profile
-from kda_cases.strategies import KERNEL_FIELDS, cases, draw_cases, with_kernel_pool
+from kda_cases.strategies import cases, draw_cases, with_kernel_pool
 from kda_conformance.cli import main
 from kda_reports.runfile import RunRecorder, read_run
 
@@ -85,9 +86,7 @@ def test_one_run_draws_from_its_few_kernel_configurations_within_the_work_limit(
     profile = with_kernel_pool(get_profile(name), seed=3)
     assert len(profile.kernel_pool) == profile.kernel_configs
     drawn = draw_cases(profile, 40, seed=3)
-    configs = {
-        (*((f, getattr(c, f)) for f in KERNEL_FIELDS), ("has_initial_state", c.has_initial_state)) for c in drawn
-    }
+    configs = {kernel_config(c) for c in drawn}
     assert configs <= set(profile.kernel_pool)
     assert len({c.max_len for c in drawn}) > 5, "lengths must still vary within a configuration"
     assert all(c.total_tokens * c.num_v_heads * c.head_k_dim * c.head_v_dim <= profile.max_work for c in drawn)
@@ -149,3 +148,31 @@ def test_cli_profile_run_records_profile_and_cases(tmp_path: Path) -> None:
     assert set(frame["env_profile"]) == {"smoke"} and set(frame["env_seed"]) == {""}
     pinned = {e.case.id for e in load_corpus() if get_profile("smoke").corpus_skip(e.case, interpreted=True) is None}
     assert pinned < set(frame["case_id"])
+
+
+def test_every_night_reaches_every_required_value_whatever_its_seed() -> None:
+    """20 seeds: the night's guaranteed cases and its long cases reach every value of NIGHT_REQUIRED, and the
+    night's drawn cases take their kernel configurations from the guaranteed ones (no compile of their own)."""
+    from kda_cases.coverage import NIGHT_REQUIRED, coverage, unreached
+    from kda_cases.guarantee import guaranteed_cases
+    from kda_conformance.running.config import build_config
+
+    nightly = get_profile("nightly")
+    for seed in range(20):
+        config = build_config(device="cpu", profile="nightly", seed=seed, backends=["torch_chunk"])
+        night = config.guaranteed_cases() + config.long_cases()
+        assert unreached(coverage(night), NIGHT_REQUIRED) == [], seed
+        pool = set(config.profile.kernel_pool)
+        assert pool == {kernel_config(c) for c in guaranteed_cases(seed)}, seed
+        assert {kernel_config(c) for c in draw_cases(config.profile, 6, seed)} <= pool, seed
+        assert len(config.kernel_configs()) <= nightly.max_kernel_configs, seed
+    assert guaranteed_cases(3) == guaranteed_cases(3) != guaranteed_cases(4)
+
+
+def test_a_night_says_how_many_kernel_configurations_it_compiles() -> None:
+    from kda_conformance.running.config import build_config
+
+    config = build_config(device="cpu", profile="nightly", seed=4242, backends=["torch_chunk"])
+    [line] = config.kernel_config_lines()
+    assert line.startswith(f"kernel configurations: {len(config.kernel_configs())} distinct (guaranteed 7, corpus ")
+    assert line.endswith(f"at most {config.profile.max_kernel_configs})")

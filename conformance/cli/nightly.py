@@ -10,19 +10,30 @@ and the dashboard see whole. ``--shard I/N`` with one ``--run-id`` splits a nigh
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from rich.console import Console
 
+from kda_cases.files import atomic_write
+from kda_cases.kernel_configs import config_label, kernel_config
 from kda_conformance.cli.common import add_out, add_regressions, say
 from kda_conformance.cli.dashboard import after_run
+from kda_conformance.running.compile import compile_jobs, run_jobs, shard_jobs, summary
 from kda_conformance.running.config import DEFAULT_CASE_TIMEOUT, ConfigError, build_config
+from kda_conformance.running.faults import is_sticky
+from kda_conformance.running.memory import WORKERS_VARIABLE, WorkerPlan, device_gib, plan_workers, visible_gpus
 from kda_conformance.running.options import OPTIONS, add_options, pytest_argv
+from kda_reports.quarantine import Quarantine
+from kda_reports.reach import backend_coverage, missed_lines
+from kda_reports.runfile import read_run, run_file
 
 NAME = "nightly"
 HELP = "the nightly job: the night's tests over parallel workers into a store, then the dashboard"
@@ -58,19 +69,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         notes={"backend": "default: every registered backend"},
     )
     parser.add_argument(
-        "--workers", default="auto", help="pytest-xdist workers: a number, or auto (one per core; default)"
+        "--workers",
+        default="auto",
+        help="pytest-xdist workers: a number, or auto (default: as many per GPU as its memory holds beside the "
+        "night's largest case, conformance/running/memory.py; one per core on a CPU)",
+    )
+    parser.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="compile every (backend, kernel configuration) up front, spread over the workers (auto: on a GPU)",
+    )
+    parser.add_argument(
+        "--compile-cache",
+        default=None,
+        help="Triton's cache folder, kept for the next night on this host (default: TRITON_CACHE_DIR if set, "
+        "else OUT/triton-cache)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="print each record as it is measured")
     add_regressions(parser)
 
 
-def pytest_command(args: argparse.Namespace, run_id: str) -> list[str]:
+def pytest_command(args: argparse.Namespace, run_id: str, workers: int | str | None = None) -> list[str]:
     """The night as one pytest command line (the plugin loads itself through ``-p``), the night's options
     passed on from the one table of run options."""
     command = [sys.executable, "-m", "pytest", *(str(CONFORMANCE / name) for name in SUITES)]
     command += ["-p", "kda_conformance.plugin", "-p", "no:cacheprovider", "--import-mode=importlib", "-q"]
     values = {name: getattr(args, OPTIONS[name].dest) for name in PASSED_ON}
-    command += ["-n", str(args.workers), *pytest_argv({**values, "out": args.out, "run-id": run_id})]
+    workers = args.workers if workers is None else workers
+    command += ["-n", str(workers), *pytest_argv({**values, "out": args.out, "run-id": run_id})]
     return command + (["-v"] if args.verbose else [])
 
 
@@ -96,18 +123,167 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     if problem:
         say(console, f"--store: {problem}", "error:", "red")
         return 2
-    command = pytest_command(args, config.run_id)
+    started = time.monotonic()
+    plan = _plan(args, config)
+    workers = plan.workers if plan is not None and args.workers == "auto" else args.workers
+    command = pytest_command(args, config.run_id, workers)
     console.print(f"nightly run {config.run_id}: {shlex.join(command)}", highlight=False, soft_wrap=True)
+    for line in config.kernel_config_lines():
+        say(console, line)
+    cache = Path(args.compile_cache or os.environ.get("TRITON_CACHE_DIR") or Path(args.out) / "triton-cache")
+    cache_before = folder_size(cache)
+    say(console, f"Triton cache: {cache} ({_size_text(cache_before)}; {'warm' if cache_before[0] else 'cold'})")
     # Triton's disk cache keeps autotuning results too: a kernel configuration one worker tuned is not tuned
     # again by the others, nor by tomorrow's night on the same machine.
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
+        "TRITON_CACHE_DIR": str(cache.resolve()),
         "TRITON_CACHE_AUTOTUNING": os.environ.get("TRITON_CACHE_AUTOTUNING", "1"),
     }
+    if plan is not None:
+        say(console, plan.line())
+        env[WORKERS_VARIABLE] = str(plan.workers_per_gpu)
+    compiled = _compile_stage(args, config, env, workers, command, console)
     returncode = _run_pytest(command, env, console)
+    night = {
+        "part": config.part or "",
+        "wall_seconds": round(time.monotonic() - started, 3),
+        "workers": workers,
+        "memory_plan": plan.line() if plan is not None else "",
+        "kernel_configs": len(config.kernel_configs()),
+        "compile": compiled,
+        "cache": {
+            "dir": str(cache),
+            "state": "warm" if cache_before[0] else "cold",
+            "before": cache_before,
+            "after": folder_size(cache),
+        },
+    }
+    _write_night(config, night, console)
+    say(console, f"Triton cache after the night: {cache} ({_size_text(night['cache']['after'])})")
+    _coverage_lines(config, console)
     # pytest's exit codes: 1 when a test failed; an interrupted or broken night is not a kernel failure.
     return after_run(args.out, args.window, args.growth, console, returncode)
+
+
+def _plan(args: argparse.Namespace, config) -> WorkerPlan | None:
+    """The memory plan of a night on GPUs (None on a CPU: one worker per core)."""
+    if config.device.type != "cuda":
+        return None
+    gpus = [g for g in (args.gpus or "").split(",") if g.strip()] or visible_gpus()
+    cases = [case for cases in config.planned_cases().values() for case in cases]
+    return plan_workers(device_gib(config.device), len(gpus) or 1, cases)
+
+
+def _shard_tests(command: list[str], env: dict, console: Console) -> list[str]:
+    """The node ids of this shard's tests: the night's pytest command, collecting only, in one process."""
+    collect = [part for i, part in enumerate(command) if part != "-n" and (i == 0 or command[i - 1] != "-n")]
+    collect += ["-p", "no:xdist", "--collect-only"]  # with the command's -q: one node id a line
+    done = subprocess.run(collect, env=env, capture_output=True, text=True, check=False)
+    nodeids = [line.strip() for line in done.stdout.splitlines() if "::" in line]
+    if done.returncode not in (0, 5) or not nodeids:
+        say(
+            console,
+            f"compile stage: the shard's tests could not be listed (exit {done.returncode})",
+            "warning:",
+            "yellow",
+        )
+    return nodeids
+
+
+def _compile_stage(
+    args: argparse.Namespace, config, env: dict, workers: int | str, command: list[str], console: Console
+) -> dict:
+    """Compile every (backend, kernel configuration) of the night before its cases; its numbers for the
+    night file and the run's timing (the ``compile`` stage)."""
+    on = args.compile == "on" or (args.compile == "auto" and config.device.type != "cpu")
+    if not on:
+        reason = "--compile off" if args.compile == "off" else "nothing is compiled on the CPU (Triton interprets)"
+        say(console, f"compile stage: skipped ({reason})")
+        return {}
+    configs = list(config.kernel_configs().values())
+    processes = workers if isinstance(workers, int) else (os.cpu_count() or 1)
+    if config.shard is None:
+        jobs = compile_jobs(config.backends, configs)
+        which = f"{len(configs)} kernel configurations x {len(config.backends)} backends"
+    else:  # a part of the night on its own host compiles what its own tests need
+        planned = [case for cases in config.planned_cases().values() for case in cases]
+        drawn_from = config.guaranteed_cases() or configs
+        jobs = shard_jobs(_shard_tests(command, env, console), planned, drawn_from)
+        which = f"the (backend, kernel configuration) pairs of shard {config.part}'s tests"
+    say(console, f"compile stage: {which} = {len(jobs)} jobs over {processes} processes")
+    began = time.monotonic()
+    gpus = [g for g in (args.gpus or "").split(",") if g.strip()] or (
+        visible_gpus() if config.device.type == "cuda" else []
+    )
+    saved = dict(os.environ)
+    os.environ.update(env)  # the compile processes write the cache the night's workers read
+    try:
+        with tempfile.TemporaryDirectory(prefix="kda-compile-") as folder:
+            results = run_jobs(jobs, processes, str(config.device), config.plugins, Path(folder), gpus)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    done = {**summary(results, time.monotonic() - began), "results": results}
+    _quarantine_crashes(config, jobs, results, console)
+    outcomes = ", ".join(f"{n} {outcome}" for outcome, n in done["outcomes"].items())
+    say(console, f"compile stage: {outcomes} in {done['wall_seconds']:.0f} s ({done['seconds']:.0f} s over jobs)")
+    for result in results:
+        if result["outcome"] in ("failed", "died"):
+            message = result["message"].splitlines()[0]
+            say(console, f"  {result['backend']} {result['config']}: {result['outcome']}: {message}")
+    return done
+
+
+def _quarantine_crashes(config, jobs: list, results: list[dict], console: Console) -> None:
+    """A (backend, configuration) whose compile left the device context dead is quarantined before the cases
+    run: on the H200, FLA's 32-token chunk path crashed on 10 of the night's fp32 configurations in the compile
+    stage, and each would otherwise have cost a worker (or several, running side by side)."""
+    quarantine = Quarantine(run_file(config.out, config.run_id, config.part, "quarantine"))
+    by_key = {(job.backend, config_label(kernel_config(job.case))): job for job in jobs}
+    for result in results:
+        if result["outcome"] in ("failed", "died") and (is_sticky(result["message"]) or result["outcome"] == "died"):
+            job = by_key[(result["backend"], result["config"])]
+            quarantine.add(job.backend, job.case, "compile", result["message"])
+            say(console, f"quarantined: {job.backend} {result['config']} (its compile crashed: {result['message']})")
+
+
+def _write_night(config, night: dict, console: Console) -> None:
+    """The night file of this part, and the compile stage added to the run part's timing."""
+    path = run_file(config.out, config.run_id, config.part, "night")
+    atomic_write(path, lambda p: p.write_text(json.dumps(night, indent=1)))
+    timing_path = run_file(config.out, config.run_id, config.part, "timing")
+    compiled = night["compile"]
+    if compiled and timing_path.exists():
+        try:
+            timing = json.loads(timing_path.read_text())
+            timing["seconds"]["compile"] = compiled["seconds"]
+            timing["calls"]["compile"] = compiled["jobs"]
+            timing["compile_wall_seconds"] = compiled["wall_seconds"]
+            atomic_write(timing_path, lambda p: p.write_text(json.dumps(timing, indent=1)))
+        except (OSError, ValueError, KeyError) as exc:
+            say(console, f"{timing_path.name}: the compile stage not added ({exc})", "warning:", "yellow")
+
+
+def _coverage_lines(config, console: Console) -> None:
+    """Per backend: every required axis value reached, or the ones the night missed (reports/reach.py)."""
+    records_path = run_file(config.out, config.run_id, config.part, "records")
+    if not records_path.exists() or config.profile is None or not config.profile.guaranteed:
+        return
+    say(console, "required values per backend (cases/coverage.py NIGHT_REQUIRED):")
+    for line in missed_lines(backend_coverage(read_run(records_path))):
+        say(console, f"  {line}")
+
+
+def folder_size(folder: Path) -> tuple[int, int]:
+    """(files, bytes) under ``folder`` (0, 0 when it does not exist)."""
+    files = [p for p in Path(folder).rglob("*") if p.is_file()] if Path(folder).is_dir() else []
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+def _size_text(size: tuple[int, int]) -> str:
+    return f"{size[0]} files, {size[1] / 2**20:.0f} MiB"
 
 
 def _run_pytest(command: list[str], env: dict[str, str], console: Console) -> int:

@@ -19,9 +19,12 @@ from pathlib import Path
 import torch
 
 from kda_cases.case import DTYPES, Case
+from kda_cases.corpus import load_corpus
 from kda_cases.devices import resolve_device
 from kda_cases.files import unwritable
 from kda_cases.grids import FIRST_SWEEP_DTYPES, FIRST_SWEEP_LENGTHS, first_sweep_cases, long_cases
+from kda_cases.guarantee import guaranteed_cases
+from kda_cases.kernel_configs import KernelConfig, distinct_configs
 from kda_cases.profiles import Profile, get_profile
 from kda_cases.sentinels import load_sentinels
 from kda_cases.strategies import kernel_pool_lines, with_kernel_pool
@@ -175,7 +178,8 @@ class RunConfig:
         why = unwritable(Path(self.out) / "runs")
         if why:
             return why
-        taken = run_files(self.out, self.run_id, self.part)
+        # The night's quarantine list may be there already: its compile stage writes it before the cases.
+        taken = [p for p in run_files(self.out, self.run_id, self.part) if not p.name.endswith(".quarantine.jsonl")]
         if taken:
             return (
                 f"a run with id {self.run_id} is already in {self.out} ({taken[0].name}): give another run id "
@@ -210,8 +214,39 @@ class RunConfig:
         """The sentinels (cases/sentinels.json) where the profile runs them."""
         return load_sentinels() if self.profile is not None and self.profile.sentinels else []
 
+    def guaranteed_cases(self) -> list[Case]:
+        """The night's guaranteed cases (cases/guarantee.py) where the profile runs them, drawn from its seed."""
+        return guaranteed_cases(self.seed) if self.profile is not None and self.profile.guaranteed else []
+
+    def planned_cases(self) -> dict[str, list[Case]]:
+        """The cases the run knows before it starts, by kind (its drawn cases take their kernel
+        configurations from the guaranteed ones where the profile has them)."""
+        profile = self.profile
+        corpus = [e.case for e in load_corpus() if not profile.corpus_skip(e.case, False)] if profile else []
+        return {
+            "guaranteed": self.guaranteed_cases(),
+            "corpus": corpus,
+            "sentinels": self.sentinel_cases(),
+            "long": self.long_cases(),
+        }
+
+    def kernel_configs(self) -> dict[KernelConfig, Case]:
+        """The distinct kernel configurations of the planned cases (and the drawn cases' pool), each with its
+        first case: what the night compiles up front."""
+        planned = [case for cases in self.planned_cases().values() for case in cases]
+        return distinct_configs(planned)
+
+    def kernel_config_lines(self) -> list[str]:
+        """How many kernel configurations the run plans, by kind, against its profile's bound."""
+        if self.profile is None or not self.profile.kernel_configs:
+            return []
+        kinds = self.planned_cases()
+        counts = ", ".join(f"{kind} {len(distinct_configs(cases))}" for kind, cases in kinds.items() if cases)
+        bound = self.profile.max_kernel_configs
+        return [f"kernel configurations: {len(self.kernel_configs())} distinct ({counts}; at most {bound})"]
+
     def kernel_pool_lines(self) -> list[str]:
-        return [] if self.profile is None else kernel_pool_lines(self.profile)
+        return [] if self.profile is None else kernel_pool_lines(self.profile) + self.kernel_config_lines()
 
 
 def baseline_class() -> str:

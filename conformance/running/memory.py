@@ -12,6 +12,7 @@ GPU's UUID, so workers of different invocations on the same GPU share them too.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import gc
 import math
@@ -38,6 +39,15 @@ USABLE = 0.85
 FLOOR_GIB = 1.0
 BYTES_PER_WORK = 0.7
 POLL_S = 0.05
+# Outside the shares, each worker holds its CUDA context with its loaded kernels (about 1 GiB) and the truths
+# it keeps for the next backends of a case (bounded by TRUTH_CACHE_GIB, conformance/running/session.py).
+CONTEXT_GIB = 1.0
+TRUTH_CACHE_GIB = 3.0
+# How many workers the plan puts on one GPU at most, whatever its memory: compile and the host's share of each
+# case are CPU work, and past this the workers mostly wait on each other's shares.
+MOST_WORKERS_PER_GPU = 16
+# Set by the night for its workers: how many share one GPU, so that each sizes the shares as the plan did.
+WORKERS_VARIABLE = "KDA_WORKERS_PER_GPU"
 
 
 def work(case: Case) -> int:
@@ -67,10 +77,57 @@ def too_large(case: Case, device: torch.device) -> str | None:
     )
 
 
-def shares_for(case: Case, device_gib: float) -> int:
+def shared_gib(device_gib: float, workers: int | None = None) -> float:
+    """What the shares of a ``device_gib`` GPU divide: its usable memory less what ``workers`` workers hold
+    outside the shares (contexts and truth caches; ``workers`` from the night's plan when not given)."""
+    if workers is None:
+        workers = int(os.environ.get(WORKERS_VARIABLE, "0") or 0)
+    return max(USABLE * device_gib - workers * (CONTEXT_GIB + TRUTH_CACHE_GIB), device_gib / SHARES)
+
+
+def shares_for(case: Case, device_gib: float, workers: int | None = None) -> int:
     """The shares of a ``device_gib`` GPU that ``case`` takes: at least one, at most all of them."""
-    share = USABLE * device_gib / SHARES
+    share = shared_gib(device_gib, workers) / SHARES
     return max(1, min(SHARES, math.ceil(expected_gib(case) / share)))
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerPlan:
+    """How a night's workers share its GPUs' memory."""
+
+    gpus: int
+    device_gib: float
+    workers_per_gpu: int
+    largest: Case | None
+
+    @property
+    def workers(self) -> int:
+        return self.gpus * self.workers_per_gpu
+
+    def line(self) -> str:
+        shared = shared_gib(self.device_gib, self.workers_per_gpu)
+        largest = ""
+        if self.largest is not None:
+            count = shares_for(self.largest, self.device_gib, self.workers_per_gpu)
+            largest = (
+                f"; the largest case ({self.largest.label}) about {expected_gib(self.largest):.1f} GiB = "
+                f"{count} of {SHARES} shares"
+            )
+        return (
+            f"memory plan: {self.workers_per_gpu} workers per GPU x {self.gpus} GPU(s) of {self.device_gib:.0f} GiB; "
+            f"each worker {CONTEXT_GIB + TRUTH_CACHE_GIB:.0f} GiB outside the shares (context {CONTEXT_GIB:.0f}, "
+            f"truth cache {TRUTH_CACHE_GIB:.0f}); {SHARES} shares of {shared / SHARES:.1f} GiB{largest}"
+        )
+
+
+def plan_workers(device_gib: float, gpus: int, cases: list[Case]) -> WorkerPlan:
+    """As many workers per GPU as the GPU's memory holds beside the night's largest case: each worker's
+    context and truth cache outside the shares, and the shares still able to hold the largest case with
+    every worker present (at most MOST_WORKERS_PER_GPU, at least one)."""
+    largest = max(cases, key=expected_gib, default=None)
+    need = expected_gib(largest) if largest is not None else FLOOR_GIB
+    fits = int((USABLE * device_gib - need) // (CONTEXT_GIB + TRUTH_CACHE_GIB))
+    return WorkerPlan(max(1, gpus), device_gib, max(1, min(MOST_WORKERS_PER_GPU, fits)), largest)
 
 
 def _lock_folder(device: torch.device) -> Path:
@@ -132,8 +189,7 @@ def device_slot(device: torch.device, case: Case, alone: bool = False) -> Iterat
     if device.type != "cuda":
         yield
         return
-    device_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
-    count = SHARES if alone else shares_for(case, device_gib)
+    count = SHARES if alone else shares_for(case, device_gib(device))
     with memory_shares(_lock_folder(device), count):
         yield
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pandas as pd
+import torch
 
 from kda_cases.case import Case
 from kda_cases.files import atomic_write
@@ -23,7 +24,7 @@ from kda_conformance.judging.judge import Judge, judge_for
 from kda_conformance.judging.known import apply_known
 from kda_conformance.running.config import RunConfig
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost, is_sticky
-from kda_conformance.running.memory import device_slot, release_cached_memory, release_quietly
+from kda_conformance.running.memory import TRUTH_CACHE_GIB, device_slot, release_cached_memory, release_quietly
 from kda_conformance.running.runner import blamed, fault_finding
 from kda_conformance.running.search import ExampleLog
 from kda_conformance.running.stages import CLOCK
@@ -31,11 +32,26 @@ from kda_conformance.running.truth import CaseTruth, case_truth
 from kda_kernels.guard import BackendFault, add_listener, end_process, remove_listener
 from kda_kernels.protocol import Backend
 from kda_reports.findings import Finding
-from kda_reports.runfile import CALL, RETURNED, SETTLED, RunRecorder, merge_parts, run_stem
+from kda_reports.quarantine import Quarantine
+from kda_reports.runfile import CALL, RETURNED, SETTLED, RunRecorder, merge_parts, run_file, run_path, run_stem
 from kda_reports.schema import record_rows
 
-# Long GPU cases hold gigabytes of truth; a handful is enough for every backend to reuse a case.
+# Long GPU cases hold gigabytes of truth; a handful is enough for every backend to reuse a case. Between cases
+# a worker keeps at most TRUTH_CACHE_GIB of them (memory outside the GPU's shares, in the night's memory plan).
 TRUTH_CACHE_SIZE = 4
+
+
+def tensor_bytes(value: object) -> int:
+    """The bytes of every tensor in ``value`` (a tensor, a dataclass, a mapping or a sequence of them)."""
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return sum(tensor_bytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+    if isinstance(value, Mapping):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
 
 
 class Run:
@@ -59,6 +75,8 @@ class Run:
         self._truths: OrderedDict[str, CaseTruth] = OrderedDict()
         self._recorder: RunRecorder | None = None
         self.frame: pd.DataFrame | None = None  # the records as written, once the run finished
+        # (backend, kernel configuration) pairs that crashed the device this night, on this host.
+        self.quarantine = Quarantine(run_file(config.out, config.run_id, config.part, "quarantine"))
 
     @property
     def recorder(self) -> RunRecorder:
@@ -83,10 +101,16 @@ class Run:
         """Inputs, float64 truth and budgets of ``case``, kept for the last few cases (each backend reuses them)."""
         if case.id not in self._truths:
             self._truths[case.id] = case_truth(case, self.config.device)
-            while len(self._truths) > TRUTH_CACHE_SIZE:
-                self._truths.popitem(last=False)
         self._truths.move_to_end(case.id)
         return self._truths[case.id]
+
+    def trim_truths(self) -> None:
+        """Keep what the memory plan allows between cases: at most TRUTH_CACHE_SIZE truths and TRUTH_CACHE_GIB
+        of them, the oldest dropped first (the case just run too, when it alone is larger)."""
+        while len(self._truths) > TRUTH_CACHE_SIZE:
+            self._truths.popitem(last=False)
+        while self._truths and sum(map(tensor_bytes, self._truths.values())) > TRUTH_CACHE_GIB * 2**30:
+            self._truths.popitem(last=False)
 
     def checked(
         self,
@@ -102,14 +126,22 @@ class Run:
         or left the device context dead), the suite (``(suite)``, with the stage that raised), or the machine
         (``resource``: out of memory in any stage, once more alone on the device). A sticky device error
         raises DeviceLost with the finding that charges it to this case and backend: nothing more may run
-        in this process. While a backend call is in flight the run's journal says so, so that a process
-        that ends inside it leaves an error row naming it (``test``: the pytest node id the row carries)."""
+        in this process, and the case's kernel configuration is quarantined on that backend for the rest
+        of the night (reports/quarantine.py). While a backend call is in flight the run's journal says so,
+        so that a process that ends inside it leaves an error row naming it (``test``: the pytest node id
+        the row carries)."""
         judge = judge_for(check, case, backend.name, self.config.device, params)
         self._open_call(judge, test)
         unanswered = self.unanswered.get(backend.name)
+        quarantined = self.quarantine.find(backend.name, case)
         watchdog = self._watchdog(judge)
         try:
-            findings = [fault_finding(judge, unanswered)] if unanswered else self._attempts(judge, run)
+            if unanswered:
+                findings = [fault_finding(judge, unanswered)]
+            elif quarantined:  # its configuration crashed the device earlier tonight: not launched again
+                findings = [judge.outcome("error", quarantined.reason)]
+            else:
+                findings = self._attempts(judge, run)
         except BaseException:
             self._settle()  # an interrupt: nothing of this call is recorded, and nothing died in it
             raise
@@ -117,8 +149,10 @@ class Run:
             if watchdog is not None:
                 watchdog.cancel()
         findings = apply_known(findings)
-        lost = [f for f in findings if f.verdict == "error" and is_sticky(f.reason)]
+        # A quarantined case launched nothing: its reason names the earlier crash, but this context is alive.
+        lost = [f for f in findings if f.verdict == "error" and is_sticky(f.reason)] if not quarantined else []
         if lost:
+            self.quarantine.add(backend.name, case, check, lost[0].reason)
             raise DeviceLost(
                 findings,
                 f"sticky device error in {lost[0].check} of {case.id} on {backend.name}: {lost[0].reason}; "
@@ -135,6 +169,7 @@ class Run:
             def attempt(alone: bool = alone) -> list[Finding]:
                 with device_slot(device, case, alone):
                     findings = run(self.truth(case))
+                    self.trim_truths()
                     # Inside the guard: a dead context shows here too, and is this case's.
                     release_cached_memory(device)
                 return findings
@@ -221,7 +256,7 @@ class Run:
         records, or ``keep_empty``), and the example log (when tests ran and ``examples``)."""
         written: dict[str, Path] = {}
         if examples and self.examples.entries:
-            path = self.recorder.out_dir / "runs" / f"{self.recorder.run_id}.checks.json"
+            path = run_path(self.recorder.out_dir, self.recorder.run_id, "checks")
             text = json.dumps(self.examples.entries, indent=1)
             atomic_write(path, lambda p: p.write_text(text))
             written["checks"] = path
@@ -238,7 +273,7 @@ class Run:
         runs = Path(config.out) / "runs"
         if self.examples.entries:
             text = json.dumps(self.examples.entries, indent=1)
-            written["checks"] = runs / f"{stem}.checks.json"
+            written["checks"] = run_path(config.out, stem, "checks")
             runs.mkdir(parents=True, exist_ok=True)
             atomic_write(written["checks"], lambda p: p.write_text(text))
         workers = run_stem(config.run_id, f"{config.part}-gw" if config.part else "gw")

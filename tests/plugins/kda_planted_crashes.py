@@ -44,6 +44,23 @@ class StickyFault(TorchChunk):
         raise RuntimeError(STICKY_MESSAGE)
 
 
+class CrashesOnBf16(TorchChunk):
+    name = "planted_bf16_crash"
+    description = (
+        "the baseline, but every bf16 call raises CUDA's sticky misaligned-address error (one crashing set of "
+        "kernel configurations); each launch is logged to KDA_LAUNCH_LOG"
+    )
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        log = os.environ.get("KDA_LAUNCH_LOG")
+        if log:
+            with open(log, "a") as handle:
+                handle.write(f"{inputs.case.id} {inputs.case.dtype}\n")
+        if inputs.case.dtype == "bf16":
+            raise RuntimeError("CUDA error: misaligned address")
+        return super().run(inputs)
+
+
 class OutOfMemoryOnce(TorchChunk):
     name = "planted_oom_once"
     description = "runs out of memory on its first call in each process (neighbours held the memory), then works"
@@ -75,5 +92,5 @@ class FailsWhenTold(TorchChunk):
         return out
 
 
-for backend in (Segfault, Hang, StickyFault, OutOfMemoryOnce, OutOfMemoryAlways, FailsWhenTold):
+for backend in (Segfault, Hang, StickyFault, CrashesOnBf16, OutOfMemoryOnce, OutOfMemoryAlways, FailsWhenTold):
     register(backend.name, backend)

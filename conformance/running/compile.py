@@ -1,0 +1,228 @@
+"""The compile stage: every (backend, kernel configuration) of a night compiled and tuned once, up front,
+spread over parallel processes, before the cases run.
+
+On a fresh H200 the first call of FLA's chunk path for a new kernel configuration takes 100 to 170 s
+(Triton compile and autotune) and later calls well under a second; a night's workers each met these first
+calls in the middle of their cases, several workers compiling the same configuration at once. Here each
+job runs a short case of its configuration (cases/kernel_configs.warm_up_case) so that the kernels land in
+Triton's cache (compiled binaries, and autotuning results with TRITON_CACHE_AUTOTUNING=1), which the night's
+workers share and the next night on the host starts from. A job that fails is noted and left to the night's
+cases, which record it properly; a sticky device error ends its process, and the remaining jobs go on in a
+new one.
+
+Run as ``python -m kda_conformance.running.compile JOBS RESULTS``: the jobs of one process, its results
+appended line by line (a ``start`` line before each job, so a process that dies names the job it died in).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from kda_cases.case import Case
+from kda_cases.kernel_configs import KernelConfig, config_label, kernel_config, warm_up_case
+
+# How often a process that died (a sticky error, a crash) is replaced before its remaining jobs are dropped.
+RESTARTS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileJob:
+    backend: str
+    case: Case  # a short case of the configuration
+
+    @property
+    def key(self) -> str:
+        return f"{self.backend} {config_label(kernel_config(self.case))}"
+
+
+def compile_jobs(backends: Sequence[str], configs: Sequence[Case]) -> list[CompileJob]:
+    """One job per backend and configuration (each configuration given by one of its cases), ordered so
+    that the processes that take them round-robin compile different configurations at once."""
+    return [CompileJob(backend, warm_up_case(case)) for case in configs for backend in backends]
+
+
+def shard_jobs(nodeids: Sequence[str], planned: Sequence[Case], drawn_from: Sequence[Case]) -> list[CompileJob]:
+    """The jobs a shard of the night needs, from the node ids of its tests: a test of one planned case
+    (``test_corpus_case[fla_chunk-T37_bf16_...-kda-7735f63ee3cc]``) needs that case's configuration on that
+    backend; a test whose cases are drawn (``test_within_budget[fla_chunk]``) needs every configuration the
+    drawn cases take theirs from (``drawn_from``)."""
+    by_id = {case.id: case for case in planned}
+    wanted: dict[tuple[str, KernelConfig], Case] = {}
+    for nodeid in nodeids:
+        if not nodeid.endswith("]") or "[" not in nodeid:
+            continue
+        param = nodeid[nodeid.index("[") + 1 : -1]
+        backend = param.split("-", 1)[0]
+        case_id = "kda-" + param.rsplit("-kda-", 1)[1] if "-kda-" in param else None
+        cases = [by_id[case_id]] if case_id in by_id else ([] if case_id else list(drawn_from))
+        for case in cases:
+            wanted.setdefault((backend, kernel_config(case)), case)
+    # Configurations outermost, backends inside: the processes that take them round-robin compile different
+    # configurations at once.
+    order = {config: i for i, config in enumerate(dict.fromkeys(config for _, config in wanted))}
+    keys = sorted(wanted, key=lambda key: (order[key[1]], key[0]))
+    return [CompileJob(backend, warm_up_case(wanted[(backend, config)])) for backend, config in keys]
+
+
+def run_jobs(
+    jobs: Sequence[CompileJob],
+    processes: int,
+    device: str,
+    plugins: Sequence[str],
+    folder: Path,
+    gpus: Sequence[str] = (),
+    timeout_s: float | None = None,
+) -> list[dict]:
+    """Run ``jobs`` over ``processes`` processes (round-robin over ``gpus``, as the night's workers are);
+    one result per job: backend, config, outcome (compiled, skipped, failed, died, not run), seconds, message."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shares = [list(jobs[i::processes]) for i in range(max(1, processes))]
+    running: list[tuple[subprocess.Popen, list[CompileJob], Path, int, int]] = []
+    results: dict[str, dict] = {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def start(index: int, share: list[CompileJob], restarts: int) -> None:
+        jobs_file = folder / f"compile-{index}-{restarts}.jobs.json"
+        results_file = folder / f"compile-{index}-{restarts}.results.jsonl"
+        jobs_file.write_text(json.dumps([{"backend": j.backend, "case": j.case.to_dict()} for j in share]))
+        env = dict(os.environ)
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = env["HIP_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
+        command = [sys.executable, "-m", "kda_conformance.running.compile", str(jobs_file), str(results_file)]
+        command += ["--device", device, *(arg for p in plugins for arg in ("--plugin", p))]
+        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        running.append((process, share, results_file, restarts, index))
+
+    for index, share in enumerate(shares):
+        if share:
+            start(index, share, 0)
+    while running:
+        process, share, results_file, restarts, index = running.pop(0)
+        try:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            process.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        done, in_flight = _read_results(results_file)
+        results.update(done)
+        rest = [job for job in share if job.key not in results]
+        if in_flight is not None and in_flight in {job.key for job in rest}:
+            message = f"its process ended during the job (exit code {process.returncode})"
+            job = next(j for j in rest if j.key == in_flight)
+            results[in_flight] = _result(job, "died", 0.0, message)
+            rest = [j for j in rest if j.key != in_flight]
+        timed_out = deadline is not None and time.monotonic() >= deadline
+        if rest and restarts < RESTARTS and not timed_out:
+            start(index, rest, restarts + 1)
+        else:
+            for job in rest:
+                results[job.key] = _result(job, "not run", 0.0, "the compile stage's time or restarts ran out")
+    return [results[job.key] for job in jobs if job.key in results]
+
+
+def _result(job: CompileJob, outcome: str, seconds: float, message: str = "") -> dict:
+    return {
+        "backend": job.backend,
+        "config": config_label(kernel_config(job.case)),
+        "outcome": outcome,
+        "seconds": round(seconds, 3),
+        "message": message[:300],
+    }
+
+
+def _read_results(path: Path) -> tuple[dict[str, dict], str | None]:
+    """The finished jobs' results in a process's results file, and the job it started last and did not end."""
+    done: dict[str, dict] = {}
+    in_flight = None
+    if not path.exists():
+        return done, None
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if "start" in entry:
+            in_flight = entry["start"]
+        else:
+            done[entry.pop("key")] = entry
+            in_flight = None
+    return done, in_flight
+
+
+def summary(results: Sequence[dict], wall_seconds: float) -> dict:
+    """The stage in numbers: jobs per outcome, seconds summed over jobs and by backend, the wall time."""
+    outcomes: dict[str, int] = {}
+    by_backend: dict[str, float] = {}
+    for result in results:
+        outcomes[result["outcome"]] = outcomes.get(result["outcome"], 0) + 1
+        by_backend[result["backend"]] = round(by_backend.get(result["backend"], 0.0) + result["seconds"], 3)
+    return {
+        "jobs": len(results),
+        "outcomes": outcomes,
+        "seconds": round(sum(r["seconds"] for r in results), 3),
+        "seconds_by_backend": by_backend,
+        "wall_seconds": round(wall_seconds, 3),
+    }
+
+
+def _work(jobs_file: Path, results_file: Path, device_name: str, plugins: Sequence[str]) -> int:
+    """One compile process: each job's short case through its backend under the call contract."""
+    import torch
+
+    from kda_cases.devices import resolve_device, synchronize
+    from kda_cases.materialize import materialize
+    from kda_conformance.running.faults import DEVICE_LOST_EXIT, is_sticky
+    from kda_kernels import guard, registry
+
+    for module in plugins:
+        registry.load_plugin(module)
+    device = resolve_device(device_name)
+    torch.set_num_threads(1)
+    with results_file.open("a") as out:
+
+        def write(entry: dict) -> None:
+            out.write(json.dumps(entry) + "\n")
+            out.flush()
+
+        for raw in json.loads(jobs_file.read_text()):
+            job = CompileJob(raw["backend"], Case.from_dict(raw["case"]))
+            write({"start": job.key})
+            began = time.perf_counter()
+            try:
+                backend = registry.get(job.backend)
+                available = guard.availability(backend, device)
+                supported = guard.supports(backend, job.case) if available else available
+                if not supported:
+                    write({"key": job.key, **_result(job, "skipped", 0.0, supported.reason)})
+                    continue
+                inputs = materialize(job.case, device)
+                guard.run_backend_call(backend, inputs)
+                synchronize(device)
+            except Exception as exc:  # the night's cases record it properly; here it is only noted
+                seconds = time.perf_counter() - began
+                write({"key": job.key, **_result(job, "failed", seconds, f"{type(exc).__name__}: {exc}")})
+                if is_sticky(exc):
+                    return DEVICE_LOST_EXIT  # the context is dead: the rest go on in a new process
+                continue
+            write({"key": job.key, **_result(job, "compiled", time.perf_counter() - began)})
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("jobs", type=Path)
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--plugin", action="append", default=[])
+    arguments = parser.parse_args()
+    sys.exit(_work(arguments.jobs, arguments.results, arguments.device, arguments.plugin))
