@@ -13,7 +13,29 @@ from typing import Any, Protocol
 
 DTYPES = ("bf16", "fp16", "fp32")
 STATE_DTYPES = ("fp32", "bf16")
-GATE_FORMS = ("log", "softplus", "lower_bound")
+
+
+@dataclass(frozen=True)
+class GateForm:
+    """How a case gives its gate: one entry of ``GATES`` per form, so a new form is one entry here (and its
+    drawing in cases/materialize.py where its values differ)."""
+
+    name: str
+    short: str  # in case labels
+    in_kernel: bool  # the kernel activates a raw pre-activation (A_log, dt_bias); otherwise g is precomputed
+    bound: str  # the lower bound: "required" (the safe gate's lb * sigmoid), "optional", or "none"
+    meaning: str
+
+
+GATES = {
+    form.name: form
+    for form in (
+        GateForm("log", "g", False, "optional", "a precomputed log gate g <= 0 (clamped at the bound when it has one)"),
+        GateForm("softplus", "sp", True, "none", "in the kernel: g = -exp(A_log) * softplus(g + dt_bias)"),
+        GateForm("lower_bound", "lb", True, "required", "in the kernel: g = lb * sigmoid(exp(A_log) * (g + dt_bias))"),
+    )
+}
+GATE_FORMS = tuple(GATES)
 GATE_REGIMES = ("typical", "weak", "strong", "reset")
 KEY_REGIMES = ("random", "correlated", "repeated")
 BETA_REGIMES = ("typical", "near_one")
@@ -160,10 +182,10 @@ class Case:
         _choice("beta_regime", self.beta_regime, BETA_REGIMES)
         _choice("initial_state", self.initial_state, INITIAL_STATES)
         _choice("state_layout", self.state_layout, STATE_LAYOUTS)
-        if self.gate == "lower_bound":
-            if self.lower_bound is None or not self.lower_bound < 0:
-                raise ValueError(f"gate='lower_bound' needs lower_bound < 0, got {self.lower_bound}")
-        elif self.lower_bound is not None and self.gate == "softplus":
+        bound = GATES[self.gate].bound
+        if bound == "required" and (self.lower_bound is None or not self.lower_bound < 0):
+            raise ValueError(f"gate={self.gate!r} needs lower_bound < 0, got {self.lower_bound}")
+        if bound == "none" and self.lower_bound is not None:
             raise ValueError("lower_bound selects the lower-bound gate; use gate='lower_bound' or lower_bound=None")
         if self.safe_gate and self.lower_bound is None:
             raise ValueError("safe_gate=True needs a lower_bound (the bound the gates respect)")
@@ -206,7 +228,7 @@ class Case:
 
     @property
     def gate_in_kernel(self) -> bool:
-        return self.gate != "log"
+        return GATES[self.gate].in_kernel
 
     @property
     def state_v_first(self) -> bool:
@@ -272,7 +294,7 @@ class Case:
             if len(self.seq_lens) <= 4
             else (f"{self.num_seqs}seq/{self.total_tokens}")
         )
-        gate = {"log": "g", "softplus": "sp", "lower_bound": "lb"}[self.gate]
+        gate = GATES[self.gate].short
         if self.lower_bound is not None:
             gate += f"{self.lower_bound:g}"
         parts = [

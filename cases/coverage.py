@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 import pandas as pd
 
-from kda_cases.case import Case
+from kda_cases.case import DTYPES, GATE_FORMS, STATE_DTYPES, STATE_LAYOUTS, Case
 
 CHUNK = 64  # the chunk of FLA's and AITER's default pipelines; FlashKDA's are 16 and 32, inside it
 SEGMENT_EDGES = (2047, 2048, 2049)  # around FlashKDA's segment of 2048 tokens (64 chunks of 32)
@@ -151,10 +151,10 @@ CI_REQUIRED: dict[str, tuple[str, ...]] = {
 # What every night reaches on every backend that supports it, whatever its seed (cases/guarantee.py draws the
 # cases that make it so; the run's long cases bring 128K tokens in each dtype).
 NIGHT_REQUIRED: dict[str, tuple[str, ...]] = {
-    "gate": ("lower_bound", "softplus", "log"),
-    "dtype": ("bf16", "fp16", "fp32"),
-    "state dtype": ("fp32", "bf16"),
-    "state layout": ("k_first", "v_first"),
+    "gate": GATE_FORMS,
+    "dtype": DTYPES,
+    "state dtype": STATE_DTYPES,
+    "state layout": STATE_LAYOUTS,
     "scale": ("default", "explicit"),
     "head dim K": ("32", "64", "128", "256"),
     "head dim V": ("32", "64", "128", "256"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 
-from kda_cases.case import BETA_REGIMES, DTYPES, GATE_REGIMES, INITIAL_STATES, KEY_REGIMES, Case
+from kda_cases.case import BETA_REGIMES, DTYPES, GATE_REGIMES, GATES, INITIAL_STATES, KEY_REGIMES, Case
 from kda_cases.coverage import CHUNK
 
 # (K, V) of each case: K and V each take 32, 64, 128 and 256, and the first three are the production size
@@ -53,11 +53,12 @@ def _heads(rng: random.Random, count: str) -> tuple[int, int]:
 
 
 def _gate(rng: random.Random, form: str) -> dict:
-    if form == "lower_bound":
+    rule = GATES[form].bound
+    if rule == "required":
         return {"gate": form, "lower_bound": rng.choice(LOWER_BOUNDS), "safe_gate": True}
-    if form == "softplus":
+    if rule == "none":
         return {"gate": form, "lower_bound": None, "safe_gate": False}
-    bound = rng.choice((None, *LOWER_BOUNDS))  # a precomputed gate, with or without the safe gate's bound
+    bound = rng.choice((None, *LOWER_BOUNDS))  # with or without the safe gate's bound
     return {"gate": form, "lower_bound": bound, "safe_gate": bound is not None}
 
 
@@ -65,7 +66,7 @@ def guaranteed_cases(seed: int | None) -> list[Case]:
     """The night's guaranteed cases for ``seed`` (the same cases for the same seed)."""
     rng = random.Random(seed)
     count = len(HEAD_DIMS)
-    gates = _dealt(rng, ("lower_bound", "softplus", "log"), count)
+    gates = _dealt(rng, ("lower_bound", "softplus", "log"), count)  # GATE_FORMS, in the order the seeds were drawn
     state_dtypes = _dealt(rng, ("fp32", "bf16"), count)
     layouts = _dealt(rng, ("k_first", "v_first"), count)
     scales = _dealt(rng, (False, True), count)

@@ -118,7 +118,7 @@ def _gate(
     HV, K = case.num_v_heads, case.head_k_dim
     noise = torch.randn(shape, generator=gen)
     A_log = dt_bias = None
-    if case.gate == "log":
+    if not case.gate_in_kernel:  # a precomputed gate (GATES in cases/case.py)
         if case.gate_regime == "weak":
             g = -torch.rand(shape, generator=gen) * 0.01
         elif case.gate_regime == "strong":

@@ -15,7 +15,7 @@ from hypothesis import seed as fixed_seed
 from hypothesis import strategies as st
 from hypothesis.errors import HypothesisSideeffectWarning
 
-from kda_cases.case import BETA_REGIMES, GATE_REGIMES, INITIAL_STATES, STATE_LAYOUTS, Case
+from kda_cases.case import BETA_REGIMES, GATE_REGIMES, GATES, INITIAL_STATES, STATE_LAYOUTS, Case
 from kda_cases.guarantee import guaranteed_cases
 from kda_cases.kernel_configs import kernel_config
 from kda_cases.profiles import BOUNDARY_LENGTHS, Profile
@@ -89,9 +89,10 @@ def cases(draw: st.DrawFn, profile: Profile) -> Case:
     head_v_dim = draw(st.one_of(st.just(head_k_dim), st.sampled_from(profile.head_dims)))
     forms = ("lower_bound", "lower_bound", "log") if profile.safe_gates_only else ("lower_bound", "softplus", "log")
     gate = draw(st.sampled_from(forms))
-    if gate == "lower_bound":
+    bound = GATES[gate].bound
+    if bound == "required":
         lower_bound, safe_gate = draw(st.sampled_from(LOWER_BOUNDS)), True
-    elif gate == "log":
+    elif bound == "optional":
         bounds = st.sampled_from(LOWER_BOUNDS)
         lower_bound = draw(bounds if profile.safe_gates_only else st.one_of(st.none(), bounds))
         safe_gate = lower_bound is not None
