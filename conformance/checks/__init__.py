@@ -6,6 +6,7 @@ below. The pytest tests (``conformance/test_properties.py``, ``test_serving.py``
 detection``, ``kda-conformance repro`` and ``docs/checks.md`` all read this registry (docs/architecture.md).
 """
 
+from kda_conformance.checking.registry import CHECKS, Check, Drawn, Param, get_check, register, run_check
 from kda_conformance.checks import (
     budget,
     checkpoint,
@@ -19,7 +20,6 @@ from kda_conformance.checks import (
     split_resume,
     steps,
 )
-from kda_conformance.checks.registry import CHECKS, Check, Drawn, Param, get_check, register, run_check
 
 # The registrations, in the order every table shows the checks.
 for module in (

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from hypothesis import strategies as st
 
 from kda_cases.profiles import Profile
-from kda_conformance.checks.registry import Check, Drawn, draw_case, supported
+from kda_conformance.checking.registry import Check, Drawn, draw_case, supported
 from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running.runner import run_backend
 from kda_conformance.running.truth import CaseTruth

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from kda_cases.case import Case
 from kda_cases.profiles import Profile
-from kda_conformance.checks.registry import Check, Drawn
-from kda_conformance.checks.served import draw_served, serve, serving_case
+from kda_conformance.checking.registry import Check, Drawn
+from kda_conformance.checking.served import draw_served, serve, serving_case
 from kda_conformance.judging.judge import Judge, judge_for
 from kda_conformance.running.truth import CaseTruth, case_truth
 from kda_kernels.protocol import Backend, BackendOutput

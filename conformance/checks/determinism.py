@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kda_cases.dtypes import bits
 from kda_cases.profiles import Profile
-from kda_conformance.checks.registry import Check, Drawn, draw_case, supported
+from kda_conformance.checking.registry import Check, Drawn, draw_case, supported
 from kda_conformance.judging.judge import Judge, judge_for
 from kda_conformance.running.runner import call_backend
 from kda_conformance.running.truth import CaseTruth

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from kda_cases.case import Case
 from kda_cases.profiles import Profile
-from kda_conformance.checks.registry import Check, Drawn
-from kda_conformance.checks.served import draw_served, serving_case
+from kda_conformance.checking.registry import Check, Drawn
+from kda_conformance.checking.served import draw_served, serving_case
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.judging.metrics import measure
 from kda_conformance.running.probe import probe

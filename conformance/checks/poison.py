@@ -10,9 +10,8 @@ from collections.abc import Mapping
 from hypothesis import strategies as st
 
 from kda_cases.profiles import Profile
-from kda_conformance.checks.determinism import nondeterminism
-from kda_conformance.checks.registry import Check, Drawn, Param
-from kda_conformance.checks.served import (
+from kda_conformance.checking.registry import Check, Drawn, Param
+from kda_conformance.checking.served import (
     REGIONS,
     differences,
     draw_served,
@@ -21,6 +20,7 @@ from kda_conformance.checks.served import (
     served_result,
     serving_case,
 )
+from kda_conformance.checks.determinism import nondeterminism
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels.protocol import Backend

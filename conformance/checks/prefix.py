@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 
 from kda_cases.case import Case
 from kda_cases.profiles import Profile
-from kda_conformance.checks.derived import changed_after
+from kda_conformance.checking.derived import changed_after
+from kda_conformance.checking.registry import Check, Drawn, draw_case, supported
 from kda_conformance.checks.determinism import largest_change, nondeterminism
-from kda_conformance.checks.registry import Check, Drawn, draw_case, supported
 from kda_conformance.checks.split_resume import CHECK as SPLIT
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.running.runner import call_backend

@@ -13,8 +13,8 @@ from rich.text import Text
 from kda_cases.case import Case
 from kda_cases.corpus import load_corpus
 from kda_cases.grids import FIRST_SWEEP_LENGTHS
+from kda_conformance.checking.registry import Check, Param
 from kda_conformance.checks import CHECKS
-from kda_conformance.checks.registry import Check, Param
 from kda_conformance.running.config import (
     DEFAULT_CASE_TIMEOUT,
     ConfigError,

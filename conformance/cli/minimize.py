@@ -1,5 +1,5 @@
 """``kda-conformance minimize``: a smaller case that fails the same check the same way, within a time budget
-(conformance/checks/minimize.py), with its repro line and, on request, a standalone test."""
+(conformance/repro/minimize.py), with its repro line and, on request, a standalone test."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ from rich.console import Console
 
 from kda_cases.case import Case
 from kda_conformance.checks import CHECKS, get_check
-from kda_conformance.checks.minimize import minimize
-from kda_conformance.checks.standalone import write_standalone
 from kda_conformance.cli.common import (
     add_check_params,
     add_device,
@@ -25,6 +23,8 @@ from kda_conformance.cli.common import (
 )
 from kda_conformance.cli.exits import PASSED, verdict_exit
 from kda_conformance.judging.repro import BUDGET_CHECK, repro_line
+from kda_conformance.repro.minimize import minimize
+from kda_conformance.repro.standalone import write_standalone
 from kda_kernels import registry
 from kda_reports.findings import FAILED
 from kda_reports.runfile import read_run

@@ -12,7 +12,6 @@ from pathlib import Path
 from rich.console import Console
 
 from kda_conformance.checks import CHECKS, get_check, run_check
-from kda_conformance.checks.standalone import plan_lines, write_standalone
 from kda_conformance.cli.common import (
     add_check_params,
     add_device,
@@ -24,6 +23,7 @@ from kda_conformance.cli.common import (
 )
 from kda_conformance.cli.exits import ERRORED, NOTHING_RAN, PASSED, verdict_exit
 from kda_conformance.judging.judge import judge_for
+from kda_conformance.repro.standalone import plan_lines, write_standalone
 from kda_conformance.running.runner import fault_finding
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault

@@ -16,7 +16,7 @@ import torch
 from kda_cases.case import Case
 from kda_cases.files import atomic_write_text
 from kda_cases.materialize import cu_seqlens_tensor
-from kda_conformance.checks.served import serving_case
+from kda_conformance.checking.served import serving_case
 from kda_conformance.running.truth import case_truth
 from kda_kernels.protocol import Backend
 from kda_kernels.serving import NULL_SLOT, plan_pool, run_serving
