@@ -49,6 +49,20 @@ RUN_FILE_SUFFIXES = {
     "quarantine": "quarantine.jsonl",
     "night": "night.json",
 }
+# The two files that hold a run part's records: the finished part's, and the journal of one still running or killed.
+RECORDS_SUFFIX, JOURNAL_SUFFIX = (f".{RUN_FILE_SUFFIXES[kind]}" for kind in ("records", "partial"))
+RECORD_SUFFIXES = (RECORDS_SUFFIX, JOURNAL_SUFFIX)
+
+
+def part_stem(path: Path) -> str:
+    """The run (or part) a file of records holds: its name without the suffix (``<run_id>[.<part>]``)."""
+    name = Path(path).name
+    for suffix in RECORD_SUFFIXES:
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return Path(path).stem
+
+
 # What follows ``<run_id>.`` in a file of a whole run (otherwise it names a part: ``gw3``, ``s2of4-gw1``).
 RUN_FILE_KINDS = tuple(dict.fromkeys(suffix.split(".")[0] for suffix in RUN_FILE_SUFFIXES.values()))
 
@@ -238,9 +252,9 @@ def merge_parts(out_dir: Path, stem: str, parts: str, env: dict, timing: dict | 
     ``env``'s completeness: the run finished even where one worker did not."""
     runs = Path(out_dir) / "runs"
     frames, done = [], set()
-    records = sorted(runs.glob(f"{parts}*.parquet")) + sorted(runs.glob(f"{parts}*.partial.jsonl"))
+    records = sorted(runs.glob(f"{parts}*{RECORDS_SUFFIX}")) + sorted(runs.glob(f"{parts}*{JOURNAL_SUFFIX}"))
     for path in records:
-        part = path.name.removesuffix(".parquet").removesuffix(".partial.jsonl")
+        part = part_stem(path)
         if part not in done:  # a finished part's parquet wins over its journal
             done.add(part)
             frames.append(read_run(path))
@@ -259,7 +273,7 @@ def merge_parts(out_dir: Path, stem: str, parts: str, env: dict, timing: dict | 
 def read_run(path: Path) -> pd.DataFrame:
     """The records of one run file (parquet, or a killed run's ``.partial.jsonl``: :func:`read_journal`)."""
     path = Path(path)
-    if path.name.endswith(".jsonl"):
+    if path.name.endswith(JOURNAL_SUFFIX):
         return conform_records(pd.DataFrame(read_journal(path)))
     return conform_records(pd.read_parquet(path))
 

@@ -19,10 +19,17 @@ import pandas as pd
 
 from kda_reports.findings import VERDICTS
 from kda_reports.quarantine import Quarantine
-from kda_reports.runfile import journal_is_live, read_journal, run_id_of
+from kda_reports.runfile import (
+    JOURNAL_SUFFIX,
+    RECORD_SUFFIXES,
+    RECORDS_SUFFIX,
+    RUN_FILE_SUFFIXES,
+    journal_is_live,
+    part_stem,
+    read_journal,
+    run_id_of,
+)
 from kda_reports.schema import REQUIRED_COLUMNS, validate_records
-
-RUN_SUFFIXES = (".parquet", ".partial.jsonl")
 
 
 @dataclass
@@ -39,15 +46,6 @@ class Store:
     def complete_runs(self) -> pd.DataFrame:
         """The runs that finished (every part of them), oldest first: what regressions compare."""
         return self.runs[self.runs["status"] == COMPLETE].reset_index(drop=True)
-
-
-def _part(path: Path) -> str:
-    """The run part a records file holds: its name without the suffix (``<run_id>`` or ``<run_id>.<part>``)."""
-    name = path.name
-    for suffix in RUN_SUFFIXES:
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return path.stem
 
 
 class StoreError(ValueError):
@@ -72,7 +70,7 @@ def _valid(frame: pd.DataFrame, path: Path, problems: list[str]) -> pd.DataFrame
 
 def _check_environment(path: Path, problems: list[str]) -> None:
     """A run's ``.env.json`` must be a JSON object naming the run; a torn or foreign one is named."""
-    env_path = path.with_name(f"{_part(path)}.env.json")
+    env_path = path.with_name(f"{part_stem(path)}.{RUN_FILE_SUFFIXES['environment']}")
     if not env_path.exists():
         return
     try:
@@ -93,16 +91,17 @@ def load_store(root: Path) -> Store:
     runs_dir = root / "runs" if (root / "runs").is_dir() else root
     problems: list[str] = []
     frames, seen, live = [], set(), set()
-    paths = sorted(p for p in runs_dir.glob("*") if p.name.endswith(RUN_SUFFIXES) and not p.name.startswith("."))
+    paths = sorted(p for p in runs_dir.glob("*") if p.name.endswith(RECORD_SUFFIXES) and not p.name.startswith("."))
     # A finished part's records win over its partial journal (normally removed when the part finishes).
     # The parts of one run id (the shards several hosts wrote) are one run.
-    paths.sort(key=lambda p: (_part(p), p.name.endswith(".partial.jsonl")))
+    paths.sort(key=lambda p: (part_stem(p), p.name.endswith(JOURNAL_SUFFIX)))
     for path in paths:
-        part, run_id = _part(path), run_id_of(path)
+        part, run_id = part_stem(path), run_id_of(path)
         if part in seen:
             continue
         try:
-            frame = pd.read_parquet(path) if path.suffix == ".parquet" else pd.DataFrame(read_journal(path, problems))
+            finished = path.name.endswith(RECORDS_SUFFIX)
+            frame = pd.read_parquet(path) if finished else pd.DataFrame(read_journal(path, problems))
         except Exception as exc:  # a corrupt file must not stop the dashboard: name it and go on
             problems.append(f"{path.name}: not readable ({_said(exc)})")
             continue
@@ -113,11 +112,11 @@ def load_store(root: Path) -> Store:
                 problems.append(f"{path.name}: no records")
             continue
         seen.add(part)
-        if path.suffix == ".parquet":
+        if path.name.endswith(RECORDS_SUFFIX):
             _check_environment(path, problems)
         frame["run_id"] = run_id
         frame["env_complete"] = [True if pd.isna(v) else bool(v) for v in frame["env_complete"]]
-        if path.name.endswith(".partial.jsonl"):
+        if path.name.endswith(JOURNAL_SUFFIX):
             frame["env_complete"] = False
             if journal_is_live(path):
                 live.add(run_id)

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from kda_cases.case import Case
-from kda_cases.corpus import load_corpus
 from kda_cases.grids import first_sweep_cases
 from kda_conformance.checks import get_check
 from kda_conformance.cli import main
@@ -99,12 +98,14 @@ def test_a_sticky_error_in_a_worker_costs_its_cases_only(tmp_path: Path) -> None
 
 
 def test_a_configuration_that_crashed_is_launched_once_a_night(tmp_path: Path) -> None:
-    """The first sweep's bf16 cases fall in three kernel configurations (one sequence with and without an
-    initial state, and the packed batch); a backend that crashes on bf16 is launched once per configuration,
-    its later cases of each recorded as quarantined, its fp32 cases untouched."""
+    """The first sweep's bf16 cases of 64 and 130 tokens fall in two kernel configurations (with and without an
+    initial state); a backend that crashes on bf16 is launched once per configuration, its later cases of
+    each recorded as quarantined (ending no worker), its fp32 cases untouched."""
     log = tmp_path / "launches.log"
     done = pytest_run(
         "conformance/test_first_sweep.py",
+        "-k",
+        "T64 or T130",  # 8 cases: 4 bf16 in 2 kernel configurations (with and without h0), 4 fp32
         "-n",
         "2",
         "--max-worker-restart",
@@ -119,18 +120,18 @@ def test_a_configuration_that_crashed_is_launched_once_a_night(tmp_path: Path) -
     )
     assert done.returncode == 1, done.stdout[-3000:]
     launched_bf16 = [line.split()[0] for line in log.read_text().splitlines() if line.endswith("bf16")]
-    assert done.stdout.count("crashed while running") == 3, done.stdout[-3000:]  # a quarantined case crashes nothing
+    assert done.stdout.count("crashed while running") == 2, done.stdout[-3000:]  # a quarantined case crashes nothing
     records = load_store(tmp_path / "store").records
     reasons = records["reason"].fillna("")
     quarantined = records[reasons.str.startswith("quarantined after")]
     crashed = records[reasons.str.contains("misaligned address") & ~reasons.str.startswith("quarantined")]
-    assert len(launched_bf16) == len(set(launched_bf16)) == 3, log.read_text()
+    assert len(launched_bf16) == len(set(launched_bf16)) == 2, log.read_text()
     assert set(crashed["case_id"]) == set(launched_bf16)
-    assert quarantined["case_id"].nunique() == 6 and set(quarantined["verdict"]) == {"error"}
+    assert quarantined["case_id"].nunique() == 2 and set(quarantined["verdict"]) == {"error"}
     assert quarantined["reason"].str.contains("not launched").all()
     assert set(quarantined["case_id"]).isdisjoint(launched_bf16)
     sweep = first_sweep_cases()
-    fp32 = {c.id for c in sweep if c.dtype == "fp32"}
+    fp32 = {c.id for c in sweep if c.dtype == "fp32" and c.max_len in (64, 130)}
     assert set(records[records["verdict"] == "pass"]["case_id"]) == fp32, records[["case_id", "verdict", "reason"]]
 
 
@@ -499,26 +500,34 @@ def test_the_compile_stage_runs_each_job_once_and_goes_on_after_a_crash(tmp_path
     assert totals["jobs"] == 6 and totals["outcomes"] == {"failed": 1, "compiled": 5}
 
 
-def test_a_configuration_whose_compile_crashed_is_quarantined_before_the_cases(tmp_path: Path) -> None:
-    """The night's compile stage meets the crash first: the cases of the crashing configurations are recorded
-    as quarantined errors (each with its repro) and none of them launches the backend."""
+def test_a_configuration_whose_compile_crashed_is_quarantined_before_the_cases(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The night's compile stage meets the crash first: the cases of the crashing configuration are recorded as
+    quarantined errors (each with its own repro), and the backend is not launched for them."""
+    from rich.console import Console
+
+    from kda_conformance.cli.nightly import _quarantine_crashes
+    from kda_conformance.running.compile import compile_jobs, run_jobs
+
+    monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])
+    config = build_config(device="cpu", backends=["planted_bf16_crash"], out=tmp_path)
+    bf16, fp32 = Case(seq_lens=(37,)), Case(seq_lens=(37,), dtype="fp32")
+    jobs = compile_jobs(["planted_bf16_crash"], [bf16, fp32])
+    results = run_jobs(jobs, 1, "cpu", ["kda_planted_crashes"], tmp_path / "compile")
+    console = Console(record=True, width=200)
+    _quarantine_crashes(config, jobs, results, console)
+    assert "quarantined: planted_bf16_crash H2/2 K64 V64 bf16" in console.export_text()
+
     log = tmp_path / "launches.log"
-    command = [sys.executable, "-m", "kda_conformance.cli", "nightly", "--out", str(tmp_path / "store")]
-    command += ["--device", "cpu", "--profile", "smoke", "--examples", "1", "--workers", "2", "--compile", "on"]
-    command += ["--plugin", "kda_planted_crashes", "--backend", "planted_bf16_crash"]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600,
-                          env={**ENV, "KDA_LAUNCH_LOG": str(log)})  # fmt: skip
-    assert done.returncode == 1, done.stdout[-3000:]
-    assert "quarantined: planted_bf16_crash" in done.stdout
-    records = load_store(tmp_path / "store").records
-    corpus = {entry.case.id for entry in load_corpus()}  # the planned cases (the drawn ones have their own)
-    bf16 = records[(records["case_dtype"] == "bf16") & records["case_id"].isin(corpus)]
-    assert len(bf16) >= 3 and set(bf16["verdict"]) == {"error"}
-    assert bf16["reason"].str.match(r"quarantined after kda-\w+ \(compile\)").all()
-    assert bf16["repro"].str.contains("--backend planted_bf16_crash").all()
-    launches = [line.split() for line in log.read_text().splitlines()]
-    night_bf16 = set(bf16["case_id"])
-    assert not night_bf16 & {case_id for case_id, dtype in launches if dtype == "bf16"}
+    monkeypatch.setenv("KDA_LAUNCH_LOG", str(log))
+    run, backend = Run(config), registry.get("planted_bf16_crash")
+    later = Case(seq_lens=(130,), seed=5)  # another case of the crashed configuration
+    [error] = run.checked("budget", later, backend, {}, lambda truth: run_backend(truth, backend))
+    assert error.verdict == "error" and error.reason.startswith(f"quarantined after {jobs[0].case.id} (compile)")
+    assert "--backend planted_bf16_crash" in error.repro and '"seq_lens": [130]' in error.repro
+    assert {f.verdict for f in run.checked("budget", fp32, backend, {}, lambda t: run_backend(t, backend))} == {"pass"}
+    assert [line.split()[1] for line in log.read_text().splitlines()] == ["fp32"]  # the bf16 case never launched
 
 
 def test_a_shard_compiles_the_configurations_of_its_own_tests() -> None:
