@@ -24,7 +24,7 @@ from kda_cases.devices import gpu_arch
 from kda_cases.grids import FIRST_SWEEP_DTYPES
 from kda_conformance.running.config import ConfigError, Grid, baseline_warning, build_config
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost
-from kda_conformance.running.memory import visible_device, visible_gpus
+from kda_conformance.running.memory import chosen_gpus, visible_device
 from kda_conformance.running.options import add_pytest_options
 from kda_conformance.running.search import (
     check_seed,
@@ -126,8 +126,7 @@ def pytest_configure_node(node) -> None:
     node.workerinput["kda_seed"] = run_config.seed
     node.workerinput["kda_run_id"] = run_config.run_id
     if run_config.device.type == "cuda":
-        listed = node.config.getoption("--kda-gpus")
-        gpus = [x.strip() for x in listed.split(",") if x.strip()] if listed else visible_gpus()
+        gpus = chosen_gpus(node.config.getoption("--kda-gpus"))
         if gpus:
             node.workerinput["kda_gpu"] = visible_device(int(node.gateway.id.removeprefix("gw")), gpus)
 

@@ -22,14 +22,14 @@ from pathlib import Path
 
 from rich.console import Console
 
+from kda_cases.case import Case
 from kda_cases.files import atomic_write
-from kda_cases.kernel_configs import config_label, kernel_config
 from kda_conformance.cli.common import add_out, add_regressions, say
 from kda_conformance.cli.dashboard import after_run
 from kda_conformance.running.compile import compile_jobs, run_jobs, shard_jobs, summary
 from kda_conformance.running.config import DEFAULT_CASE_TIMEOUT, ConfigError, build_config
 from kda_conformance.running.faults import is_sticky
-from kda_conformance.running.memory import WORKERS_VARIABLE, WorkerPlan, device_gib, plan_workers, visible_gpus
+from kda_conformance.running.memory import WORKERS_VARIABLE, WorkerPlan, chosen_gpus, device_gib, plan_workers
 from kda_conformance.running.options import OPTIONS, add_options, pytest_argv
 from kda_reports.quarantine import Quarantine
 from kda_reports.reach import backend_coverage, missed_lines
@@ -124,7 +124,8 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         say(console, f"--store: {problem}", "error:", "red")
         return 2
     started = time.monotonic()
-    plan = _plan(args, config)
+    planned = [case for cases in config.planned_cases().values() for case in cases]
+    plan = _plan(args, config, planned)
     workers = plan.workers if plan is not None and args.workers == "auto" else args.workers
     command = pytest_command(args, config.run_id, workers)
     console.print(f"nightly run {config.run_id}: {shlex.join(command)}", highlight=False, soft_wrap=True)
@@ -144,14 +145,14 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     if plan is not None:
         say(console, plan.line())
         env[WORKERS_VARIABLE] = str(plan.workers_per_gpu)
-    compiled = _compile_stage(args, config, env, workers, command, console)
+    compiled = _compile_stage(args, config, planned, env, workers, command, console)
     returncode = _run_pytest(command, env, console)
     night = {
         "part": config.part or "",
         "wall_seconds": round(time.monotonic() - started, 3),
         "workers": workers,
         "memory_plan": plan.line() if plan is not None else "",
-        "kernel_configs": len(config.kernel_configs()),
+        "kernel_configs": len(config.kernel_configs(planned)),
         "compile": compiled,
         "cache": {
             "dir": str(cache),
@@ -167,13 +168,11 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     return after_run(args.out, args.window, args.growth, console, returncode)
 
 
-def _plan(args: argparse.Namespace, config) -> WorkerPlan | None:
+def _plan(args: argparse.Namespace, config, planned: list[Case]) -> WorkerPlan | None:
     """The memory plan of a night on GPUs (None on a CPU: one worker per core)."""
     if config.device.type != "cuda":
         return None
-    gpus = [g for g in (args.gpus or "").split(",") if g.strip()] or visible_gpus()
-    cases = [case for cases in config.planned_cases().values() for case in cases]
-    return plan_workers(device_gib(config.device), len(gpus) or 1, cases)
+    return plan_workers(device_gib(config.device), len(chosen_gpus(args.gpus)) or 1, planned)
 
 
 def _shard_tests(command: list[str], env: dict, console: Console) -> list[str]:
@@ -193,7 +192,13 @@ def _shard_tests(command: list[str], env: dict, console: Console) -> list[str]:
 
 
 def _compile_stage(
-    args: argparse.Namespace, config, env: dict, workers: int | str, command: list[str], console: Console
+    args: argparse.Namespace,
+    config,
+    planned: list[Case],
+    env: dict,
+    workers: int | str,
+    command: list[str],
+    console: Console,
 ) -> dict:
     """Compile every (backend, kernel configuration) of the night before its cases; its numbers for the
     night file and the run's timing (the ``compile`` stage)."""
@@ -202,29 +207,21 @@ def _compile_stage(
         reason = "--compile off" if args.compile == "off" else "nothing is compiled on the CPU (Triton interprets)"
         say(console, f"compile stage: skipped ({reason})")
         return {}
-    configs = list(config.kernel_configs().values())
+    configs = list(config.kernel_configs(planned).values())
     processes = workers if isinstance(workers, int) else (os.cpu_count() or 1)
     if config.shard is None:
         jobs = compile_jobs(config.backends, configs)
         which = f"{len(configs)} kernel configurations x {len(config.backends)} backends"
     else:  # a part of the night on its own host compiles what its own tests need
-        planned = [case for cases in config.planned_cases().values() for case in cases]
         drawn_from = config.guaranteed_cases() or configs
         jobs = shard_jobs(_shard_tests(command, env, console), planned, drawn_from)
         which = f"the (backend, kernel configuration) pairs of shard {config.part}'s tests"
     say(console, f"compile stage: {which} = {len(jobs)} jobs over {processes} processes")
     began = time.monotonic()
-    gpus = [g for g in (args.gpus or "").split(",") if g.strip()] or (
-        visible_gpus() if config.device.type == "cuda" else []
-    )
-    saved = dict(os.environ)
-    os.environ.update(env)  # the compile processes write the cache the night's workers read
-    try:
-        with tempfile.TemporaryDirectory(prefix="kda-compile-") as folder:
-            results = run_jobs(jobs, processes, str(config.device), config.plugins, Path(folder), gpus)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    gpus = chosen_gpus(args.gpus) if config.device.type == "cuda" else []
+    with tempfile.TemporaryDirectory(prefix="kda-compile-") as folder:
+        # In the night's environment: the compile processes write the cache the night's workers read.
+        results = run_jobs(jobs, processes, str(config.device), config.plugins, Path(folder), gpus, env=env)
     done = {**summary(results, time.monotonic() - began), "results": results}
     _quarantine_crashes(config, jobs, results, console)
     outcomes = ", ".join(f"{n} {outcome}" for outcome, n in done["outcomes"].items())
@@ -241,10 +238,10 @@ def _quarantine_crashes(config, jobs: list, results: list[dict], console: Consol
     run: on the H200, FLA's 32-token chunk path crashed on 10 of the night's fp32 configurations in the compile
     stage, and each would otherwise have cost a worker (or several, running side by side)."""
     quarantine = Quarantine(run_file(config.out, config.run_id, config.part, "quarantine"))
-    by_key = {(job.backend, config_label(kernel_config(job.case))): job for job in jobs}
+    by_key = {job.key: job for job in jobs}
     for result in results:
-        if result["outcome"] in ("failed", "died") and (is_sticky(result["message"]) or result["outcome"] == "died"):
-            job = by_key[(result["backend"], result["config"])]
+        if result["outcome"] == "died" or (result["outcome"] == "failed" and is_sticky(result["message"])):
+            job = by_key[f"{result['backend']} {result['config']}"]
             quarantine.add(job.backend, job.case, "compile", result["message"])
             say(console, f"quarantined: {job.backend} {result['config']} (its compile crashed: {result['message']})")
 

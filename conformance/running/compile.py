@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kda_cases.case import Case
@@ -79,9 +79,11 @@ def run_jobs(
     folder: Path,
     gpus: Sequence[str] = (),
     timeout_s: float | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> list[dict]:
-    """Run ``jobs`` over ``processes`` processes (round-robin over ``gpus``, as the night's workers are);
-    one result per job: backend, config, outcome (compiled, skipped, failed, died, not run), seconds, message."""
+    """Run ``jobs`` over ``processes`` processes (round-robin over ``gpus``, as the night's workers are; in
+    ``env``, default this process's environment); one result per job: backend, config, outcome (compiled,
+    skipped, failed, died, not run), seconds, message."""
     folder.mkdir(parents=True, exist_ok=True)
     shares = [list(jobs[i::processes]) for i in range(max(1, processes))]
     running: list[tuple[subprocess.Popen, list[CompileJob], Path, int, int]] = []
@@ -92,12 +94,12 @@ def run_jobs(
         jobs_file = folder / f"compile-{index}-{restarts}.jobs.json"
         results_file = folder / f"compile-{index}-{restarts}.results.jsonl"
         jobs_file.write_text(json.dumps([{"backend": j.backend, "case": j.case.to_dict()} for j in share]))
-        env = dict(os.environ)
+        process_env = dict(os.environ if env is None else env)
         if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = env["HIP_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
+            process_env["CUDA_VISIBLE_DEVICES"] = process_env["HIP_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
         command = [sys.executable, "-m", "kda_conformance.running.compile", str(jobs_file), str(results_file)]
         command += ["--device", device, *(arg for p in plugins for arg in ("--plugin", p))]
-        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        process = subprocess.Popen(command, env=process_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         running.append((process, share, results_file, restarts, index))
 
     for index, share in enumerate(shares):

@@ -33,7 +33,7 @@ from kda_kernels import registry
 from kda_reference.run import FORM_VARIABLE, FORMS
 from kda_reports.environment import SUITE_BASELINE, environment
 from kda_reports.findings import Finding
-from kda_reports.runfile import DEFAULT_OUT, new_run_id, run_files
+from kda_reports.runfile import DEFAULT_OUT, new_run_id, run_file, run_files
 
 DEFAULT_CASE_TIMEOUT = 900.0  # seconds for one case on one backend, its reference and compile included
 STRICT_VARIABLE = "KDA_STRICT"
@@ -179,7 +179,8 @@ class RunConfig:
         if why:
             return why
         # The night's quarantine list may be there already: its compile stage writes it before the cases.
-        taken = [p for p in run_files(self.out, self.run_id, self.part) if not p.name.endswith(".quarantine.jsonl")]
+        quarantine = run_file(self.out, self.run_id, self.part, "quarantine")
+        taken = [p for p in run_files(self.out, self.run_id, self.part) if p != quarantine]
         if taken:
             return (
                 f"a run with id {self.run_id} is already in {self.out} ({taken[0].name}): give another run id "
@@ -230,10 +231,11 @@ class RunConfig:
             "long": self.long_cases(),
         }
 
-    def kernel_configs(self) -> dict[KernelConfig, Case]:
-        """The distinct kernel configurations of the planned cases (and the drawn cases' pool), each with its
-        first case: what the night compiles up front."""
-        planned = [case for cases in self.planned_cases().values() for case in cases]
+    def kernel_configs(self, planned: Sequence[Case] | None = None) -> dict[KernelConfig, Case]:
+        """The distinct kernel configurations of the planned cases (``planned``, where the caller holds them
+        already; they hold the drawn cases' pool), each with its first case: what the night compiles up front."""
+        if planned is None:
+            planned = [case for cases in self.planned_cases().values() for case in cases]
         return distinct_configs(planned)
 
     def kernel_config_lines(self) -> list[str]:
@@ -242,8 +244,8 @@ class RunConfig:
             return []
         kinds = self.planned_cases()
         counts = ", ".join(f"{kind} {len(distinct_configs(cases))}" for kind, cases in kinds.items() if cases)
-        bound = self.profile.max_kernel_configs
-        return [f"kernel configurations: {len(self.kernel_configs())} distinct ({counts}; at most {bound})"]
+        total = len(self.kernel_configs([case for cases in kinds.values() for case in cases]))
+        return [f"kernel configurations: {total} distinct ({counts}; at most {self.profile.max_kernel_configs})"]
 
     def kernel_pool_lines(self) -> list[str]:
         return [] if self.profile is None else kernel_pool_lines(self.profile) + self.kernel_config_lines()

@@ -214,6 +214,11 @@ def visible_device(worker_index: int, gpus: list[str]) -> str:
     return gpus[worker_index % len(gpus)]
 
 
+def chosen_gpus(listed: str | None) -> list[str]:
+    """The GPUs a night's workers spread over: those ``listed`` (``--gpus 0,1``), else every visible one."""
+    return [x.strip() for x in listed.split(",") if x.strip()] if listed else visible_gpus()
+
+
 def visible_gpus() -> list[str]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES would name them."""
     for variable in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
