@@ -59,14 +59,11 @@ def _state_for_kernel(inputs: KDAInputs) -> torch.Tensor | None:
 
 
 _STANDALONE = """
-import os
-
-os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"  # the Triton path itself, not a dispatch to FlashKDA
-from fla.ops.kda import {function}
-
 
 def call(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs):
-    return {function}(
+    os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"  # the Triton path itself, not a dispatch to FlashKDA
+    kda = pytest.importorskip("fla.ops.kda", reason="needs fla-core, the library under test (pip install fla-core)")
+    return kda.{function}(
         q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, output_final_state=True, {extra}**kwargs
     )
 """

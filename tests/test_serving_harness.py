@@ -8,6 +8,7 @@ tensor's identity); each must be caught and localized.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from kda_cases.case import Case
 from kda_cases.materialize import materialize
 from kda_conformance.checks import get_check, run_check
 from kda_conformance.cli import main
+from kda_conformance.repro.standalone import where_it_runs_source
 from kda_kernels import registry
 from kda_kernels.serving import (
     NULL_SLOT,
@@ -154,6 +156,15 @@ def test_repro_command_localizes_and_writes_a_failing_standalone_test(
         env={"PYTHONPATH": str(PLUGINS), "PATH": ""},
     )
     assert done.returncode == 1 and "slot 0 written" in done.stdout, done.stdout[-2000:]
+    without_plugin = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(test_file)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"PATH": ""},
+    )
+    assert without_plugin.returncode == 0 and "1 skipped" in without_plugin.stdout, without_plugin.stdout[-2000:]
+    assert "needs kda_planted_bugs, the module that registers it" in without_plugin.stdout
 
 
 class _Tampered:
@@ -199,19 +210,32 @@ def test_fla_standalone_test_needs_only_torch_and_fla(tmp_path: Path) -> None:
     argv = ["repro", "--backend", "fla_chunk", "--device", "cpu", "--poison", "sentinel", "--case", CASE.to_json()]
     assert main([*argv, "--write-test", str(test_file)]) == 0
     assert "kda_" not in "".join(line for line in test_file.read_text().splitlines() if "import" in line)
-    enable = "from kda_kernels import triton_interpret; triton_interpret.enable(); import pytest, sys"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            f"{enable}; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', sys.argv[1]]))",
-            str(test_file),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stdout[-2000:]
+
+    def standalone(prelude: str) -> subprocess.CompletedProcess:
+        run = (
+            f"{prelude}import pytest, sys; sys.exit(pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', sys.argv[1]]))"
+        )
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        return subprocess.run([sys.executable, "-c", run, str(test_file)], capture_output=True, text=True,
+                              cwd=tmp_path, env=env)  # fmt: skip
+
+    done = standalone("from kda_kernels import triton_interpret; triton_interpret.enable(); ")
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-2000:]
+    # Without a GPU or the interpreter it skips, saying why, instead of failing in Triton ("0 active drivers").
+    done = standalone("")
+    assert done.returncode == 0 and "1 skipped" in done.stdout and "TRITON_INTERPRET=1" in done.stdout, done.stdout
+    # Without its library it skips.
+    done = standalone("import os, sys; os.environ['TRITON_INTERPRET'] = '1'; sys.modules['fla'] = None; ")
+    assert done.returncode == 0 and "needs fla-core, the library under test" in done.stdout, done.stdout[-2000:]
+
+
+def test_a_standalone_test_written_on_a_gpu_skips_without_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    namespace = {"torch": torch, "pytest": pytest, "os": os}
+    exec(where_it_runs_source(registry.get("fla_chunk"), torch.device("cuda")), namespace)
+    needs = r"needs a GPU \(it was written on cuda, where the finding was measured\)"
+    with pytest.raises(pytest.skip.Exception, match=needs):
+        namespace["where_it_runs"]()
 
 
 @pytest.mark.cuda

@@ -37,6 +37,59 @@ def plan_lines(case: Case) -> list[str]:
     return lines
 
 
+SUITE_PACKAGES = ("kda_cases", "kda_reference", "kda_kernels", "kda_reports", "kda_conformance")
+
+
+def _suite_imports(backend: Backend) -> str:
+    """The imports of a file that runs ``backend`` through this suite, inside its test: it skips where the
+    suite (or the plugin module that registers the backend) is not importable."""
+    lines = ['pytest.importorskip("kda_kernels", reason="runs the backend through kda-conformance, not installed")']
+    module = type(backend).__module__
+    if module.split(".")[0] not in SUITE_PACKAGES:  # a plugin's backend: importing its module registers it
+        lines.append(f"pytest.importorskip({module!r}, reason={f'needs {module}, the module that registers it'!r})")
+    return "".join(f"    {line}\n" for line in lines)
+
+
+def where_it_runs_source(backend: Backend, device: torch.device) -> str:
+    """``where_it_runs()`` of the written file: the device to run on, or a skip with the reason. A finding
+    measured on a GPU needs one; a Triton kernel measured on the CPU ran in Triton's interpreter, which needs
+    TRITON_INTERPRET=1 (and this suite's workarounds) set before Triton is imported."""
+    if device.type != "cpu":
+        need = f"needs a GPU (it was written on {device.type}, where the finding was measured); torch sees none"
+        return textwrap.dedent(
+            f"""
+
+            def where_it_runs():
+                if not torch.cuda.is_available():
+                    pytest.skip({need!r})
+                return "cuda"
+            """
+        )
+    if backend.interpreted(device):
+        need = (
+            f"{backend.name}'s Triton kernels ran in Triton's CPU interpreter when this was written: set "
+            "TRITON_INTERPRET=1 (kda_kernels.triton_interpret.enable() adds the workarounds) or run on a GPU"
+        )
+        return textwrap.dedent(
+            f"""
+
+            def where_it_runs():
+                if torch.cuda.is_available():
+                    return "cuda"
+                if os.environ.get("TRITON_INTERPRET") != "1":
+                    pytest.skip({need!r})
+                return "cpu"
+            """
+        )
+    return textwrap.dedent(
+        """
+
+        def where_it_runs():
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        """
+    )
+
+
 def write_standalone(case: Case, backend: Backend, device: torch.device, poison: str, path: Path) -> tuple[Path, Path]:
     """Write ``path`` (a pytest file) and its data beside it: the poisoned served run of ``case``."""
     served = serving_case(case, backend)
@@ -72,22 +125,27 @@ def write_standalone(case: Case, backend: Backend, device: torch.device, poison:
     torch.save(data, data_path)
     source = backend.standalone_source(served) if backend.standalone_source is not None else None
     if source is None:
-        source = textwrap.dedent(
-            f"""
-            # {backend.name} gives no standalone call: this runs it through the kda-conformance suite.
-            from kda_cases.case import Case
-            from kda_cases.materialize import materialize
-            from kda_kernels import registry
-            from kda_kernels.serving import serve
+        source = (
+            f"\n# {backend.name} gives no standalone call: this runs it through the kda-conformance suite.\n"
+            "def serve_batch(d, pool, out):\n"
+            + _suite_imports(backend)
+            + textwrap.indent(
+                textwrap.dedent(
+                    f"""\
+                from kda_cases.case import Case
+                from kda_cases.materialize import materialize
+                from kda_kernels import registry
+                from kda_kernels.serving import serve
 
-
-            def serve_batch(d, pool, out):
                 case = Case.from_json(d["case_json"])
                 inputs = materialize(case, pool.device)
                 slots, padding = tuple(d["seq_slots"]), len(d["state_indices"]) - d["num_seqs"]
                 has_h0 = tuple(bool(x) for x in d["has_initial_state"][: d["num_seqs"]])
                 serve(registry.get({backend.name!r}), inputs, pool, slots, has_h0, out, padding=padding)
-            """
+                """
+                ),
+                "    ",
+            )
         )
     else:
         source += textwrap.dedent(
@@ -120,7 +178,7 @@ def write_standalone(case: Case, backend: Backend, device: torch.device, poison:
 
 
         def test_{case.id.replace("-", "_")}_{backend.name}_{poison}():
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = where_it_runs()
             d = torch.load(DATA, weights_only=True)  # tensors and plain values only: a tampered file runs no code
             d = {{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in d.items()}}
             d["kwargs"] = {{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in d["kwargs"].items()}}
@@ -147,7 +205,8 @@ def write_standalone(case: Case, backend: Backend, device: torch.device, poison:
     header = (
         f'"""Standalone repro written by `kda-conformance repro`: case {served.id} on {backend.name}, poison '
         f"{poison}.\n\nCase: {served.to_json()}\nData: {data_path.name} (inputs, the poisoned pool and output "
-        'buffer, the float64 truth, the limits).\n"""\n\nfrom pathlib import Path\n\nimport torch\n'
+        "buffer, the float64 truth, the limits).\nIt skips, saying why, where its library or the device it needs "
+        'is missing.\n"""\n\nimport os\nfrom pathlib import Path\n\nimport pytest\nimport torch\n'
     )
-    atomic_write_text(path, header + source + "\n" + body)
+    atomic_write_text(path, header + source + "\n" + where_it_runs_source(backend, device) + body)
     return path, data_path
