@@ -1,0 +1,69 @@
+"""``kda-conformance findings``: the findings ready for upstream (docs/findings.md) from a store's records and the
+ledger of known issues, and a standalone test for each one that runs here (conformance/repro/upstream.py)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+
+from kda_cases.devices import resolve_device
+from kda_conformance.cli.common import add_device, say
+from kda_conformance.judging.known import LEDGER, load_ledger
+from kda_conformance.repro.upstream import upstream_findings, write_finding_test, write_findings_page
+from kda_kernels import registry
+from kda_kernels.registry import PluginError
+from kda_reports.store import load_store
+
+NAME = "findings"
+HELP = "tabulate the findings ready for upstream (ledger entries and new failures) and write their standalone tests"
+EXAMPLE = "kda-conformance findings --store nightly-store --page docs/findings.md --write-tests findings --device cuda"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store", type=Path, required=True, metavar="DIR", help="the store (or run folder) to read")
+    parser.add_argument("--page", type=Path, default=Path("docs/findings.md"), metavar="FILE", help="the page to write")
+    parser.add_argument("--ledger", type=Path, default=LEDGER, metavar="FILE", help="the ledger of known issues")
+    parser.add_argument(
+        "--write-tests",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also write a standalone test for each open or new finding whose backend runs here (and run it once)",
+    )
+    parser.add_argument(
+        "--plugin", action="append", default=[], metavar="MODULE", help="module that registers backends"
+    )
+    add_device(parser)
+
+
+def execute(args: argparse.Namespace, console: Console) -> int:
+    try:
+        for module in args.plugin:
+            registry.load_plugin(module)
+        ledger = load_ledger(args.ledger)
+        store = load_store(args.store)
+    except (OSError, ValueError, PluginError) as exc:
+        say(console, str(exc), "error:", "red")
+        return 2
+    if store.records.empty:
+        say(console, f"--store {args.store} holds no records", "error:", "red")
+        return 2
+    findings = upstream_findings(store.records, ledger)
+    if args.write_tests is not None:
+        try:
+            device = resolve_device(args.device)
+        except ValueError as exc:
+            say(console, str(exc), "error:", "red")
+            return 2
+        args.write_tests.mkdir(parents=True, exist_ok=True)
+        findings = [write_finding_test(f, device, args.write_tests) for f in findings]
+    runs = store.records.drop_duplicates("run_id")
+    where = ", ".join(sorted({f"{r.env_device_type} {r.env_device_name}" for r in runs.itertuples()}))
+    source = f"runs {', '.join(sorted(runs['run_id'].astype(str)))} ({where})"
+    page = write_findings_page(findings, source, args.page)
+    for f in findings:
+        console.print(f"{f.status:8} {f.id}: {f.backends}; {f.worst}; {f.test or ''}", highlight=False, soft_wrap=True)
+    console.print(f"page: {page}", highlight=False)
+    return 0

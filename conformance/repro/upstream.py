@@ -1,0 +1,242 @@
+"""Findings ready for upstream: one row per real finding, from the ledger of known issues and a store's records.
+
+A ledger entry (conformance/known_issues.toml) is a finding the suite already tracks; its status comes from
+the newest run in the store whose records it matched: ``open`` while a matched record still fails there,
+``fixed`` when every matched record passed (the entry is to be retired), ``not seen`` when no run matched
+it. A failure of a backend that no entry matches (not the suite's, not the machine's) is a ``new`` finding,
+grouped by backend, check and the message's kind. Each row names the kernel's library and version as the
+run recorded them, its smallest failing case (fewest tokens, its repro line) and the worst error/limit.
+``kda-conformance findings`` writes the table (docs/findings.md) and, where the backend runs on this
+machine, a standalone test per finding (findings/<id>.py with its data) that fails while the kernel is
+wrong, passes once it is right and skips where its library or device is missing.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from kda_cases.case import Case
+from kda_cases.files import atomic_write_text
+from kda_conformance.judging.known import KnownIssue
+from kda_conformance.repro.standalone import write_standalone
+from kda_kernels import guard, registry
+from kda_kernels.guard import BackendFault
+from kda_reports.findings import FAILED
+
+STATUSES = ("open", "new", "fixed", "not seen")
+# Not a kernel's finding: the suite's own failures and the machine's.
+NOT_A_KERNEL = ("(suite)",)
+# A standalone file holds the case's inputs and truth; a larger case is minimized first.
+MAX_TEST_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class UpstreamFinding:
+    id: str
+    backends: str
+    kernel: str  # the library and version the run recorded
+    status: str  # one of STATUSES
+    run: str  # the run the status comes from
+    check: str
+    cases: int  # distinct failing cases in that run (matched cases when fixed)
+    worst: str  # worst error/limit, or the error's message
+    first_bad: str
+    case_id: str  # the smallest failing case
+    case_json: str
+    repro: str
+    description: str
+    confirmed: str = ""
+    upstream: str = ""
+    test: str = ""  # the standalone test's path, or why there is none
+
+
+def _kernel(rows: pd.DataFrame) -> str:
+    """The library and version behind the rows' backends, as their run recorded it."""
+    backends = set(rows["backend"].astype(str))
+    parts = []
+    if any(b.startswith("fla") for b in backends):
+        parts.append(f"fla-core {_first(rows, 'env_fla') or '(version not recorded)'}")
+    if any(b.startswith("aiter") for b in backends):
+        parts.append(
+            f"aiter {_first(rows, 'env_aiter') or 'source tree (KDA_AITER_SRC; commit in the upstream column)'}"
+        )
+    return "; ".join(parts) or ", ".join(sorted(backends))
+
+
+def _first(rows: pd.DataFrame, column: str) -> str:
+    values = [str(v) for v in rows[column].dropna().unique() if str(v)] if column in rows else []
+    return values[0] if values else ""
+
+
+def _worst(rows: pd.DataFrame) -> str:
+    """The worst error/limit, max-abs or rel-RMS, over the rows; and the first error's message."""
+    ratios = pd.concat(
+        [pd.to_numeric(rows[c], errors="coerce") for c in ("ratio", "rel_rms_ratio") if c in rows]
+    ).dropna()
+    worst = ""
+    if not ratios.empty:
+        top = float(ratios.max())
+        worst = "non-finite values" if top == float("inf") else f"{top:.3g}x the limit"
+    errors = rows[rows["verdict"] == "error"]
+    if not errors.empty:
+        message = _message_kind(str(errors.iloc[0]["reason"]))
+        worst = f"{worst}; error: {message}" if worst else f"error: {message}"
+    return worst or "-"
+
+
+def _message_kind(reason: str) -> str:
+    """What kind of failure a reason is, without its numbers and paths: the key that groups new findings."""
+    found = re.search(r"(CUDA|HIP) error: ([^\n;(]+)", reason)
+    text = found.group(0) if found else reason.splitlines()[0] if reason else ""
+    return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", text).strip()[:100]
+
+
+def _smallest(rows: pd.DataFrame) -> pd.Series:
+    tokens = pd.to_numeric(rows.get("case_total_tokens"), errors="coerce").fillna(float("inf"))
+    return rows.loc[tokens.sort_values(kind="stable").index[0]]
+
+
+def _row(id_: str, rows: pd.DataFrame, status: str, run: str, **text: str) -> UpstreamFinding:
+    failing = rows[rows["verdict"].isin(["known", *FAILED])]
+    shown = failing if not failing.empty else rows
+    small = _smallest(shown)
+    return UpstreamFinding(
+        id=id_,
+        backends=", ".join(sorted(rows["backend"].astype(str).unique())),
+        kernel=_kernel(rows),
+        status=status,
+        run=run,
+        check=", ".join(sorted(shown["check"].astype(str).unique())),
+        cases=int(shown["case_id"].nunique()),
+        worst=_worst(failing) if not failing.empty else "passes",
+        first_bad=str(small.get("first_bad") or "-") if not failing.empty else "-",
+        case_id=str(small["case_id"]),
+        case_json=str(small.get("case_json", "")),
+        repro=str(small.get("repro", "")),
+        **text,
+    )
+
+
+def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> list[UpstreamFinding]:
+    """One row per ledger entry (its status in the newest run that matched it) and per new kernel failure of
+    each backend's newest run."""
+    rows = []
+    matched = records["known_issue"].fillna("").astype(str) if "known_issue" in records else pd.Series()
+    for issue in ledger:
+        text = {"description": issue.description, "confirmed": issue.confirmed, "upstream": issue.upstream}
+        mine = records[matched == issue.id] if not matched.empty else records.iloc[0:0]
+        if mine.empty:
+            backends, checks = ", ".join(issue.backends), ", ".join(issue.checks)
+            unseen = dict(status="not seen", run="", check=checks, cases=0, worst="-", first_bad="-", case_id="")
+            rows.append(UpstreamFinding(issue.id, backends, "", **unseen, case_json="", repro="", **text))
+            continue
+        run = str(sorted(mine["run_id"].astype(str).unique())[-1])
+        last = mine[mine["run_id"].astype(str) == run]
+        status = "open" if last["verdict"].isin(["known", *FAILED]).any() else "fixed"
+        rows.append(_row(issue.id, last, status, run, **text))
+    fresh = records[
+        records["verdict"].isin(FAILED)
+        & (matched == "" if not matched.empty else True)
+        & ~records["backend"].astype(str).isin(NOT_A_KERNEL)
+    ]
+    if fresh.empty:
+        return rows
+    newest = records.groupby("backend")["run_id"].max()
+    fresh = fresh[fresh["run_id"] == fresh["backend"].map(newest)]
+    fresh = fresh.assign(kind=fresh["reason"].fillna("").astype(str).map(_message_kind).where(
+        fresh["verdict"] == "error", "past the limit"))  # fmt: skip
+    # An error is one finding whatever check met it (a crash is the kernel's, not the check's); a failure
+    # past the limit is one per check.
+    fresh["group"] = fresh["kind"].where(fresh["verdict"] == "error", fresh["check"].astype(str) + " past the limit")
+    for (backend, group), part in fresh.groupby(["backend", "group"], sort=True):
+        id_ = f"new-{backend}-" + re.sub(r"[^a-z0-9]+", "-", group.lower()).strip("-")[:48]
+        checks = ", ".join(sorted(part["check"].astype(str).unique()))
+        what = f"not in the ledger: {'raised ' + group if group in set(part['kind']) else group} ({checks})"
+        rows.append(_row(id_, part, "new", str(part["run_id"].max()), description=what))
+    return rows
+
+
+def write_finding_test(finding: UpstreamFinding, device: torch.device, folder: Path) -> UpstreamFinding:
+    """Write ``folder/test_<id>.py`` (and its data) for a finding whose case runs here, run it once to say
+    whether it fails today, and return the finding with ``test`` saying where it is or why there is none."""
+    if finding.status not in ("open", "new") or not finding.case_json:
+        return replace(finding, test="-")
+    checks = {c.strip() for c in finding.check.split(",")}
+    if checks != {"budget"}:
+        return replace(finding, test=f"not written: the {finding.check} check's finding reruns with its repro line")
+    case = Case.from_json(finding.case_json)
+    if case.total_tokens > MAX_TEST_TOKENS:
+        return replace(
+            finding, test=f"not written: {case.total_tokens} tokens (more than {MAX_TEST_TOKENS}); minimize it first"
+        )
+    backend_name = finding.backends.split(", ")[0]
+    if backend_name not in registry.names():
+        return replace(finding, test=f"not written: backend {backend_name} is not registered here")
+    backend = registry.get(backend_name)
+    try:
+        support = guard.availability(backend, device)
+        support = guard.supports(backend, case) if support else support
+    except BackendFault as fault:
+        return replace(finding, test=f"not written: {backend_name} faulted here ({fault})")
+    if not support:
+        return replace(finding, test=f"not written on {device}: {support.reason}")
+    path = Path(folder) / f"test_{finding.id.replace('-', '_')}.py"
+    write_standalone(case, backend, device, "nan", path)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=path.parent,
+    )
+    state = {0: "PASSES today (not a repro)", 1: "fails today"}.get(done.returncode, f"exit {done.returncode}")
+    if done.returncode == 0 and " skipped" in done.stdout:
+        state = "skips here"
+    return replace(finding, test=f"{path.name} ({state} on {device})")
+
+
+def findings_markdown(findings: list[UpstreamFinding], source: str) -> str:
+    """docs/findings.md: the table, then each finding's text and repro line."""
+    counts = ", ".join(f"{sum(f.status == s for f in findings)} {s}" for s in STATUSES)
+    lines = [
+        "# Findings ready for upstream",
+        "",
+        f"Generated by `kda-conformance findings` from {source} and conformance/known_issues.toml ({counts}).",
+        "A ledger entry is `open` while the newest run that matched it still fails, `fixed` when every case it",
+        "matched there passed (retire the entry), `not seen` when no run in the store matched it; `new` is a",
+        "kernel's failure no entry matches. Worst is error/limit over the failing records of that run.",
+        (
+            "Each test is findings/test_<id>.py, written by `--write-tests DIR` on a machine where the backend runs "
+            "and run once there; it needs torch and the kernel's library, and skips where they or the GPU are missing."
+            if any(f.test not in ("", "-") for f in findings)
+            else "No standalone test was written in this generation: `--write-tests DIR`, on a machine where the "
+            "backends run, writes and runs them."
+        ),
+        "",
+        "| finding | status | kernel | backends | check | cases | worst | first bad | smallest case | test |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for f in findings:
+        cells = [f"[{f.id}](#{f.id})", f.status, f.kernel or "-", f.backends, f.check or "-", str(f.cases), f.worst,
+                 f.first_bad, f.case_id or "-", f.test or "-"]  # fmt: skip
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    for f in findings:
+        lines += ["", f"## {f.id}", "", f"{f.status}, in run {f.run or '-'}: {f.description}"]
+        if f.confirmed:
+            lines.append(f"\nConfirmed: {f.confirmed}")
+        if f.upstream:
+            lines.append(f"\nUpstream: {f.upstream}")
+        if f.repro:
+            lines += ["", "Smallest failing case, rerun with:", "", f"    {f.repro}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_findings_page(findings: list[UpstreamFinding], source: str, path: Path) -> Path:
+    atomic_write_text(Path(path), findings_markdown(findings, source))
+    return Path(path)

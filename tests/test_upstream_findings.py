@@ -1,0 +1,99 @@
+"""Findings ready for upstream (``kda-conformance findings``): each ledger entry's status from the newest run
+that matched it, new kernel failures grouped by kind, and standalone tests that fail on the kernel, pass on a
+correct backend and skip without their library."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from kda_cases.case import Case
+from kda_conformance.cli import main
+from kda_conformance.judging.known import KnownIssue
+from kda_conformance.repro.upstream import upstream_findings, write_finding_test
+
+PLUGINS = Path(__file__).with_name("plugins")
+
+
+def _record(run: str, backend: str, verdict: str, known: str = "", **more: object) -> dict:
+    case = Case(seq_lens=(int(more.pop("tokens", 40)),))
+    row = {"run_id": run, "backend": backend, "check": "budget", "verdict": verdict, "known_issue": known}
+    row |= {"case_id": case.id, "case_json": case.to_json(), "case_total_tokens": case.total_tokens}
+    row |= {"ratio": 0.5, "rel_rms_ratio": 0.4, "reason": "", "first_bad": "", "repro": f"repro {case.id}"}
+    row |= {"env_fla": "0.6.0", "env_aiter": ""}
+    return row | more
+
+
+def _issue(id_: str, backends: tuple[str, ...]) -> KnownIssue:
+    return KnownIssue(id=id_, backends=backends, description=f"{id_} text", upstream="", added="", worst=10.0)
+
+
+def test_each_ledger_entry_gets_its_status_from_the_newest_run_that_matched_it() -> None:
+    records = pd.DataFrame(
+        [
+            _record("r1", "fla_chunk", "known", "still-bad", ratio=7.0),
+            _record("r2", "fla_chunk", "known", "still-bad", ratio=9.0, first_bad="seq 0 token 3 head 0", tokens=20),
+            _record("r2", "fla_chunk", "known", "still-bad", ratio=8.0, tokens=90),
+            _record("r1", "aiter_default", "known", "fixed-now", ratio=float("inf")),
+            _record("r2", "aiter_default", "pass", "fixed-now"),
+            # new: one crash met by two checks is one finding; the suite's own failure is nobody's kernel's
+            _record("r2", "fla_chunk32", "error", reason="RuntimeError: CUDA error: misaligned address (at x.py:3)"),
+            _record("r2", "fla_chunk32", "error", check="prefix", reason="CUDA error: misaligned address"),
+            _record("r2", "(suite)", "error", reason="the float64 truth is not finite"),
+            _record("r1", "fla_recurrent", "fail", ratio=3.0),  # its newest run passes
+            _record("r2", "fla_recurrent", "pass"),
+        ]
+    )
+    ledger = (_issue("still-bad", ("fla_chunk",)), _issue("fixed-now", ("aiter_default",)), _issue("gone", ("x",)))
+    found = {f.id: f for f in upstream_findings(records, ledger)}
+    assert set(found) == {"still-bad", "fixed-now", "gone", "new-fla_chunk32-cuda-error-misaligned-address"}
+    bad = found["still-bad"]
+    assert (bad.status, bad.run, bad.cases, bad.worst, bad.kernel) == (
+        "open",
+        "r2",
+        2,
+        "9x the limit",
+        "fla-core 0.6.0",
+    )
+    assert bad.first_bad == "seq 0 token 3 head 0" and bad.repro == f"repro {Case(seq_lens=(20,)).id}"
+    assert found["fixed-now"].status == "fixed" and found["fixed-now"].worst == "passes"
+    assert found["gone"].status == "not seen"
+    crash = found["new-fla_chunk32-cuda-error-misaligned-address"]
+    assert crash.status == "new" and crash.check == "budget, prefix" and "misaligned address" in crash.worst
+
+
+def test_a_findings_test_fails_on_the_kernel_passes_on_a_correct_backend_and_skips_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")])))
+    case = Case(seq_lens=(40,), num_heads=1, num_v_heads=1, head_k_dim=32, head_v_dim=32)
+    run = ["run", "--plugin", "kda_planted_bugs", "--backend", "planted_nan_at_one_position", "--device", "cpu"]
+    assert main([*run, "--case", case.to_json(), "--out", str(tmp_path / "store"), "--no-dashboard"]) == 1
+    page, tests = tmp_path / "findings.md", tmp_path / "findings"
+    argv = ["findings", "--store", str(tmp_path / "store"), "--page", str(page), "--plugin", "kda_planted_bugs"]
+    assert main([*argv, "--write-tests", str(tests), "--device", "cpu"]) == 0
+    text = page.read_text()
+    finding_id = "new-planted_nan_at_one_position-budget-past-the-limit"
+    assert f"| [{finding_id}](#{finding_id}) | new |" in text and "(fails today on cpu)" in text, text
+    written = tests / f"test_{finding_id.replace('-', '_')}.py"
+    assert written.exists() and written.with_suffix(".pt").exists()
+
+    # The same finding's file written for the correct baseline passes: the file holds its own float64 check.
+    finding = next(f for f in upstream_findings(pd.read_parquet(next((tmp_path / "store" / "runs").glob("*.parquet"))),
+                                                ()) if f.id == finding_id)  # fmt: skip
+    fixed = write_finding_test(dataclasses.replace(finding, backends="torch_chunk"), torch.device("cpu"), tmp_path)
+    assert "PASSES today" in fixed.test, fixed.test
+
+    # Without the module that registers the kernel it skips, saying why.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(written)],
+                          capture_output=True, text=True, cwd=tmp_path, env=env)  # fmt: skip
+    assert done.returncode == 0 and "needs kda_planted_bugs" in done.stdout, done.stdout[-2000:]
