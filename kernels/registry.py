@@ -104,11 +104,14 @@ def _register_builtins() -> None:
     from kda_kernels.aiter import BACKENDS as AITER_BACKENDS
     from kda_kernels.fla import FlaChunk, FlaRecurrent
     from kda_kernels.torch_chunk import TorchChunk
+    from kda_kernels.vendored import SglangChunk, VllmChunk
 
     register("fla_chunk", FlaChunk)
     register("fla_chunk32", lambda: FlaChunk(chunk_size=32))
     register("fla_recurrent", FlaRecurrent)
     register(BASELINE, TorchChunk)
+    register("vllm_chunk", VllmChunk)
+    register("sglang_chunk", SglangChunk)
     for aiter_backend in AITER_BACKENDS:
         register(aiter_backend.name, aiter_backend)
     for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from kda_cases.devices import gpu_arch
+from kda_kernels.vendored import vendored_commits
 
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -124,6 +125,7 @@ def environment(device: torch.device) -> dict[str, str | int]:
         "triton": _version("triton"),
         "fla": _version("fla-core"),
         "aiter": _version("aiter"),
+        "vendored": json.dumps(vendored_commits(), sort_keys=True),
         # The commit and where it was read (KDA_SUITE_COMMIT, git, package metadata or unknown).
         **dict(zip(("suite_commit", "suite_commit_from"), suite_commit(), strict=True)),
         "variables": json.dumps(numerics_variables(), sort_keys=True),

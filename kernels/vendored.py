@@ -1,0 +1,419 @@
+"""Backends for the copies of FLA's KDA Triton kernels that servers vendor: vLLM's and SGLang's.
+
+Each is loaded from a source tree the user names, without installing the server (its kernels are Python):
+``KDA_VLLM_SRC`` (the folder holding ``vllm/``) and ``KDA_SGLANG_SRC`` (the folder holding ``sglang/``, i.e.
+SGLang's ``python/`` folder). The packages between the tree's root and its ``kda.py`` are registered as bare
+packages whose ``__init__`` never runs (it would import the whole server), and the few server modules the
+kernels import from outside their folder are stubbed with what they use (``STUBS``). A tree whose kernels
+import anything else is unavailable, and says which module.
+
+What the server's layer does around the call is reproduced, read from its code (docs/serving.md):
+
+- vLLM (``KimiGatedDeltaNetAttention`` and its metadata builder): q, k, v packed ``[1, T, H, D]``, beta
+  ``sigmoid`` in fp32 before the call, ``cu_seqlens`` int32, every sequence's initial state gathered from the
+  fp32 pool with fresh sequences' slots zeroed first (so a fresh sequence passes zeros), the final states
+  scattered back; the gate ``-exp(A_log) * softplus(g + dt_bias)`` inside ``chunk_kda_with_fused_gate``
+  where the tree has it, else ``fused_kda_gate`` before ``chunk_kda`` (older trees).
+- SGLang (``TritonKDAKernel.extend``): the whole pool and ``initial_state_indices`` go to ``chunk_kda``,
+  which reads each sequence's slot and writes its final state there in place (slots zeroed when allocated,
+  so a fresh sequence's slot holds zeros); ``A_log``/``dt_bias``/``lower_bound`` go in where the signature
+  takes them (the gate inside the kernel), else the gate is given activated.
+
+Which entry points and arguments exist is found from the signatures, never from a version. The state
+layout the kernels use (V-first in current trees, K-first in older ones) is found by one small probe call
+with K != V. The commit of the tree is recorded in the run's environment (``vendored_commits``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import math
+import os
+import subprocess
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kda_cases.case import Case
+from kda_cases.dtypes import stored
+from kda_cases.materialize import KDAInputs
+from kda_kernels import triton_interpret
+from kda_kernels.envelope import head_dim_envelope
+from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported
+
+
+class VendoredMissing(RuntimeError):
+    """The server's kernels cannot be loaded here; the message says why."""
+
+
+@dataclass(frozen=True)
+class Tree:
+    """Where a server keeps its copy of the KDA kernels and what it needs from outside that folder."""
+
+    server: str  # "vLLM"
+    variable: str  # the environment variable naming the source tree
+    package: str  # the top package in the tree
+    modules: tuple[str, ...]  # where kda.py lives, newest layout first
+
+    def root(self) -> Path:
+        source = os.environ.get(self.variable)
+        if not source:
+            raise VendoredMissing(
+                f"{self.variable} names no {self.server} source tree (the folder holding {self.package}/)"
+            )
+        root = Path(source)
+        if not (root / self.package).is_dir():
+            raise VendoredMissing(f"{self.variable}={source} holds no {self.package}/ folder")
+        return root
+
+
+VLLM = Tree(
+    "vLLM",
+    "KDA_VLLM_SRC",
+    "vllm",
+    ("vllm.third_party.flash_linear_attention.ops.kda", "vllm.model_executor.layers.fla.ops.kda"),
+)
+SGLANG = Tree(
+    "SGLang",
+    "KDA_SGLANG_SRC",
+    "sglang",
+    ("sglang.kernels.ops.attention.fla.kda", "sglang.srt.layers.attention.fla.kda"),
+)
+TREES = (VLLM, SGLANG)
+
+
+def _triton_utils() -> dict[str, object]:
+    import triton
+    import triton.language as tl
+
+    return {"triton": triton, "tl": tl, "HAS_TRITON": True}
+
+
+def _math_utils() -> dict[str, object]:
+    return {
+        "cdiv": lambda a, b: -(a // -b),
+        "next_power_of_2": lambda n: 1 << (int(n) - 1).bit_length() if n > 0 else 1,
+        "RCP_LN2": 1.0 / math.log(2.0),
+    }
+
+
+class _Platform:
+    """What the kernels ask of vLLM's ``current_platform``."""
+
+    def is_cuda_alike(self) -> bool:
+        return torch.cuda.is_available()
+
+    def is_cuda(self) -> bool:
+        return torch.cuda.is_available() and torch.version.hip is None
+
+    def is_rocm(self) -> bool:
+        return torch.cuda.is_available() and torch.version.hip is not None
+
+    def is_xpu(self) -> bool:
+        return False
+
+    def is_cpu(self) -> bool:
+        return not torch.cuda.is_available()
+
+
+class _CustomOp(torch.nn.Module):
+    """vLLM's ``CustomOp``: only its ``register`` decorator is used by the kernel files."""
+
+    @classmethod
+    def register(cls, name: str) -> Callable[[type], type]:
+        return lambda op: op
+
+
+def _sglang_utils() -> dict[str, object]:
+    on_gpu = torch.cuda.is_available()
+    return {
+        **{k: v for k, v in _math_utils().items() if k != "RCP_LN2"},
+        "is_cpu": lambda: not on_gpu,
+        "is_cuda": lambda: on_gpu and torch.version.hip is None,
+        "is_hip": lambda: on_gpu and torch.version.hip is not None,
+        "is_npu": lambda: False,
+        "cpu_has_amx_support": lambda: False,
+        "torch_release": tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]),
+    }
+
+
+# Modules outside the kernels' folder that they import, and what is provided in their place.
+STUBS: dict[str, Callable[[], dict[str, object]]] = {
+    "vllm.triton_utils": _triton_utils,
+    "vllm.utils.math_utils": _math_utils,
+    "vllm.platforms": lambda: {"current_platform": _Platform()},
+    "vllm.model_executor.custom_op": lambda: {"CustomOp": _CustomOp},
+    "sglang.srt.utils": _sglang_utils,
+    "sglang.srt.utils.common": _sglang_utils,
+}
+
+
+def _register_tree(tree: Tree, root: Path, module: str) -> None:
+    """Bare packages from the tree's root down to ``module``'s folder, and the stubs of ``tree``'s server."""
+    parts = module.split(".")[:-1]
+    for depth in range(1, len(parts) + 1):
+        name = ".".join(parts[:depth])
+        if name not in sys.modules:
+            package = types.ModuleType(name)
+            package.__path__ = [str(root.joinpath(*parts[:depth]))]  # its __init__ never runs
+            sys.modules[name] = package
+    for name, provide in STUBS.items():
+        if name.split(".")[0] != tree.package or name in sys.modules:
+            continue
+        for depth in range(1, name.count(".") + 1):  # parents of a stub, bare, where not registered already
+            parent = ".".join(name.split(".")[:depth])
+            if parent not in sys.modules:
+                package = types.ModuleType(parent)
+                package.__path__ = [str(root.joinpath(*parent.split(".")))]
+                sys.modules[parent] = package
+        stub = types.ModuleType(name)
+        stub.__dict__.update(provide())
+        stub.__path__ = []  # a package too, in case the kernels import a submodule of it
+        sys.modules[name] = stub
+
+
+@functools.cache
+def load(tree: Tree) -> types.ModuleType:
+    """The tree's ``kda`` module (cached: one import per process)."""
+    root = tree.root()
+    found = [m for m in tree.modules if root.joinpath(*m.split(".")).with_suffix(".py").is_file()]
+    if not found:
+        raise VendoredMissing(f"{tree.variable}={root} holds none of {', '.join(tree.modules)}")
+    _register_tree(tree, root, found[0])
+    try:
+        return importlib.import_module(found[0])
+    except Exception as exc:  # a partial tree, or an import the stubs do not provide: say which
+        raise VendoredMissing(f"importing {tree.server}'s {found[0]} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def tree_commit(tree: Tree) -> str:
+    """The tree's commit (``git rev-parse`` in it, else a ``COMMIT`` file at its root), or ``unknown``."""
+    source = os.environ.get(tree.variable)
+    if not source:
+        return ""
+    try:  # the tree's own checkout only, not a repository the folder happens to sit in
+        command = ["git", "-C", source, "rev-parse", "--show-toplevel", "--short=12", "HEAD"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=10)
+        top, _, commit = done.stdout.strip().partition("\n")
+        if done.returncode == 0 and commit and Path(top).resolve() == Path(source).resolve():
+            return commit
+    except (OSError, subprocess.SubprocessError):
+        pass
+    marker = Path(source) / "COMMIT"
+    return marker.read_text().strip()[:40] if marker.is_file() else "unknown"
+
+
+def vendored_commits() -> dict[str, str]:
+    """``{"vllm": commit, "sglang": commit}`` for the trees named in this environment."""
+    return {tree.package: tree_commit(tree) for tree in TREES if os.environ.get(tree.variable)}
+
+
+def _parameters(function: Callable) -> set[str]:
+    return set(inspect.signature(function).parameters)
+
+
+def _to_case_layout(state: torch.Tensor, kernel_v_first: bool, case: Case) -> torch.Tensor:
+    return state if kernel_v_first == case.state_v_first else state.transpose(-1, -2)
+
+
+class VendoredBackend(Backend):
+    """Common ground: loading the tree, availability on the device, the envelope the server's layer has."""
+
+    tree: Tree
+    chunk_tokens = 64
+
+    def kda(self) -> types.ModuleType:
+        return load(self.tree)
+
+    def availability(self, device: torch.device) -> Support:
+        try:
+            self.tree.root()
+        except VendoredMissing as exc:
+            return Support.no(str(exc))
+        if device.type == "cpu":
+            problem = triton_interpret.problem()
+            if problem:
+                return Support.no(problem)
+            triton_interpret.enable()
+        elif device.type != "cuda" or not torch.cuda.is_available():
+            return Support.no(f"{self.tree.server}'s Triton kernels do not run on {device}")
+        try:
+            self.kda()
+        except VendoredMissing as exc:
+            return Support.no(str(exc))
+        return Support.yes()
+
+    def interpreted(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
+    def supports(self, case: Case) -> Support:
+        head_dims = head_dim_envelope(case, self.tree.server)
+        if not head_dims:
+            return head_dims
+        if case.num_v_heads != case.num_heads:
+            return Support.no(f"{self.tree.server}'s KDA layer has as many value heads as key heads (no GVA)")
+        if case.checkpoints:
+            return Support.no(f"{self.tree.server}'s KDA prefill saves no intermediate states (checkpoints)")
+        return Support.yes()
+
+    def kernel_v_first(self, device: torch.device) -> bool:
+        """Whether the kernels keep the state V-first, found once by a probe call with K = 16, V = 32."""
+        return _probe_layout(self, device.type)
+
+    def call(self, inputs: KDAInputs, v_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The server's prefill call with the states in the given layout: (o, final state in that layout)."""
+        raise NotImplementedError
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        support = self.supports(inputs.case)
+        if not support:
+            raise Unsupported(support.reason)
+        v_first = self.kernel_v_first(inputs.device)
+        with torch.inference_mode():
+            o, final = self.call(inputs, v_first)
+        final = _to_case_layout(final, v_first, inputs.case)
+        return BackendOutput(o=o, final_state=stored(inputs.case, "final_state", final))
+
+    def beta_for_call(self, inputs: KDAInputs) -> torch.Tensor:
+        # Both servers apply the sigmoid before the call, in fp32 (``b_proj(x).float().sigmoid()``).
+        beta = inputs.beta.float()
+        return beta.sigmoid() if inputs.case.beta_sigmoid_in_kernel else beta
+
+
+_LAYOUTS: dict[tuple[str, str], bool] = {}
+
+
+def _probe_layout(backend: VendoredBackend, device_type: str) -> bool:
+    """One call with K = 16, V = 32 and a zero initial state: the final state's shape says the layout (a
+    kernel that checks its initial state's shape is given the other layout if the first is refused). Kept
+    per tree and device type."""
+    key = (backend.tree.package, device_type)
+    if key not in _LAYOUTS:
+        from kda_cases.materialize import materialize
+
+        case = Case(seq_lens=(3,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=32, gate="log",
+                    lower_bound=None, safe_gate=False)  # fmt: skip
+        inputs = materialize(case, torch.device(device_type))
+        with torch.inference_mode():
+            try:
+                _, final = backend.call(inputs, v_first=True)
+            except Exception:
+                _, final = backend.call(inputs, v_first=False)
+        if tuple(final.shape[-2:]) not in ((32, 16), (16, 32)):
+            raise Unsupported(f"{backend.tree.server}'s final state has shape {tuple(final.shape)} for K=16, V=32")
+        _LAYOUTS[key] = tuple(final.shape[-2:]) == (32, 16)
+    return _LAYOUTS[key]
+
+
+def forget(tree: Tree) -> None:
+    """Drop what was loaded from ``tree`` (its modules, stubs and layout), so another tree can be loaded."""
+    for name in [m for m in sys.modules if m == tree.package or m.startswith(tree.package + ".")]:
+        del sys.modules[name]
+    for key in [k for k in _LAYOUTS if k[0] == tree.package]:
+        del _LAYOUTS[key]
+    load.cache_clear()
+
+
+class VllmChunk(VendoredBackend):
+    name = "vllm_chunk"
+    description = "vLLM's vendored KDA chunk kernels (KDA_VLLM_SRC), called as vLLM's KDA layer calls them"
+    tree = VLLM
+
+    def supports(self, case: Case) -> Support:
+        base = super().supports(case)
+        if not base:
+            return base
+        if case.gate == "lower_bound":
+            return Support.no("vLLM's KDA gate is -exp(A_log) * softplus(g + dt_bias): no lower-bound (safe) gate")
+        return Support.yes()
+
+    def call(self, inputs: KDAInputs, v_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's prefill call with the states in the given layout: (o, final state in that layout)."""
+        kda, case = self.kda(), inputs.case
+        n, h, K, V = case.num_seqs, case.num_heads, case.head_k_dim, case.head_v_dim
+        if inputs.initial_state is not None:
+            h0 = inputs.initial_state.float()
+            h0 = h0 if v_first == case.state_v_first else h0.transpose(-1, -2)
+        else:  # vLLM zeroes a fresh sequence's slot, then gathers it: zeros
+            h0 = torch.zeros((n, h, V, K) if v_first else (n, h, K, V), device=inputs.device)
+        cu = None if inputs.cu_seqlens is None else inputs.cu_seqlens.to(torch.int32)
+        common = dict(
+            scale=case.scale,
+            initial_state=h0.contiguous(),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=case.l2norm_in_kernel,
+            cu_seqlens=cu,
+        )
+        q, k, v = inputs.q, inputs.k, inputs.v.clone()  # vLLM's kernels write the output into v's buffer
+        beta = self.beta_for_call(inputs)
+        if case.gate_in_kernel and hasattr(kda, "chunk_kda_with_fused_gate"):
+            A_log = inputs.A_log.float().view(1, 1, -1, 1)  # vLLM's parameter shape
+            return kda.chunk_kda_with_fused_gate(
+                q=q, k=k, v=v, raw_g=inputs.g, beta=beta, A_log=A_log, g_bias=inputs.dt_bias.float(), **common
+            )
+        if case.gate_in_kernel:
+            if not hasattr(kda, "fused_kda_gate"):
+                raise Unsupported("this vLLM tree has neither chunk_kda_with_fused_gate nor fused_kda_gate")
+            g = kda.fused_kda_gate(inputs.g, inputs.A_log.float(), K, g_bias=inputs.dt_bias.float())
+            return kda.chunk_kda(q=q, k=k, v=v, g=g.view_as(inputs.g), beta=beta, **common)
+        return kda.chunk_kda(q=q, k=k, v=v, g=inputs.g.float(), beta=beta, **common)
+
+
+class SglangChunk(VendoredBackend):
+    name = "sglang_chunk"
+    description = "SGLang's vendored KDA chunk kernels (KDA_SGLANG_SRC), called as SGLang's TritonKDAKernel calls them"
+    tree = SGLANG
+
+    def supports(self, case: Case) -> Support:
+        base = super().supports(case)
+        if not base:
+            return base
+        kda = self.kda()
+        takes = _parameters(kda.chunk_kda)
+        if case.gate_in_kernel and "A_log" not in takes and not hasattr(kda, "fused_kda_gate"):
+            return Support.no("this SGLang tree's chunk_kda takes no A_log and it has no fused_kda_gate")
+        if case.gate == "lower_bound" and "lower_bound" not in takes:
+            return Support.no("this SGLang tree's chunk_kda takes no lower_bound (safe gate)")
+        return Support.yes()
+
+    def call(self, inputs: KDAInputs, v_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """SGLang's prefill call with the states in the given layout: (o, final state in that layout)."""
+        kda, case = self.kda(), inputs.case
+        takes = _parameters(kda.chunk_kda)
+        gate: dict[str, object] = {}
+        g = inputs.g
+        if case.gate_in_kernel and "A_log" in takes:
+            gate = {"A_log": inputs.A_log.float().view(1, 1, -1, 1), "dt_bias": inputs.dt_bias.float()}
+            if case.gate == "lower_bound":
+                gate["lower_bound"] = case.lower_bound
+        elif case.gate_in_kernel:
+            g = kda.fused_kda_gate(inputs.g, inputs.A_log.float(), case.head_k_dim, g_bias=inputs.dt_bias.float())
+            g = g.view_as(inputs.g)
+        cu = None if inputs.cu_seqlens is None else inputs.cu_seqlens.to(torch.int32)
+        q, k, v = inputs.q, inputs.k, inputs.v.clone()  # SGLang's kernels write the output into v's buffer
+        common = dict(scale=case.scale, use_qk_l2norm_in_kernel=case.l2norm_in_kernel, cu_seqlens=cu, **gate)
+        beta = self.beta_for_call(inputs)
+        if "initial_state_indices" in takes:
+            # The pool: slot 0 the null block, sequence n in slot n + 1, zeroed at allocation, written in place.
+            n, h = case.num_seqs, case.num_heads
+            layout = (case.head_v_dim, case.head_k_dim) if v_first else (case.head_k_dim, case.head_v_dim)
+            pool = torch.zeros((n + 1, h, *layout), device=inputs.device)
+            if inputs.initial_state is not None:
+                h0 = inputs.initial_state.float()
+                pool[1:] = h0 if v_first == case.state_v_first else h0.transpose(-1, -2)
+            slots = torch.arange(1, n + 1, dtype=torch.int32, device=inputs.device)
+            o = kda.chunk_kda(q=q, k=k, v=v, g=g, beta=beta, initial_state=pool, initial_state_indices=slots, **common)
+            return o, pool[1:]
+        h0 = None if inputs.initial_state is None else _to_case_layout(inputs.initial_state.float(), v_first, case)
+        return kda.chunk_kda(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, output_final_state=True, **common)
+
+    def kernel_v_first(self, device: torch.device) -> bool:
+        if "initial_state_indices" in _parameters(self.kda().chunk_kda):
+            return True  # the pool API: V-first slots (the kernel's block pointers read state[v, k])
+        return super().kernel_v_first(device)

@@ -1,0 +1,1 @@
+FLA_CHUNK_SIZE = 64

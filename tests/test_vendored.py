@@ -1,0 +1,114 @@
+"""vLLM's and SGLang's vendored KDA kernels, loaded from a source tree (kernels/vendored.py), against test doubles
+of each API (tests/doubles/): signature detection, the argument mapping and the state handling each server's
+layer does, the layout probe, and the reasons given when a tree is missing or needs what the loader lacks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kda_cases.case import Case
+from kda_conformance.cli import main
+from kda_kernels import registry, vendored
+from kda_kernels.vendored import SGLANG, VLLM
+from kda_reports.runfile import read_run
+
+DOUBLES = Path(__file__).with_name("doubles")
+NO_BOUND = {"lower_bound": None, "safe_gate": False}
+CASES = (
+    # packed, a zero-length member, a random initial state (K-first in the case, V-first in the pool)
+    Case(seq_lens=(70, 0, 30), packed=True, head_k_dim=32, head_v_dim=32, gate="softplus", initial_state="random",
+         **NO_BOUND),
+    Case(seq_lens=(40,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=32, gate="log", **NO_BOUND),
+    Case(seq_lens=(65,), head_k_dim=32, head_v_dim=32, gate="softplus", initial_state="random",
+         state_layout="v_first", beta_sigmoid_in_kernel=False, **NO_BOUND),
+)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def doubles(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.syspath_prepend(str(DOUBLES))
+    import kda_server_double
+
+    kda_server_double.CALLS.clear()
+    yield
+    for tree in vendored.TREES:
+        vendored.forget(tree)
+
+
+def _calls() -> list[dict]:
+    import kda_server_double
+
+    return kda_server_double.CALLS
+
+
+def _run(backend: str, case: Case, out: Path) -> int:
+    argv = ["run", "--backend", backend, "--device", "cpu", "--case", case.to_json(), "--out", str(out)]
+    return main([*argv, "--no-dashboard"])
+
+
+def test_vllm_current_tree_is_called_as_its_layer_calls_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(VLLM.variable, str(DOUBLES / "vllm_tree"))
+    for n, case in enumerate(CASES):
+        assert _run("vllm_chunk", case, tmp_path / f"out{n}") == 0, case.label
+    fused = [c for c in _calls() if c["entry"] == "chunk_kda_with_fused_gate"]
+    assert fused and all(c["A_log"] == (1, 1, c["initial_state"].shape[1], 1) for c in fused)  # vLLM's shape
+    assert any(c["entry"] == "chunk_kda" for c in _calls())  # the precomputed (log) gate
+    packed = next(c for c in _calls() if c["cu_seqlens"] is not None)
+    assert packed["cu_seqlens"].tolist() == [0, 70, 70, 100]
+    fresh = next(c for c in _calls() if c["initial_state"].shape[-2:] == (32, 16) and c["beta"].shape[1] == 40)
+    assert not fresh["initial_state"].any(), "a fresh sequence's slot is zeroed, then gathered: zeros"
+    assert not vendored.load(VLLM).__name__.startswith("vllm.model_executor")  # the newest layout first
+    records = read_run(next((tmp_path / "out0" / "runs").glob("*.parquet")))
+    assert json.loads(records["env_vendored"].iloc[0]) == {"vllm": "a vLLM test double"}
+
+
+def test_vllm_older_tree_gates_before_the_call_and_keeps_states_k_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(VLLM.variable, str(DOUBLES / "vllm_old_tree"))
+    assert not registry.get("vllm_chunk").kernel_v_first(__import__("torch").device("cpu"))
+    for n, case in enumerate(CASES[:2]):
+        assert _run("vllm_chunk", case, tmp_path / f"out{n}") == 0, case.label
+    assert {c["entry"] for c in _calls()} == {"chunk_kda"}
+
+
+def test_vllm_has_no_lower_bound_gate_nor_gva() -> None:
+    backend = registry.get("vllm_chunk")
+    assert "no lower-bound (safe) gate" in backend.supports(Case(seq_lens=(9,))).reason
+    assert "no GVA" in backend.supports(Case(seq_lens=(9,), gate="softplus", num_v_heads=4, **NO_BOUND)).reason
+
+
+def test_sglang_pool_api_reads_and_writes_each_sequence_slot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SGLANG.variable, str(DOUBLES / "sglang_tree"))
+    lower_bound = Case(seq_lens=(50, 20), packed=True, num_heads=2, num_v_heads=2, head_k_dim=32, head_v_dim=32,
+                       initial_state="random")  # fmt: skip
+    for n, case in enumerate((*CASES, lower_bound)):
+        assert _run("sglang_chunk", case, tmp_path / f"out{n}") == 0, case.label
+    calls = _calls()
+    assert all(c["indices"].tolist() == list(range(1, len(c["indices"]) + 1)) for c in calls)  # slot 0: the null block
+    assert all(not c["pool"][0].any() for c in calls)
+    assert any(c["pool"][1:].any() for c in calls)  # resumed sequences' states were in their slots
+
+
+@pytest.mark.parametrize("tree", [VLLM, SGLANG], ids=lambda t: t.package)
+def test_a_missing_or_incomplete_tree_says_why(
+    tree: vendored.Tree, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch = pytest.importorskip("torch")
+    name = f"{tree.package}_chunk"
+    monkeypatch.delenv(tree.variable, raising=False)
+    assert (
+        f"{tree.variable} names no {tree.server} source tree"
+        in registry.get(name).availability(torch.device("cpu")).reason
+    )
+    monkeypatch.setenv(tree.variable, str(tmp_path))
+    assert f"holds no {tree.package}/ folder" in registry.get(name).availability(torch.device("cpu")).reason
+    kda = tmp_path.joinpath(*tree.modules[-1].split(".")).with_suffix(".py")
+    kda.parent.mkdir(parents=True)
+    kda.write_text(f"from {tree.package}.distributed import parallel_state\n")
+    reason = registry.get(name).availability(torch.device("cpu")).reason
+    assert f"importing {tree.server}'s {tree.modules[-1]} failed" in reason and "distributed" in reason, reason
