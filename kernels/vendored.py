@@ -21,7 +21,7 @@ What the server's layer does around the call is reproduced, read from its code (
 
 Which entry points and arguments exist is found from the signatures, never from a version. The state
 layout the kernels use (V-first in current trees, K-first in older ones) is found by one small probe call
-with K != V. The commit of the tree is recorded in the run's environment (``vendored_commits``).
+with K != V. The commit of the tree is recorded in the run's environment (``env_source_trees``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import importlib
 import inspect
 import math
 import os
-import subprocess
 import sys
 import types
 from collections.abc import Callable
@@ -190,28 +189,6 @@ def load(tree: Tree) -> types.ModuleType:
         return importlib.import_module(found[0])
     except Exception as exc:  # a partial tree, or an import the stubs do not provide: say which
         raise VendoredMissing(f"importing {tree.server}'s {found[0]} failed: {type(exc).__name__}: {exc}") from exc
-
-
-def tree_commit(tree: Tree) -> str:
-    """The tree's commit (``git rev-parse`` in it, else a ``COMMIT`` file at its root), or ``unknown``."""
-    source = os.environ.get(tree.variable)
-    if not source:
-        return ""
-    try:  # the tree's own checkout only, not a repository the folder happens to sit in
-        command = ["git", "-C", source, "rev-parse", "--show-toplevel", "--short=12", "HEAD"]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=10)
-        top, _, commit = done.stdout.strip().partition("\n")
-        if done.returncode == 0 and commit and Path(top).resolve() == Path(source).resolve():
-            return commit
-    except (OSError, subprocess.SubprocessError):
-        pass
-    marker = Path(source) / "COMMIT"
-    return marker.read_text().strip()[:40] if marker.is_file() else "unknown"
-
-
-def vendored_commits() -> dict[str, str]:
-    """``{"vllm": commit, "sglang": commit}`` for the trees named in this environment."""
-    return {tree.package: tree_commit(tree) for tree in TREES if os.environ.get(tree.variable)}
 
 
 def _parameters(function: Callable) -> set[str]:

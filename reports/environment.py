@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from kda_cases.devices import gpu_arch
-from kda_kernels.vendored import vendored_commits
 
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -102,6 +101,29 @@ def numerics_variables(environ: dict[str, str] | None = None) -> dict[str, str]:
     return {name: REDACTED if any(w in name.upper() for w in SECRET_WORDS) else v for name, v in chosen.items()}
 
 
+def source_tree_commits(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The commit of each kernel source tree a ``KDA_*_SRC`` variable names (AITER's, vLLM's, SGLang's), keyed
+    by the variable: ``git rev-parse`` in the tree's own checkout, else a ``COMMIT`` file at its root, else
+    ``unknown``."""
+    environ = dict(os.environ if environ is None else environ)
+    commits = {}
+    for name, source in sorted(environ.items()):
+        if not (name.startswith("KDA_") and name.endswith("_SRC") and source):
+            continue
+        commit = ""
+        try:  # the tree's own checkout only, not a repository the folder happens to sit in
+            command = ["git", "-C", source, "rev-parse", "--show-toplevel", "--short=12", "HEAD"]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=10)
+            top, _, head = done.stdout.strip().partition("\n")
+            if done.returncode == 0 and head and Path(top).resolve() == Path(source).resolve():
+                commit = head
+        except (OSError, subprocess.SubprocessError):
+            pass
+        marker = Path(source) / "COMMIT"
+        commits[name] = commit or (marker.read_text().strip()[:40] if marker.is_file() else "unknown")
+    return commits
+
+
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo`` on Linux), else what the platform says."""
     try:
@@ -125,7 +147,7 @@ def environment(device: torch.device) -> dict[str, str | int]:
         "triton": _version("triton"),
         "fla": _version("fla-core"),
         "aiter": _version("aiter"),
-        "vendored": json.dumps(vendored_commits(), sort_keys=True),
+        "source_trees": json.dumps(source_tree_commits(), sort_keys=True),
         # The commit and where it was read (KDA_SUITE_COMMIT, git, package metadata or unknown).
         **dict(zip(("suite_commit", "suite_commit_from"), suite_commit(), strict=True)),
         "variables": json.dumps(numerics_variables(), sort_keys=True),

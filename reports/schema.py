@@ -76,9 +76,9 @@ RECORD_COLUMNS: dict[str, str] = {
     "env_triton": "triton version",
     "env_fla": "fla-core version ('' when absent)",
     "env_aiter": "aiter version ('' when absent)",
-    "env_vendored": "commits of the server source trees the vendored backends load from, as JSON (`vllm` from "
-    "`KDA_VLLM_SRC`, `sglang` from `KDA_SGLANG_SRC`: `git rev-parse` there, else its `COMMIT` file, else "
-    "`unknown`); `{}` when none is named",
+    "env_source_trees": "the commit of each kernel source tree a `KDA_*_SRC` variable names (`KDA_AITER_SRC`, "
+    "`KDA_VLLM_SRC`, `KDA_SGLANG_SRC`), as JSON keyed by the variable: `git rev-parse` in the tree's own checkout, "
+    "else its `COMMIT` file, else `unknown`; `{}` when none is named",
     "env_cuda": "CUDA version torch was built with (GPU runs)",
     "env_hip": "HIP version torch was built with (ROCm runs)",
     "env_visible_devices": "GPU runs: the GPUs the process saw (`CUDA_VISIBLE_DEVICES` / `HIP_VISIBLE_DEVICES`; "

@@ -63,7 +63,7 @@ def test_vllm_current_tree_is_called_as_its_layer_calls_it(tmp_path: Path, monke
     assert not fresh["initial_state"].any(), "a fresh sequence's slot is zeroed, then gathered: zeros"
     assert not vendored.load(VLLM).__name__.startswith("vllm.model_executor")  # the newest layout first
     records = read_run(next((tmp_path / "out0" / "runs").glob("*.parquet")))
-    assert json.loads(records["env_vendored"].iloc[0]) == {"vllm": "a vLLM test double"}
+    assert json.loads(records["env_source_trees"].iloc[0]) == {"KDA_VLLM_SRC": "a vLLM test double"}
 
 
 def test_vllm_older_tree_gates_before_the_call_and_keeps_states_k_first(
