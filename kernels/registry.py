@@ -103,6 +103,7 @@ def _load() -> None:
 def _register_builtins() -> None:
     from kda_kernels.aiter import BACKENDS as AITER_BACKENDS
     from kda_kernels.fla import FlaChunk, FlaRecurrent
+    from kda_kernels.flashkda import FlaChunkDispatch, FlashKdaCuda
     from kda_kernels.torch_chunk import TorchChunk
     from kda_kernels.vendored import SglangChunk, VllmChunk
 
@@ -110,6 +111,8 @@ def _register_builtins() -> None:
     register("fla_chunk32", lambda: FlaChunk(chunk_size=32))
     register("fla_recurrent", FlaRecurrent)
     register(BASELINE, TorchChunk)
+    register("flashkda_cuda", FlashKdaCuda)
+    register("fla_chunk_dispatch", FlaChunkDispatch)
     register("vllm_chunk", VllmChunk)
     register("sglang_chunk", SglangChunk)
     for aiter_backend in AITER_BACKENDS:

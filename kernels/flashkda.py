@@ -1,0 +1,166 @@
+"""FlashKDA on CUDA (MoonshotAI/FlashKDA, the ``flash_kda`` package, a CUTLASS kernel for sm_90a), alone and as
+FLA's ``chunk_kda`` hands calls to it when it is installed.
+
+- ``flashkda_cuda``: ``flash_kda.fwd`` called as FlashKDA's README calls it: bf16 q, k, v, raw g and beta
+  (q/k normalised, the lower-bound gate and beta's sigmoid inside), ``A_log`` fp32 ``[H]``, ``dt_bias`` fp32
+  ``[H, K]``, an fp32 V-first state ``[N, H, V, K]``, int64 ``cu_seqlens``; it writes ``out`` and the final
+  state in place.
+- ``fla_chunk_dispatch``: what a Hopper user of ``fla.ops.kda.chunk_kda`` gets with ``flash_kda`` installed:
+  FLA's own FlashKDA backend (``fla/ops/kda/backends/flash_kda.py``): its verifier decides, its adapter
+  converts the arguments and calls ``flash_kda.fwd``. The suite imports FLA with its dispatch switched
+  off (``kernels/fla.py``), which leaves FLA's wrapper out; this backend runs the same verifier and adapter
+  FLA's wrapper would. Calls the verifier rejects run FLA's Triton path, which ``fla_chunk`` tests: they
+  are outside this backend's envelope, with the verifier's reason.
+
+Their envelope is FlashKDA's own checks (``csrc/flash_kda.cpp``): bf16, K = V = 128, as many value heads as
+key heads, the lower-bound gate with q/k normalisation and beta's sigmoid in the kernel; no checkpoints.
+Building FlashKDA: docs/flashkda.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+from kda_cases.case import Case
+from kda_cases.dtypes import stored
+from kda_cases.materialize import KDAInputs
+from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported
+
+HEAD_DIM = 128
+INSTALL = "flash_kda is not installed (MoonshotAI/FlashKDA, built from source for sm_90a: docs/flashkda.md)"
+
+
+def flash_kda_envelope(case: Case) -> Support:
+    """What FlashKDA's checks accept, said the way its errors say it."""
+    if case.dtype != "bf16":
+        return Support.no(f"FlashKDA takes bf16 only (q must be bfloat16), the case is {case.dtype}")
+    if case.head_k_dim != HEAD_DIM or case.head_v_dim != HEAD_DIM:
+        return Support.no(f"FlashKDA supports only D == {HEAD_DIM} (K = V), the case has K={case.head_k_dim}, "
+                          f"V={case.head_v_dim}")  # fmt: skip
+    if case.num_v_heads != case.num_heads:
+        return Support.no("FlashKDA needs v to match q's shape: no GVA (HV != H)")
+    if case.gate != "lower_bound":
+        return Support.no("FlashKDA computes the lower-bound gate from raw g in the kernel; the case's gate is "
+                          f"{case.gate}")  # fmt: skip
+    if not (case.l2norm_in_kernel and case.beta_sigmoid_in_kernel):
+        return Support.no("FlashKDA normalises q/k and applies beta's sigmoid in the kernel: the case does not")
+    if case.checkpoints:
+        return Support.no("FlashKDA returns no intermediate states (checkpoints)")
+    return Support.yes()
+
+
+def _availability(device: torch.device) -> Support:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return Support.no(f"FlashKDA is a CUDA kernel (sm_90a and later); this device is {device}")
+    if torch.version.hip is not None:
+        return Support.no("FlashKDA is a CUDA kernel; this is a ROCm build of torch (AITER ports it: aiter_flashkda)")
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return Support.no(f"FlashKDA needs sm_90 or later; this GPU is sm_{major}x")
+    if importlib.util.find_spec("flash_kda") is None:
+        return Support.no(INSTALL)
+    return Support.yes()
+
+
+def _v_first_state(inputs: KDAInputs) -> torch.Tensor | None:
+    # An fp32 V-first state, as a server's pool holds it (a bf16 pool is widened exactly).
+    h0 = inputs.initial_state
+    if h0 is None:
+        return None
+    h0 = h0.float()
+    return (h0 if inputs.case.state_v_first else h0.transpose(-1, -2)).contiguous()
+
+
+def _to_case_state(final: torch.Tensor, case: Case) -> torch.Tensor:
+    return final if case.state_v_first else final.transpose(-1, -2)
+
+
+class FlashKdaCuda(Backend):
+    name = "flashkda_cuda"
+    description = "flash_kda.fwd, MoonshotAI's FlashKDA CUTLASS kernel (sm_90a), called as its README calls it"
+    chunk_tokens = 16
+
+    def availability(self, device: torch.device) -> Support:
+        return _availability(device)
+
+    def supports(self, case: Case) -> Support:
+        return flash_kda_envelope(case)
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        support = self.supports(inputs.case)
+        if not support:
+            raise Unsupported(support.reason)
+        import flash_kda
+
+        case = inputs.case
+        n = case.num_seqs if inputs.cu_seqlens is not None else inputs.q.shape[0]
+        out = torch.empty_like(inputs.v)
+        final = torch.empty(n, case.num_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=inputs.device)
+        cu = None if inputs.cu_seqlens is None else inputs.cu_seqlens.to(torch.int64)
+        scale = case.scale if case.scale is not None else HEAD_DIM**-0.5
+        with torch.inference_mode():
+            flash_kda.fwd(
+                inputs.q.contiguous(),
+                inputs.k.contiguous(),
+                inputs.v.contiguous(),
+                inputs.g.contiguous(),
+                inputs.beta.contiguous(),
+                scale,
+                out,
+                inputs.A_log.float().contiguous(),
+                inputs.dt_bias.float().view(case.num_heads, HEAD_DIM).contiguous(),
+                float(case.lower_bound),
+                initial_state=_v_first_state(inputs),
+                final_state=final,
+                cu_seqlens=cu,
+            )
+        return BackendOutput(o=out, final_state=stored(case, "final_state", _to_case_state(final, case)))
+
+
+def _fla_flash_kda() -> Any:
+    """FLA's FlashKDA backend object (fla-core's ``fla/ops/kda/backends/flash_kda.py``)."""
+    from kda_kernels.fla import _import_fla_kda  # FLA set up as the suite imports it
+
+    _import_fla_kda(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    try:
+        from fla.ops.kda.backends.flash_kda import FlashKDABackend
+    except ImportError as exc:
+        raise Unsupported(f"this fla-core has no FlashKDA backend (fla.ops.kda.backends.flash_kda): {exc}") from exc
+    return FlashKDABackend()
+
+
+class FlaChunkDispatch(Backend):
+    name = "fla_chunk_dispatch"
+    description = "fla.ops.kda.chunk_kda as dispatched to FlashKDA when flash_kda is installed (FLA's own adapter)"
+    chunk_tokens = 16
+
+    def availability(self, device: torch.device) -> Support:
+        if importlib.util.find_spec("fla") is None:
+            return Support.no("fla-core is not installed (pip install fla-core==0.6.0)")
+        return _availability(device)
+
+    def supports(self, case: Case) -> Support:
+        return flash_kda_envelope(case)
+
+    def call_kwargs(self, inputs: KDAInputs) -> dict[str, Any]:
+        """chunk_kda's arguments as a Hopper user passes them: the case's, with the fp32 state V-first."""
+        kwargs = {**inputs.kernel_kwargs(), "initial_state": _v_first_state(inputs), "state_v_first": True}
+        return {**kwargs, "output_final_state": True, "safe_gate": inputs.case.safe_gate}
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        support = self.supports(inputs.case)
+        if not support:
+            raise Unsupported(support.reason)
+        backend = _fla_flash_kda()
+        args = (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
+        kwargs = self.call_kwargs(inputs)
+        with torch.inference_mode():
+            accepted, reason = backend.verify("chunk_kda", *args, **kwargs)
+            if not accepted:  # FLA would run its Triton path: fla_chunk's
+                raise Unsupported(f"FLA's dispatch would not hand this call to FlashKDA: {reason}")
+            o, final = backend.get_implementation("chunk_kda")(*args, **kwargs)
+        case = inputs.case
+        return BackendOutput(o=o, final_state=stored(case, "final_state", _to_case_state(final, case)))
