@@ -34,6 +34,8 @@ def _import_fla_kda(device: torch.device) -> ModuleType:
     import fla.ops.kda
 
     fla.backends._DISPATCH_DISABLED = True  # in case FLA was imported before we set the variable
+    if device.type == "cpu":
+        triton_interpret.patch_fla()
     return fla.ops.kda
 
 

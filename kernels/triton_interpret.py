@@ -18,17 +18,23 @@ working and when the interpreter no longer needs it:
    interpreter does not patch (safe-gate path); we switch FLA to its
    ``tl.load`` fallback.
 
-Everything is applied only by :func:`enable`, called by the FLA adapters when
-they run on a CPU. The patches are written against one Triton release
+Everything is switched on by :func:`enable`, called by the pytest plugin and the
+FLA adapters on a CPU: the Triton patches at once, the two that patch FLA's own
+modules (2 and 5) as soon as ``fla.ops.kda`` has been imported, whoever imports
+it, so that a process that runs no FLA kernel never pays FLA's import (seconds). The patches are written against one Triton release
 (:data:`PINNED_TRITON`); a different release refuses them with a clear error,
 since the interpreter internals they touch are private.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import importlib.metadata
+import importlib.util
 import os
 import sys
+import types
 import warnings
 from collections.abc import Collection, Iterator
 
@@ -36,6 +42,7 @@ PINNED_TRITON = "3.9.0"
 WORKAROUNDS = ("autotune", "loop_index", "bf16_arith", "bf16_round", "gather")
 
 _enabled = False
+_fla_pending: tuple[str, ...] = ()  # the FLA workarounds enable() left for patch_fla()
 
 
 class TritonInterpretError(RuntimeError):
@@ -105,17 +112,47 @@ def enable(skip: Collection[str] = ()) -> None:
     # interpreter evaluates exp and exp2 on masked-off lanes, whose overflow the kernel discards.
     warnings.filterwarnings("ignore", message="Triton is not supported on current platform", category=UserWarning)
     warnings.filterwarnings("ignore", message="overflow encountered in exp", category=RuntimeWarning)
-    patches = {
-        "autotune": _patch_autotune,
-        "bf16_arith": _patch_bf16_arith,
-        "bf16_round": _patch_bf16_round,
-        "loop_index": _patch_loop_index,
-        "gather": _use_gather_fallback,
-    }
-    for name, patch in patches.items():
+    for name, patch in TRITON_PATCHES.items():
         if name not in skip:
             patch()
+    global _fla_pending
+    _fla_pending = tuple(name for name in FLA_PATCHES if name not in skip)
     _enabled = True
+    if "fla.ops.kda" in sys.modules:  # FLA came in with TRITON_INTERPRET set already: patch it now
+        patch_fla()
+    elif _fla_pending:
+        sys.meta_path.insert(0, _PatchFlaOnImport())
+
+
+class _PatchFlaOnImport(importlib.abc.MetaPathFinder):
+    """Applies the FLA workarounds as soon as ``fla.ops.kda`` has been imported, by whatever code imports it
+    (a standalone repro file, say), and then leaves ``sys.meta_path``."""
+
+    def find_spec(self, name: str, path: object, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if name != "fla.ops.kda":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        load = spec.loader.exec_module
+
+        def exec_then_patch(module: types.ModuleType) -> None:
+            load(module)
+            patch_fla()
+
+        spec.loader.exec_module = exec_then_patch  # this spec's own loader, for this one import
+        return spec
+
+
+def patch_fla() -> None:
+    """Apply the workarounds that patch FLA's own modules, once, after ``fla.ops.kda`` is imported (FLA's
+    adapter calls it). They wait for FLA because importing it takes seconds (torch's compiler stack with it):
+    a process that runs no FLA kernel, a pytest worker of the baseline alone say, never pays for it."""
+    global _fla_pending
+    pending, _fla_pending = _fla_pending, ()
+    for name in pending:
+        FLA_PATCHES[name]()
 
 
 def _patch_autotune() -> None:
@@ -242,3 +279,8 @@ def _use_gather_fallback() -> None:
     if not hasattr(chunk_intra, "IS_GATHER_SUPPORTED"):
         raise TritonInterpretError("fla.ops.kda.chunk_intra no longer has IS_GATHER_SUPPORTED to switch off")
     chunk_intra.IS_GATHER_SUPPORTED = False
+
+
+# The workarounds by what they patch: Triton itself (applied by enable()) and FLA's modules (patch_fla()).
+TRITON_PATCHES = {"autotune": _patch_autotune, "bf16_arith": _patch_bf16_arith, "bf16_round": _patch_bf16_round}
+FLA_PATCHES = {"loop_index": _patch_loop_index, "gather": _use_gather_fallback}
