@@ -89,3 +89,18 @@ def test_bf16_chunk_kda_error_grows_without_rounding() -> None:
 def test_enable_rejects_unknown_workaround_names() -> None:
     with pytest.raises(ValueError, match="unknown workarounds"):
         triton_interpret.enable(skip=["no_such_thing"])
+
+
+def test_fla_workarounds_wait_for_fla_and_apply_whoever_imports_it() -> None:
+    """Switching the interpreter on imports no FLA (seconds a process); FLA imported afterwards by any code
+    (a standalone repro file, not the suite's adapter) still gets its workarounds."""
+    code = (
+        "import sys; from kda_kernels import triton_interpret; triton_interpret.enable(); "
+        "assert 'fla' not in sys.modules, 'enable() imported FLA'; "
+        "import fla.ops.kda.chunk_intra as intra; "
+        "assert intra.IS_GATHER_SUPPORTED is False, 'the gather workaround was not applied'; "
+        "print('ok')"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
