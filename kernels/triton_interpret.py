@@ -21,9 +21,10 @@ working and when the interpreter no longer needs it:
 Everything is switched on by :func:`enable`, called by the pytest plugin and the
 FLA adapters on a CPU: the Triton patches at once, the two that patch FLA's own
 modules (2 and 5) as soon as ``fla.ops.kda`` has been imported, whoever imports
-it, so that a process that runs no FLA kernel never pays FLA's import (seconds). The patches are written against one Triton release
-(:data:`PINNED_TRITON`); a different release refuses them with a clear error,
-since the interpreter internals they touch are private.
+it, so that a process that runs no FLA kernel never pays FLA's import (seconds).
+The patches are written against one Triton release (:data:`PINNED_TRITON`); a
+different release refuses them with a clear error, since the interpreter
+internals they touch are private.
 """
 
 from __future__ import annotations

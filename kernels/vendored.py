@@ -375,7 +375,11 @@ class SglangChunk(VendoredBackend):
         cu = None if inputs.cu_seqlens is None else inputs.cu_seqlens.to(torch.int32)
         q, k, v = inputs.q, inputs.k, inputs.v.clone()  # SGLang's kernels write the output into v's buffer
         common = dict(scale=case.scale, use_qk_l2norm_in_kernel=case.l2norm_in_kernel, cu_seqlens=cu, **gate)
-        beta = self.beta_for_call(inputs)
+        if case.beta_sigmoid_in_kernel and "beta_is_raw" in takes:
+            # SGLang's KDA backend passes the raw projection and beta_is_raw=True where chunk_kda takes it
+            beta, common["beta_is_raw"] = inputs.beta, True
+        else:
+            beta = self.beta_for_call(inputs)
         if "initial_state_indices" in takes:
             # The pool: slot 0 the null block, sequence n in slot n + 1, zeroed at allocation, written in place.
             n, h = case.num_seqs, case.num_heads

@@ -92,6 +92,8 @@ def test_sglang_pool_api_reads_and_writes_each_sequence_slot(tmp_path: Path, mon
     assert all(c["indices"].tolist() == list(range(1, len(c["indices"]) + 1)) for c in calls)  # slot 0: the null block
     assert all(not c["pool"][0].any() for c in calls)
     assert any(c["pool"][1:].any() for c in calls)  # resumed sequences' states were in their slots
+    # beta goes in raw with beta_is_raw=True where the case applies the sigmoid in the kernel, activated otherwise
+    assert [c["beta_is_raw"] for c in calls] == [True, True, False, True]
 
 
 @pytest.mark.parametrize("tree", [VLLM, SGLANG], ids=lambda t: t.package)

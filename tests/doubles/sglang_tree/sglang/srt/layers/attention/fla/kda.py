@@ -19,6 +19,7 @@ def chunk_kda(
     A_log=None,
     dt_bias=None,
     lower_bound=None,
+    beta_is_raw=False,
     **kwargs,
 ):
     CALLS.append(
@@ -28,8 +29,10 @@ def chunk_kda(
             "indices": initial_state_indices,
             "pool": initial_state.clone(),
             "beta": beta,
+            "beta_is_raw": beta_is_raw,
         }
     )
+    beta = beta.float().sigmoid() if beta_is_raw else beta
     if A_log is not None:
         g = (
             softplus_gate(g, A_log, dt_bias)
