@@ -100,14 +100,18 @@ def test_a_sticky_error_in_a_worker_costs_its_cases_only(tmp_path: Path) -> None
 def test_a_configuration_that_crashed_is_launched_once_a_night(tmp_path: Path) -> None:
     """The first sweep's bf16 cases of 64 and 130 tokens fall in two kernel configurations (with and without an
     initial state); a backend that crashes on bf16 is launched once per configuration, its later cases of
-    each recorded as quarantined (ending no worker), its fp32 cases untouched."""
+    each recorded as quarantined (ending no worker), its fp32 cases untouched. Two configurations side by side
+    on two workers can each crash once before the other's crash is recorded: see the comment below."""
     log = tmp_path / "launches.log"
     done = pytest_run(
         "conformance/test_first_sweep.py",
         "-k",
         "T64 or T130",  # 8 cases: 4 bf16 in 2 kernel configurations (with and without h0), 4 fp32
+        # One worker, restarted after each crash: two workers could each start a case of the same
+        # configuration before either crash is recorded (a race the quarantine cannot close), so the
+        # count of launches would depend on timing.
         "-n",
-        "2",
+        "1",
         "--max-worker-restart",
         "8",
         "--kda-plugin",
