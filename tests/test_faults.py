@@ -100,8 +100,8 @@ def test_a_sticky_error_in_a_worker_costs_its_cases_only(tmp_path: Path) -> None
 def test_a_configuration_that_crashed_is_launched_once_a_night(tmp_path: Path) -> None:
     """The first sweep's bf16 cases of 64 and 130 tokens fall in two kernel configurations (with and without an
     initial state); a backend that crashes on bf16 is launched once per configuration, its later cases of
-    each recorded as quarantined (ending no worker), its fp32 cases untouched. Two configurations side by side
-    on two workers can each crash once before the other's crash is recorded: see the comment below."""
+    each recorded as quarantined (ending no worker), its fp32 cases untouched. Two cases of one configuration
+    on two workers can both crash before either crash is recorded: see the comment below."""
     log = tmp_path / "launches.log"
     done = pytest_run(
         "conformance/test_first_sweep.py",
