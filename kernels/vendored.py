@@ -150,6 +150,11 @@ STUBS: dict[str, Callable[[], dict[str, object]]] = {
     "vllm.model_executor.custom_op": lambda: {"CustomOp": _CustomOp},
     "sglang.srt.utils": _sglang_utils,
     "sglang.srt.utils.common": _sglang_utils,
+    # SGLang 0.5.23's gated norm asks for the JIT's CUDA arch and programmatic dependent launch: neither here
+    "sglang.kernels.jit.utils": lambda: {
+        "get_jit_cuda_arch": lambda *a, **k: None,
+        "is_arch_support_pdl": lambda *a, **k: False,
+    },
 }
 
 
@@ -191,6 +196,19 @@ def load(tree: Tree) -> types.ModuleType:
         raise VendoredMissing(f"importing {tree.server}'s {found[0]} failed: {type(exc).__name__}: {exc}") from exc
 
 
+def _block_pointer_modules(kda: types.ModuleType) -> list[str]:
+    """The modules of ``kda``'s folder whose source calls ``tl.make_block_ptr``, which the CPU interpreter of
+    the pinned Triton refuses ("Block pointers have been removed in favor of the tensor descriptor API")."""
+    folder = Path(kda.__file__).parent
+    return sorted(
+        name.rsplit(".", 1)[-1]
+        for name, module in list(sys.modules.items())
+        if getattr(module, "__file__", None)
+        and Path(module.__file__).parent == folder
+        and "make_block_ptr" in Path(module.__file__).read_text(errors="replace")
+    )
+
+
 def _parameters(function: Callable) -> set[str]:
     return set(inspect.signature(function).parameters)
 
@@ -221,9 +239,16 @@ class VendoredBackend(Backend):
         elif device.type != "cuda" or not torch.cuda.is_available():
             return Support.no(f"{self.tree.server}'s Triton kernels do not run on {device}")
         try:
-            self.kda()
+            kda = self.kda()
         except VendoredMissing as exc:
             return Support.no(str(exc))
+        if device.type == "cpu":
+            uses = _block_pointer_modules(kda)
+            if uses:
+                return Support.no(
+                    f"{self.tree.server}'s kernels use tl.make_block_ptr ({', '.join(uses)}), which Triton's CPU "
+                    f"interpreter (triton=={triton_interpret.PINNED_TRITON}) no longer runs; run them on a GPU"
+                )
         return Support.yes()
 
     def interpreted(self, device: torch.device) -> bool:

@@ -114,3 +114,8 @@ def test_a_missing_or_incomplete_tree_says_why(
     kda.write_text(f"from {tree.package}.distributed import parallel_state\n")
     reason = registry.get(name).availability(torch.device("cpu")).reason
     assert f"importing {tree.server}'s {tree.modules[-1]} failed" in reason and "distributed" in reason, reason
+    # Kernels written with block pointers, which the pinned Triton's CPU interpreter refuses (SGLang 0.5.23's)
+    vendored.forget(tree)
+    kda.write_text("import triton.language as tl\n\n\ndef chunk_kda(q):\n    return tl.make_block_ptr\n")
+    reason = registry.get(name).availability(torch.device("cpu")).reason
+    assert "kernels use tl.make_block_ptr (kda), which Triton's CPU interpreter" in reason, reason
