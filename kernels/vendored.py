@@ -26,6 +26,7 @@ with K != V. The commit of the tree is recorded in the run's environment (``env_
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -76,7 +77,12 @@ VLLM = Tree(
     "vLLM",
     "KDA_VLLM_SRC",
     "vllm",
-    ("vllm.third_party.flash_linear_attention.ops.kda", "vllm.model_executor.layers.fla.ops.kda"),
+    (
+        # vLLM 0.33's Kimi layer imports NVIDIA's own copy on CUDA (AMD's on ROCm), which builds on the next one
+        "vllm.models.kimi_k3.nvidia.ops.third_party.kda",
+        "vllm.third_party.flash_linear_attention.ops.kda",
+        "vllm.model_executor.layers.fla.ops.kda",
+    ),
 )
 SGLANG = Tree(
     "SGLang",
@@ -90,8 +96,9 @@ TREES = (VLLM, SGLANG)
 def _triton_utils() -> dict[str, object]:
     import triton
     import triton.language as tl
+    import triton.language.extra.libdevice as tldevice
 
-    return {"triton": triton, "tl": tl, "HAS_TRITON": True}
+    return {"triton": triton, "tl": tl, "tldevice": tldevice, "HAS_TRITON": True}
 
 
 def _math_utils() -> dict[str, object]:
@@ -121,6 +128,14 @@ class _Platform:
         return not torch.cuda.is_available()
 
 
+def _async_tensor_h2d(data: object, device: object = None, dtype: object = None, out: object = None) -> torch.Tensor:
+    """vLLM's host-to-device copy of host-built metadata (its chunk indices), without the pinned staging."""
+    host = torch.as_tensor(data, dtype=dtype or (out.dtype if isinstance(out, torch.Tensor) else None))
+    if isinstance(out, torch.Tensor):
+        return out.copy_(host, non_blocking=True)
+    return host.to(device=device, non_blocking=True)
+
+
 class _CustomOp(torch.nn.Module):
     """vLLM's ``CustomOp``: only its ``register`` decorator is used by the kernel files."""
 
@@ -148,6 +163,8 @@ STUBS: dict[str, Callable[[], dict[str, object]]] = {
     "vllm.utils.math_utils": _math_utils,
     "vllm.platforms": lambda: {"current_platform": _Platform()},
     "vllm.model_executor.custom_op": lambda: {"CustomOp": _CustomOp},
+    "vllm.utils.gpu_sync_debug": lambda: {"gpu_sync_allowed": contextlib.nullcontext},
+    "vllm.utils.torch_utils": lambda: {"async_tensor_h2d": _async_tensor_h2d},
     "sglang.srt.utils": _sglang_utils,
     "sglang.srt.utils.common": _sglang_utils,
     # SGLang 0.5.23's gated norm asks for the JIT's CUDA arch and programmatic dependent launch: neither here
@@ -158,15 +175,27 @@ STUBS: dict[str, Callable[[], dict[str, object]]] = {
 }
 
 
-def _register_tree(tree: Tree, root: Path, module: str) -> None:
-    """Bare packages from the tree's root down to ``module``'s folder, and the stubs of ``tree``'s server."""
-    parts = module.split(".")[:-1]
-    for depth in range(1, len(parts) + 1):
-        name = ".".join(parts[:depth])
-        if name not in sys.modules:
-            package = types.ModuleType(name)
-            package.__path__ = [str(root.joinpath(*parts[:depth]))]  # its __init__ never runs
-            sys.modules[name] = package
+def _module_file(root: Path, module: str) -> Path | None:
+    """Where ``module`` lives in the tree (a file, or a package's ``__init__.py``), or None."""
+    path = root.joinpath(*module.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _register_tree(tree: Tree, root: Path) -> None:
+    """Bare packages from the tree's root down to each kernel folder it has (one copy may import another's
+    modules), and the stubs of ``tree``'s server."""
+    for module in tree.modules:
+        parts = module.split(".")[:-1]
+        for depth in range(1, len(parts) + 1):
+            name = ".".join(parts[:depth])
+            folder = root.joinpath(*parts[:depth])
+            if name not in sys.modules and folder.is_dir():
+                package = types.ModuleType(name)
+                package.__path__ = [str(folder)]  # its __init__ never runs
+                sys.modules[name] = package
     for name, provide in STUBS.items():
         if name.split(".")[0] != tree.package or name in sys.modules:
             continue
@@ -186,25 +215,26 @@ def _register_tree(tree: Tree, root: Path, module: str) -> None:
 def load(tree: Tree) -> types.ModuleType:
     """The tree's ``kda`` module (cached: one import per process)."""
     root = tree.root()
-    found = [m for m in tree.modules if root.joinpath(*m.split(".")).with_suffix(".py").is_file()]
+    found = [m for m in tree.modules if _module_file(root, m) is not None]
     if not found:
         raise VendoredMissing(f"{tree.variable}={root} holds none of {', '.join(tree.modules)}")
-    _register_tree(tree, root, found[0])
+    _register_tree(tree, root)
     try:
         return importlib.import_module(found[0])
     except Exception as exc:  # a partial tree, or an import the stubs do not provide: say which
         raise VendoredMissing(f"importing {tree.server}'s {found[0]} failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _block_pointer_modules(kda: types.ModuleType) -> list[str]:
-    """The modules of ``kda``'s folder whose source calls ``tl.make_block_ptr``, which the CPU interpreter of
-    the pinned Triton refuses ("Block pointers have been removed in favor of the tensor descriptor API")."""
-    folder = Path(kda.__file__).parent
+def _block_pointer_modules(root: Path) -> list[str]:
+    """The loaded modules of the tree at ``root`` whose source calls ``tl.make_block_ptr``, which the CPU
+    interpreter of the pinned Triton refuses ("Block pointers have been removed in favor of the tensor
+    descriptor API")."""
+    root = root.resolve()
     return sorted(
         name.rsplit(".", 1)[-1]
         for name, module in list(sys.modules.items())
         if getattr(module, "__file__", None)
-        and Path(module.__file__).parent == folder
+        and Path(module.__file__).resolve().is_relative_to(root)
         and "make_block_ptr" in Path(module.__file__).read_text(errors="replace")
     )
 
@@ -239,15 +269,21 @@ class VendoredBackend(Backend):
         elif device.type != "cuda" or not torch.cuda.is_available():
             return Support.no(f"{self.tree.server}'s Triton kernels do not run on {device}")
         try:
-            kda = self.kda()
+            self.kda()
         except VendoredMissing as exc:
             return Support.no(str(exc))
         if device.type == "cpu":
-            uses = _block_pointer_modules(kda)
+            uses = _block_pointer_modules(self.tree.root())
             if uses:
                 return Support.no(
                     f"{self.tree.server}'s kernels use tl.make_block_ptr ({', '.join(uses)}), which Triton's CPU "
                     f"interpreter (triton=={triton_interpret.PINNED_TRITON}) no longer runs; run them on a GPU"
+                )
+            gap = _interpreter_gap(self)
+            if gap:
+                return Support.no(
+                    f"Triton's CPU interpreter (triton=={triton_interpret.PINNED_TRITON}) cannot run "
+                    f"{self.tree.server}'s kernels: the layout probe failed in it ({gap}); run them on a GPU"
                 )
         return Support.yes()
 
@@ -313,12 +349,32 @@ def _probe_layout(backend: VendoredBackend, device_type: str) -> bool:
     return _LAYOUTS[key]
 
 
+_GAPS: dict[str, str] = {}
+
+
+def _interpreter_gap(backend: VendoredBackend) -> str:
+    """Why Triton's interpreter cannot run the tree's kernels (its own error on the layout probe), or ''. An
+    interpreter's failure is this machine's limit, not the kernel's bug: it makes the backend unavailable here
+    instead of an error charged to the kernel. Kept per tree."""
+    key = backend.tree.package
+    if key not in _GAPS:
+        try:
+            backend.kernel_v_first(torch.device("cpu"))
+            _GAPS[key] = ""
+        except Exception as exc:
+            if type(exc).__name__ != "InterpreterError":
+                raise
+            _GAPS[key] = f"{exc}"[:300]
+    return _GAPS[key]
+
+
 def forget(tree: Tree) -> None:
     """Drop what was loaded from ``tree`` (its modules, stubs and layout), so another tree can be loaded."""
     for name in [m for m in sys.modules if m == tree.package or m.startswith(tree.package + ".")]:
         del sys.modules[name]
     for key in [k for k in _LAYOUTS if k[0] == tree.package]:
         del _LAYOUTS[key]
+    _GAPS.pop(tree.package, None)
     load.cache_clear()
 
 
@@ -331,8 +387,12 @@ class VllmChunk(VendoredBackend):
         base = super().supports(case)
         if not base:
             return base
-        if case.gate == "lower_bound":
-            return Support.no("vLLM's KDA gate is -exp(A_log) * softplus(g + dt_bias): no lower-bound (safe) gate")
+        fused = getattr(self.kda(), "chunk_kda_with_fused_gate", None)
+        takes = _parameters(fused) if fused is not None else set()
+        if case.gate == "lower_bound" and "lower_bound" not in takes:
+            return Support.no("this vLLM tree's KDA gate is -exp(A_log) * softplus(g + dt_bias): no lower-bound gate")
+        if case.gate_in_kernel and "raw_beta" in takes and not case.beta_sigmoid_in_kernel:
+            return Support.no("this vLLM tree's fused-gate KDA takes beta raw (its sigmoid inside the kernel)")
         return Support.yes()
 
     def call(self, inputs: KDAInputs, v_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -355,10 +415,16 @@ class VllmChunk(VendoredBackend):
         q, k, v = inputs.q, inputs.k, inputs.v.clone()  # vLLM's kernels write the output into v's buffer
         beta = self.beta_for_call(inputs)
         if case.gate_in_kernel and hasattr(kda, "chunk_kda_with_fused_gate"):
-            A_log = inputs.A_log.float().view(1, 1, -1, 1)  # vLLM's parameter shape
-            return kda.chunk_kda_with_fused_gate(
-                q=q, k=k, v=v, raw_g=inputs.g, beta=beta, A_log=A_log, g_bias=inputs.dt_bias.float(), **common
-            )
+            fused = kda.chunk_kda_with_fused_gate
+            takes = _parameters(fused)
+            extra: dict[str, object] = {}
+            if "raw_beta" in takes:  # vLLM 0.33: beta's sigmoid (and the lower-bound gate) inside, A_log [H]
+                extra["raw_beta"], A_log = inputs.beta, inputs.A_log.float()
+            else:  # earlier: beta activated before the call, A_log as the layer's [1, 1, H, 1] parameter
+                extra["beta"], A_log = beta, inputs.A_log.float().view(1, 1, -1, 1)
+            if case.gate == "lower_bound":
+                extra["lower_bound"] = case.lower_bound
+            return fused(q=q, k=k, v=v, raw_g=inputs.g, A_log=A_log, g_bias=inputs.dt_bias.float(), **extra, **common)
         if case.gate_in_kernel:
             if not hasattr(kda, "fused_kda_gate"):
                 raise Unsupported("this vLLM tree has neither chunk_kda_with_fused_gate nor fused_kda_gate")
