@@ -76,6 +76,22 @@ def test_vllm_older_tree_gates_before_the_call_and_keeps_states_k_first(
     assert {c["entry"] for c in _calls()} == {"chunk_kda"}
 
 
+def test_vllm_033_layout_takes_raw_beta_and_the_lower_bound_gate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(VLLM.variable, str(DOUBLES / "vllm033_tree"))
+    lower_bound = Case(seq_lens=(50, 20), packed=True, head_k_dim=32, head_v_dim=32, initial_state="random")
+    for n, case in enumerate((lower_bound, *CASES[:2])):
+        assert _run("vllm_chunk", case, tmp_path / f"out{n}") == 0, case.label
+    fused = [c for c in _calls() if c["entry"] == "chunk_kda_with_fused_gate"]
+    assert [c["lower_bound"] for c in fused] == [-5.0, None] and all(c["A_log"] == (2,) for c in fused)
+    assert bool((fused[0]["raw_beta"] < 0).any()), "beta goes in raw: its sigmoid is the kernel's"
+    assert vendored.load(VLLM).__name__ == "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
+    backend = registry.get("vllm_chunk")
+    activated = Case(seq_lens=(9,), gate="softplus", beta_sigmoid_in_kernel=False, **NO_BOUND)
+    assert "takes beta raw" in backend.supports(activated).reason
+
+
 def test_vllm_without_a_lower_bound_argument_has_no_lower_bound_gate_nor_gva(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(VLLM.variable, str(DOUBLES / "vllm_tree"))
     backend = registry.get("vllm_chunk")
