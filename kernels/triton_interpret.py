@@ -1,6 +1,6 @@
-"""Workarounds that let FLA's Triton kernels run on a CPU under ``TRITON_INTERPRET=1``.
+"""Workarounds that let FLA's Triton kernels, and servers' copies of them, run on a CPU (``TRITON_INTERPRET=1``).
 
-The Triton interpreter executes kernels with NumPy. For FLA's KDA kernels it has
+The Triton interpreter executes kernels with NumPy. For the KDA kernels it has
 five gaps, each patched here and each covered by a test in
 ``tests/test_triton_interpret.py`` that fails both when the workaround stops
 working and when the interpreter no longer needs it:
@@ -14,14 +14,19 @@ working and when the interpreter no longer needs it:
    ``tl.dot`` then compute on the bit patterns. We decode to fp32, compute, and
    round back.
 4. ``bf16_round``: fp32 -> bf16 casts truncate; a GPU rounds to nearest even.
-5. ``gather``: ``fla.ops.kda.chunk_intra`` calls a ``gather`` alias the
-   interpreter does not patch (safe-gate path); we switch FLA to its
-   ``tl.load`` fallback.
+5. ``builtin_alias``: the interpreter patches Triton's builtins on ``tl`` only,
+   so a kernel calling one through a module-level alias fails ("Did you forget
+   to add @triton.jit ?"): FLA's ``gather = tl.gather`` (safe-gate path),
+   vLLM's and SGLang's ``exp2 = tl.exp2``. We patch such aliases in the
+   kernel's module for the length of each launch (FLA's own ``gather`` then
+   runs, where an earlier workaround switched FLA to its ``tl.load`` fallback).
+   The loop-index patch (2) is also applied to a vendored tree's modules
+   (:func:`patch_loop_index`, called by kernels/vendored.py).
 
 Everything is switched on by :func:`enable`, called by the pytest plugin and the
-FLA adapters on a CPU: the Triton patches at once, the two that patch FLA's own
-modules (2 and 5) as soon as ``fla.ops.kda`` has been imported, whoever imports
-it, so that a process that runs no FLA kernel never pays FLA's import (seconds).
+FLA adapters on a CPU: the Triton patches at once, the one that patches FLA's own
+modules (2) as soon as ``fla.ops.kda`` has been imported, whoever imports it, so
+that a process that runs no FLA kernel never pays FLA's import (seconds).
 The patches are written against one Triton release (:data:`PINNED_TRITON`); a
 different release refuses them with a clear error, since the interpreter
 internals they touch are private.
@@ -37,13 +42,14 @@ import os
 import sys
 import types
 import warnings
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 PINNED_TRITON = "3.9.0"
-WORKAROUNDS = ("autotune", "loop_index", "bf16_arith", "bf16_round", "gather")
+WORKAROUNDS = ("autotune", "loop_index", "bf16_arith", "bf16_round", "builtin_alias")
 
 _enabled = False
 _fla_pending: tuple[str, ...] = ()  # the FLA workarounds enable() left for patch_fla()
+_skipped: frozenset[str] = frozenset()  # the workarounds enable() was told to leave out
 
 
 class TritonInterpretError(RuntimeError):
@@ -113,6 +119,8 @@ def enable(skip: Collection[str] = ()) -> None:
     # interpreter evaluates exp and exp2 on masked-off lanes, whose overflow the kernel discards.
     warnings.filterwarnings("ignore", message="Triton is not supported on current platform", category=UserWarning)
     warnings.filterwarnings("ignore", message="overflow encountered in exp", category=RuntimeWarning)
+    global _skipped
+    _skipped = frozenset(skip)
     for name, patch in TRITON_PATCHES.items():
         if name not in skip:
             patch()
@@ -269,19 +277,45 @@ def _patch_bf16_round() -> None:
 def _patch_loop_index() -> None:
     import fla.ops.kda  # noqa: F401  (loads every module the KDA entry points use)
 
+    patch_loop_index("fla")
+
+
+def patch_loop_index(package: str) -> None:
+    """Loop indices with Triton's ``.to`` in every loaded module of ``package`` (FLA, a server's tree)."""
+    if "loop_index" in _skipped:
+        return
     for name, module in list(sys.modules.items()):
-        if name.startswith("fla.") and module is not None:
+        if (name == package or name.startswith(package + ".")) and isinstance(module, types.ModuleType):
             module.range = _loop_range
 
 
-def _use_gather_fallback() -> None:
-    import fla.ops.kda.chunk_intra as chunk_intra
+def _patch_builtin_aliases() -> None:
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
 
-    if not hasattr(chunk_intra, "IS_GATHER_SUPPORTED"):
-        raise TritonInterpretError("fla.ops.kda.chunk_intra no longer has IS_GATHER_SUPPORTED to switch off")
-    chunk_intra.IS_GATHER_SUPPORTED = False
+    patch_lang = interpreter._patch_lang
+
+    def patch_lang_and_aliases(fn: Callable) -> object:
+        scope = patch_lang(fn)
+        module = sys.modules.get(fn.__module__)
+        for name, value in list(fn.__globals__.items()):
+            if module is not None and tl.core.is_builtin(value):
+
+                def with_semantic(*args: object, _member: Callable = value, **kwargs: object) -> object:
+                    kwargs.pop("_semantic", None)
+                    return _member(*args, **kwargs, _semantic=interpreter.interpreter_semantic)
+
+                scope.set_attr(module, name, with_semantic)  # restored with the rest after the launch
+        return scope
+
+    interpreter._patch_lang = patch_lang_and_aliases
 
 
 # The workarounds by what they patch: Triton itself (applied by enable()) and FLA's modules (patch_fla()).
-TRITON_PATCHES = {"autotune": _patch_autotune, "bf16_arith": _patch_bf16_arith, "bf16_round": _patch_bf16_round}
-FLA_PATCHES = {"loop_index": _patch_loop_index, "gather": _use_gather_fallback}
+TRITON_PATCHES = {
+    "autotune": _patch_autotune,
+    "bf16_arith": _patch_bf16_arith,
+    "bf16_round": _patch_bf16_round,
+    "builtin_alias": _patch_builtin_aliases,
+}
+FLA_PATCHES = {"loop_index": _patch_loop_index}

@@ -220,7 +220,10 @@ def load(tree: Tree) -> types.ModuleType:
         raise VendoredMissing(f"{tree.variable}={root} holds none of {', '.join(tree.modules)}")
     _register_tree(tree, root)
     try:
-        return importlib.import_module(found[0])
+        module = importlib.import_module(found[0])
+        if triton_interpret.interpreting():
+            triton_interpret.patch_loop_index(tree.package)  # as for FLA: loop indices with .to on a CPU
+        return module
     except Exception as exc:  # a partial tree, or an import the stubs do not provide: say which
         raise VendoredMissing(f"importing {tree.server}'s {found[0]} failed: {type(exc).__name__}: {exc}") from exc
 

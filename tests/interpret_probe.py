@@ -34,6 +34,14 @@ def main() -> None:
         offs = tl.arange(0, n)
         tl.store(y + offs, tl.load(a + offs) * tl.load(b + offs) + tl.load(a + offs))
 
+    # A Triton builtin called through a module-level alias, as vLLM's and SGLang's kernel copies do.
+    globals()["exp2_alias"] = tl.exp2
+
+    @triton.jit
+    def alias_kernel(x, y, n: tl.constexpr):
+        offs = tl.arange(0, n)
+        tl.store(y + offs, exp2_alias(tl.load(x + offs)))  # noqa: F821  (set in globals above)
+
     gen = torch.Generator().manual_seed(0)
     try:
         if probe == "cast":
@@ -49,6 +57,11 @@ def main() -> None:
             # A GPU rounds after each bf16 operation: the product, then the sum.
             want = ((a.float() * b.float()).bfloat16().float() + a.float()).bfloat16()
             result = {"mismatches": int((y.view(torch.int16) != want.view(torch.int16)).sum())}
+        elif probe == "alias":
+            x = torch.randn(64, generator=gen)
+            y = torch.empty(64)
+            alias_kernel[(1,)](x, y, n=64)
+            result = {"max_abs": float((y - torch.exp2(x)).abs().max())}
         elif probe in ("chunk_fp32", "chunk_bf16"):
             from kda_cases.case import Case
             from kda_cases.materialize import materialize

@@ -68,8 +68,16 @@ def test_loop_index_to_fails_without_the_workaround() -> None:
     assert "has no attribute 'to'" in probe("chunk_fp32", "loop_index")["exception"]
 
 
-def test_gather_alias_fails_without_the_workaround() -> None:
-    assert "exception" in probe("chunk_fp32", "gather")
+def test_flas_gather_alias_fails_without_the_builtin_alias_workaround() -> None:
+    assert "Did you forget to add @triton.jit" in probe("chunk_fp32", "builtin_alias")["exception"]
+
+
+def test_a_builtin_called_through_a_module_alias_runs() -> None:
+    assert probe("alias")["max_abs"] < 1e-6
+
+
+def test_a_builtin_alias_fails_without_the_workaround() -> None:
+    assert "Did you forget to add @triton.jit" in probe("alias", "builtin_alias")["exception"]
 
 
 def test_bf16_chunk_kda_has_gpu_like_error() -> None:
@@ -93,12 +101,12 @@ def test_enable_rejects_unknown_workaround_names() -> None:
 
 def test_fla_workarounds_wait_for_fla_and_apply_whoever_imports_it() -> None:
     """Switching the interpreter on imports no FLA (seconds a process); FLA imported afterwards by any code
-    (a standalone repro file, not the suite's adapter) still gets its workarounds."""
+    (a standalone repro file, not the suite's adapter) still gets its workaround."""
     code = (
         "import sys; from kda_kernels import triton_interpret; triton_interpret.enable(); "
         "assert 'fla' not in sys.modules, 'enable() imported FLA'; "
         "import fla.ops.kda.chunk_intra as intra; "
-        "assert intra.IS_GATHER_SUPPORTED is False, 'the gather workaround was not applied'; "
+        "assert intra.range is triton_interpret._loop_range, 'the loop-index workaround was not applied'; "
         "print('ok')"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
