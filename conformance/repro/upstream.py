@@ -13,6 +13,7 @@ wrong, passes once it is right and skips where its library or device is missing.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -67,6 +68,11 @@ def _kernel(rows: pd.DataFrame) -> str:
         parts.append(
             f"aiter {_first(rows, 'env_aiter') or 'source tree (KDA_AITER_SRC; commit in the upstream column)'}"
         )
+    trees = _first(rows, "env_source_trees")
+    for variable, commit in (json.loads(trees) if trees.startswith("{") else {}).items():
+        server = variable.removeprefix("KDA_").removesuffix("_SRC").lower()  # KDA_VLLM_SRC: vllm_chunk's tree
+        if server != "aiter" and any(b.startswith(server) for b in backends):
+            parts.append(f"{commit} ({variable})")
     return "; ".join(parts) or ", ".join(sorted(backends))
 
 
