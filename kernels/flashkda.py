@@ -27,7 +27,7 @@ import torch
 from kda_cases.case import Case
 from kda_cases.dtypes import stored
 from kda_cases.materialize import KDAInputs
-from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported
+from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported, relayout
 
 HEAD_DIM = 128
 INSTALL = "flash_kda is not installed (MoonshotAI/FlashKDA, built from source for sm_90a: docs/flashkda.md)"
@@ -70,12 +70,7 @@ def _v_first_state(inputs: KDAInputs) -> torch.Tensor | None:
     h0 = inputs.initial_state
     if h0 is None:
         return None
-    h0 = h0.float()
-    return (h0 if inputs.case.state_v_first else h0.transpose(-1, -2)).contiguous()
-
-
-def _to_case_state(final: torch.Tensor, case: Case) -> torch.Tensor:
-    return final if case.state_v_first else final.transpose(-1, -2)
+    return relayout(h0.float(), inputs.case.state_v_first, True).contiguous()
 
 
 class FlashKdaCuda(Backend):
@@ -117,14 +112,14 @@ class FlashKdaCuda(Backend):
                 final_state=final,
                 cu_seqlens=cu,
             )
-        return BackendOutput(o=out, final_state=stored(case, "final_state", _to_case_state(final, case)))
+        return BackendOutput(o=out, final_state=stored(case, "final_state", relayout(final, True, case.state_v_first)))
 
 
-def _fla_flash_kda() -> Any:
+def _fla_flash_kda(device: torch.device) -> Any:
     """FLA's FlashKDA backend object (fla-core's ``fla/ops/kda/backends/flash_kda.py``)."""
-    from kda_kernels.fla import _import_fla_kda  # FLA set up as the suite imports it
+    from kda_kernels.fla import _import_fla_kda  # FLA set up as the suite imports it for this device
 
-    _import_fla_kda(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    _import_fla_kda(device)
     try:
         from fla.ops.kda.backends.flash_kda import FlashKDABackend
     except ImportError as exc:
@@ -154,7 +149,7 @@ class FlaChunkDispatch(Backend):
         support = self.supports(inputs.case)
         if not support:
             raise Unsupported(support.reason)
-        backend = _fla_flash_kda()
+        backend = _fla_flash_kda(inputs.device)
         args = (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
         kwargs = self.call_kwargs(inputs)
         with torch.inference_mode():
@@ -163,4 +158,4 @@ class FlaChunkDispatch(Backend):
                 raise Unsupported(f"FLA's dispatch would not hand this call to FlashKDA: {reason}")
             o, final = backend.get_implementation("chunk_kda")(*args, **kwargs)
         case = inputs.case
-        return BackendOutput(o=o, final_state=stored(case, "final_state", _to_case_state(final, case)))
+        return BackendOutput(o=o, final_state=stored(case, "final_state", relayout(final, True, case.state_v_first)))

@@ -31,6 +31,12 @@ class Support:
         return self.ok
 
 
+def relayout(state: torch.Tensor, v_first: bool, to_v_first: bool) -> torch.Tensor:
+    """A state (``[..., K, V]``, or ``[..., V, K]`` when ``v_first``) in the other layout where they differ: an
+    adapter's conversion between the case's layout and the one its kernel keeps."""
+    return state if v_first == to_v_first else state.transpose(-1, -2)
+
+
 @dataclass(frozen=True)
 class BackendOutput:
     """What a backend computed, as it returned it (its own dtypes, the case's state layout).

@@ -298,8 +298,10 @@ def _patch_builtin_aliases() -> None:
     def patch_lang_and_aliases(fn: Callable) -> object:
         scope = patch_lang(fn)
         module = sys.modules.get(fn.__module__)
+        if module is None:
+            return scope
         for name, value in list(fn.__globals__.items()):
-            if module is not None and tl.core.is_builtin(value):
+            if tl.core.is_builtin(value):
 
                 def with_semantic(*args: object, _member: Callable = value, **kwargs: object) -> object:
                     kwargs.pop("_semantic", None)

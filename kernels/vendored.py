@@ -45,7 +45,7 @@ from kda_cases.dtypes import stored
 from kda_cases.materialize import KDAInputs
 from kda_kernels import triton_interpret
 from kda_kernels.envelope import head_dim_envelope
-from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported
+from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported, relayout
 
 
 class VendoredMissing(RuntimeError):
@@ -145,12 +145,12 @@ class _CustomOp(torch.nn.Module):
 
 
 def _sglang_utils() -> dict[str, object]:
-    on_gpu = torch.cuda.is_available()
+    platform = _Platform()
     return {
         **{k: v for k, v in _math_utils().items() if k != "RCP_LN2"},
-        "is_cpu": lambda: not on_gpu,
-        "is_cuda": lambda: on_gpu and torch.version.hip is None,
-        "is_hip": lambda: on_gpu and torch.version.hip is not None,
+        "is_cpu": platform.is_cpu,
+        "is_cuda": platform.is_cuda,
+        "is_hip": platform.is_rocm,
         "is_npu": lambda: False,
         "cpu_has_amx_support": lambda: False,
         "torch_release": tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]),
@@ -184,27 +184,27 @@ def _module_file(root: Path, module: str) -> Path | None:
     return None
 
 
+def _register_parents(root: Path, dotted: str) -> None:
+    """Every package above ``dotted``, bare (its ``__init__`` never runs: it would import the whole server),
+    where not registered already."""
+    parts = dotted.split(".")[:-1]
+    for depth in range(1, len(parts) + 1):
+        name = ".".join(parts[:depth])
+        if name not in sys.modules:
+            package = types.ModuleType(name)
+            package.__path__ = [str(root.joinpath(*parts[:depth]))]
+            sys.modules[name] = package
+
+
 def _register_tree(tree: Tree, root: Path) -> None:
-    """Bare packages from the tree's root down to each kernel folder it has (one copy may import another's
-    modules), and the stubs of ``tree``'s server."""
+    """Bare packages from the tree's root down to each kernel folder it may have (one copy may import
+    another's modules), and the stubs of ``tree``'s server."""
     for module in tree.modules:
-        parts = module.split(".")[:-1]
-        for depth in range(1, len(parts) + 1):
-            name = ".".join(parts[:depth])
-            folder = root.joinpath(*parts[:depth])
-            if name not in sys.modules and folder.is_dir():
-                package = types.ModuleType(name)
-                package.__path__ = [str(folder)]  # its __init__ never runs
-                sys.modules[name] = package
+        _register_parents(root, module)
     for name, provide in STUBS.items():
         if name.split(".")[0] != tree.package or name in sys.modules:
             continue
-        for depth in range(1, name.count(".") + 1):  # parents of a stub, bare, where not registered already
-            parent = ".".join(name.split(".")[:depth])
-            if parent not in sys.modules:
-                package = types.ModuleType(parent)
-                package.__path__ = [str(root.joinpath(*parent.split(".")))]
-                sys.modules[parent] = package
+        _register_parents(root, name)
         stub = types.ModuleType(name)
         stub.__dict__.update(provide())
         stub.__path__ = []  # a package too, in case the kernels import a submodule of it
@@ -242,12 +242,19 @@ def _block_pointer_modules(root: Path) -> list[str]:
     )
 
 
+def _server_cu_seqlens(inputs: KDAInputs) -> torch.Tensor | None:
+    # Both servers pass their int32 query_start_loc as cu_seqlens.
+    return None if inputs.cu_seqlens is None else inputs.cu_seqlens.to(torch.int32)
+
+
+def _gate_before_call(kda: types.ModuleType, inputs: KDAInputs) -> torch.Tensor:
+    """The gate as the older trees' layers compute it before the call (``fused_kda_gate``), in g's shape."""
+    g = kda.fused_kda_gate(inputs.g, inputs.A_log.float(), inputs.case.head_k_dim, g_bias=inputs.dt_bias.float())
+    return g.view_as(inputs.g)
+
+
 def _parameters(function: Callable) -> set[str]:
     return set(inspect.signature(function).parameters)
-
-
-def _to_case_layout(state: torch.Tensor, kernel_v_first: bool, case: Case) -> torch.Tensor:
-    return state if kernel_v_first == case.state_v_first else state.transpose(-1, -2)
 
 
 class VendoredBackend(Backend):
@@ -275,20 +282,8 @@ class VendoredBackend(Backend):
             self.kda()
         except VendoredMissing as exc:
             return Support.no(str(exc))
-        if device.type == "cpu":
-            uses = _block_pointer_modules(self.tree.root())
-            if uses:
-                return Support.no(
-                    f"{self.tree.server}'s kernels use tl.make_block_ptr ({', '.join(uses)}), which Triton's CPU "
-                    f"interpreter (triton=={triton_interpret.PINNED_TRITON}) no longer runs; run them on a GPU"
-                )
-            gap = _interpreter_gap(self)
-            if gap:
-                return Support.no(
-                    f"Triton's CPU interpreter (triton=={triton_interpret.PINNED_TRITON}) cannot run "
-                    f"{self.tree.server}'s kernels: the layout probe failed in it ({gap}); run them on a GPU"
-                )
-        return Support.yes()
+        gap = _interpreter_gap(self) if device.type == "cpu" else ""
+        return Support.no(gap) if gap else Support.yes()
 
     def interpreted(self, device: torch.device) -> bool:
         return device.type == "cpu"
@@ -318,7 +313,7 @@ class VendoredBackend(Backend):
         v_first = self.kernel_v_first(inputs.device)
         with torch.inference_mode():
             o, final = self.call(inputs, v_first)
-        final = _to_case_layout(final, v_first, inputs.case)
+        final = relayout(final, v_first, inputs.case.state_v_first)
         return BackendOutput(o=o, final_state=stored(inputs.case, "final_state", final))
 
     def beta_for_call(self, inputs: KDAInputs) -> torch.Tensor:
@@ -356,18 +351,29 @@ _GAPS: dict[str, str] = {}
 
 
 def _interpreter_gap(backend: VendoredBackend) -> str:
-    """Why Triton's interpreter cannot run the tree's kernels (its own error on the layout probe), or ''. An
-    interpreter's failure is this machine's limit, not the kernel's bug: it makes the backend unavailable here
-    instead of an error charged to the kernel. Kept per tree."""
-    key = backend.tree.package
+    """Why Triton's CPU interpreter cannot run the tree's kernels, or '': block pointers, which the pinned
+    Triton's interpreter refuses, or the interpreter's own error on the layout probe. It is this machine's
+    limit, not the kernel's bug: the backend is unavailable here instead of an error charged to the kernel.
+    Kept per tree (it reads the kernels' sources and makes a kernel call)."""
+    key, triton = backend.tree.package, f"triton=={triton_interpret.PINNED_TRITON}"
     if key not in _GAPS:
+        uses = _block_pointer_modules(backend.tree.root())
+        if uses:
+            _GAPS[key] = (
+                f"{backend.tree.server}'s kernels use tl.make_block_ptr ({', '.join(uses)}), which Triton's CPU "
+                f"interpreter ({triton}) no longer runs; run them on a GPU"
+            )
+            return _GAPS[key]
         try:
             backend.kernel_v_first(torch.device("cpu"))
             _GAPS[key] = ""
         except Exception as exc:
             if type(exc).__name__ != "InterpreterError":
                 raise
-            _GAPS[key] = f"{exc}"[:300]
+            _GAPS[key] = (
+                f"Triton's CPU interpreter ({triton}) cannot run {backend.tree.server}'s kernels: the layout probe "
+                f"failed in it ({f'{exc}'[:300]}); run them on a GPU"
+            )
     return _GAPS[key]
 
 
@@ -404,10 +410,10 @@ class VllmChunk(VendoredBackend):
         n, h, K, V = case.num_seqs, case.num_heads, case.head_k_dim, case.head_v_dim
         if inputs.initial_state is not None:
             h0 = inputs.initial_state.float()
-            h0 = h0 if v_first == case.state_v_first else h0.transpose(-1, -2)
+            h0 = relayout(h0, case.state_v_first, v_first)
         else:  # vLLM zeroes a fresh sequence's slot, then gathers it: zeros
             h0 = torch.zeros((n, h, V, K) if v_first else (n, h, K, V), device=inputs.device)
-        cu = None if inputs.cu_seqlens is None else inputs.cu_seqlens.to(torch.int32)
+        cu = _server_cu_seqlens(inputs)
         common = dict(
             scale=case.scale,
             initial_state=h0.contiguous(),
@@ -431,8 +437,7 @@ class VllmChunk(VendoredBackend):
         if case.gate_in_kernel:
             if not hasattr(kda, "fused_kda_gate"):
                 raise Unsupported("this vLLM tree has neither chunk_kda_with_fused_gate nor fused_kda_gate")
-            g = kda.fused_kda_gate(inputs.g, inputs.A_log.float(), K, g_bias=inputs.dt_bias.float())
-            return kda.chunk_kda(q=q, k=k, v=v, g=g.view_as(inputs.g), beta=beta, **common)
+            return kda.chunk_kda(q=q, k=k, v=v, g=_gate_before_call(kda, inputs), beta=beta, **common)
         return kda.chunk_kda(q=q, k=k, v=v, g=inputs.g.float(), beta=beta, **common)
 
 
@@ -464,10 +469,9 @@ class SglangChunk(VendoredBackend):
             if case.gate == "lower_bound":
                 gate["lower_bound"] = case.lower_bound
         elif case.gate_in_kernel:
-            g = kda.fused_kda_gate(inputs.g, inputs.A_log.float(), case.head_k_dim, g_bias=inputs.dt_bias.float())
-            g = g.view_as(inputs.g)
-        cu = None if inputs.cu_seqlens is None else inputs.cu_seqlens.to(torch.int32)
+            g = _gate_before_call(kda, inputs)
         q, k, v = inputs.q, inputs.k, inputs.v.clone()  # SGLang's kernels write the output into v's buffer
+        cu = _server_cu_seqlens(inputs)
         common = dict(scale=case.scale, use_qk_l2norm_in_kernel=case.l2norm_in_kernel, cu_seqlens=cu, **gate)
         if case.beta_sigmoid_in_kernel and "beta_is_raw" in takes:
             # SGLang's KDA backend passes the raw projection and beta_is_raw=True where chunk_kda takes it
@@ -481,11 +485,15 @@ class SglangChunk(VendoredBackend):
             pool = torch.zeros((n + 1, h, *layout), device=inputs.device)
             if inputs.initial_state is not None:
                 h0 = inputs.initial_state.float()
-                pool[1:] = h0 if v_first == case.state_v_first else h0.transpose(-1, -2)
+                pool[1:] = relayout(h0, case.state_v_first, v_first)
             slots = torch.arange(1, n + 1, dtype=torch.int32, device=inputs.device)
             o = kda.chunk_kda(q=q, k=k, v=v, g=g, beta=beta, initial_state=pool, initial_state_indices=slots, **common)
             return o, pool[1:]
-        h0 = None if inputs.initial_state is None else _to_case_layout(inputs.initial_state.float(), v_first, case)
+        h0 = (
+            None
+            if inputs.initial_state is None
+            else relayout(inputs.initial_state.float(), case.state_v_first, v_first)
+        )
         return kda.chunk_kda(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, output_final_state=True, **common)
 
     def kernel_v_first(self, device: torch.device) -> bool:

@@ -40,21 +40,29 @@ def suite_commit() -> tuple[str, str]:
     return "unknown", "unknown"
 
 
-def _git(*args: str) -> str:
+def _git(*args: str, cwd: Path = _REPO) -> str:
     try:
-        done = subprocess.run(["git", *args], cwd=_REPO, capture_output=True, text=True, timeout=5)
+        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return ""
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
+def _own_checkout_head(folder: Path) -> str:
+    """HEAD of ``folder``'s git checkout, only where the checkout's top level is ``folder`` itself (never a
+    repository it sits inside: an installed copy inside another repository, say); else ''."""
+    top = _git("rev-parse", "--show-toplevel", cwd=folder)
+    if not top or Path(top).resolve() != folder.resolve():
+        return ""
+    return _git("rev-parse", "--short=12", "HEAD", cwd=folder)
+
+
 def _checkout_commit() -> str:
-    top = _git("rev-parse", "--show-toplevel")
-    if not top or Path(top).resolve() != _REPO:
-        return ""  # not a checkout of this project (an installed copy inside another repository, say)
-    commit = _git("rev-parse", "--short=12", "HEAD")
+    commit = _own_checkout_head(_REPO)
+    if not commit:
+        return ""
     dirty = _git("status", "--porcelain", "--untracked-files=no")
-    return f"{commit}+dirty" if commit and dirty else commit
+    return f"{commit}+dirty" if dirty else commit
 
 
 def _installed_commit() -> str:
@@ -110,15 +118,7 @@ def source_tree_commits(environ: dict[str, str] | None = None) -> dict[str, str]
     for name, source in sorted(environ.items()):
         if not (name.startswith("KDA_") and name.endswith("_SRC") and source):
             continue
-        commit = ""
-        try:  # the tree's own checkout only, not a repository the folder happens to sit in
-            command = ["git", "-C", source, "rev-parse", "--show-toplevel", "--short=12", "HEAD"]
-            done = subprocess.run(command, capture_output=True, text=True, timeout=10)
-            top, _, head = done.stdout.strip().partition("\n")
-            if done.returncode == 0 and head and Path(top).resolve() == Path(source).resolve():
-                commit = head
-        except (OSError, subprocess.SubprocessError):
-            pass
+        commit = _own_checkout_head(Path(source))
         marker = Path(source) / "COMMIT"
         commits[name] = commit or (marker.read_text().strip()[:40] if marker.is_file() else "unknown")
     return commits

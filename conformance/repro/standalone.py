@@ -18,6 +18,7 @@ from kda_cases.files import atomic_write_text
 from kda_cases.materialize import cu_seqlens_tensor
 from kda_conformance.checking.served import serving_case
 from kda_conformance.running.truth import case_truth
+from kda_kernels import registry
 from kda_kernels.protocol import Backend
 from kda_kernels.serving import NULL_SLOT, plan_pool, run_serving
 
@@ -37,15 +38,12 @@ def plan_lines(case: Case) -> list[str]:
     return lines
 
 
-SUITE_PACKAGES = ("kda_cases", "kda_reference", "kda_kernels", "kda_reports", "kda_conformance")
-
-
 def _suite_imports(backend: Backend) -> str:
     """The imports of a file that runs ``backend`` through this suite, inside its test: it skips where the
     suite (or the plugin module that registers the backend) is not importable."""
     lines = ['pytest.importorskip("kda_kernels", reason="runs the backend through kda-conformance, not installed")']
-    module = type(backend).__module__
-    if module.split(".")[0] not in SUITE_PACKAGES:  # a plugin's backend: importing its module registers it
+    module = registry.plugin_of(backend.name)
+    if module:  # a plugin's backend: importing its module registers it
         lines.append(f"pytest.importorskip({module!r}, reason={f'needs {module}, the module that registers it'!r})")
     return "".join(f"    {line}\n" for line in lines)
 

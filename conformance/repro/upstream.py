@@ -156,15 +156,15 @@ def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> 
         return rows
     newest = records.groupby("backend")["run_id"].max()
     fresh = fresh[fresh["run_id"] == fresh["backend"].map(newest)]
-    fresh = fresh.assign(kind=fresh["reason"].fillna("").astype(str).map(_message_kind).where(
-        fresh["verdict"] == "error", "past the limit"))  # fmt: skip
-    # An error is one finding whatever check met it (a crash is the kernel's, not the check's); a failure
-    # past the limit is one per check.
-    fresh["group"] = fresh["kind"].where(fresh["verdict"] == "error", fresh["check"].astype(str) + " past the limit")
+    # An error is one finding whatever check met it (a crash is the kernel's, not the check's), grouped by
+    # the kind of its message; a failure past the limit is one per check.
+    errors = fresh["verdict"] == "error"
+    kinds = fresh["reason"].fillna("").astype(str).map(_message_kind)
+    fresh = fresh.assign(group=kinds.where(errors, fresh["check"].astype(str) + " past the limit"), raised=errors)
     for (backend, group), part in fresh.groupby(["backend", "group"], sort=True):
         id_ = f"new-{backend}-" + re.sub(r"[^a-z0-9]+", "-", group.lower()).strip("-")[:48]
         checks = ", ".join(sorted(part["check"].astype(str).unique()))
-        what = f"not in the ledger: {'raised ' + group if group in set(part['kind']) else group} ({checks})"
+        what = f"not in the ledger: {'raised ' + group if part['raised'].iloc[0] else group} ({checks})"
         rows.append(_row(id_, part, "new", str(part["run_id"].max()), description=what))
     return rows
 
