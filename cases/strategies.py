@@ -15,9 +15,10 @@ from hypothesis import seed as fixed_seed
 from hypothesis import strategies as st
 from hypothesis.errors import HypothesisSideeffectWarning
 
-from kda_cases.case import BETA_REGIMES, GATE_REGIMES, GATES, INITIAL_STATES, STATE_LAYOUTS, Case
+from kda_cases.case import BETA_REGIMES, GATE_REGIMES, GATES, INITIAL_STATES, Case
+from kda_cases.envelope import ANY, Envelope
 from kda_cases.guarantee import guaranteed_cases
-from kda_cases.kernel_configs import kernel_config
+from kda_cases.kernel_configs import KernelConfig, kernel_config
 from kda_cases.profiles import BOUNDARY_LENGTHS, Profile
 
 CHECKPOINT_GRIDS = (16, 32, 64)
@@ -73,28 +74,74 @@ def checkpoints(draw: st.DrawFn, lens: tuple[int, ...]) -> tuple[tuple[int, int]
     return tuple(sorted(marks))
 
 
+def _inside(values: tuple, allowed: tuple) -> tuple:
+    """``values`` (a profile's, duplicates weighting them) that ``allowed`` admits, or where it admits none
+    of them, ``allowed`` itself: the profile's choices drawn inside an envelope."""
+    kept = tuple(v for v in values if v in allowed)
+    return kept or tuple(allowed)
+
+
+def _flag(allowed: tuple[bool, ...]) -> st.SearchStrategy[bool]:
+    return st.booleans() if len(set(allowed)) == 2 else st.just(allowed[0])
+
+
+def envelope_pool(pool: tuple[KernelConfig, ...], envelope: Envelope) -> tuple[KernelConfig, ...]:
+    """The run's kernel configurations an envelope takes; where it takes none, each one moved inside it
+    (the narrowest backend still draws from a handful of configurations, not one per case)."""
+
+    def case_of(config: KernelConfig) -> Case:
+        fields = dict(config)
+        has_h0 = fields.pop("has_initial_state")
+        return Case(seq_lens=(64,), initial_state="random" if has_h0 else "none", **fields)
+
+    inside = tuple(c for c in pool if envelope.refusal(case_of(c)) is None)
+    if inside or not pool:
+        return inside
+    return tuple(dict.fromkeys(kernel_config(envelope.fit(case_of(c))) for c in pool))
+
+
 @st.composite
-def cases(draw: st.DrawFn, profile: Profile) -> Case:
-    """A case within ``profile``'s limits, every axis of the suite drawn (the kernel axes from the run's
-    pool of kernel configurations, where the profile has one)."""
-    config: dict = dict(draw(st.sampled_from(profile.kernel_pool))) if profile.kernel_pool else {}
-    budget = profile.max_total_tokens
+def cases(draw: st.DrawFn, profile: Profile, envelope: Envelope = ANY) -> Case:
+    """A case within ``profile``'s limits and inside ``envelope`` (a backend's: every axis it takes is drawn
+    there, so a narrow backend gets as many cases as a wide one), every axis of the suite drawn (the kernel
+    axes from the run's pool of kernel configurations, where the profile has one). With the default
+    envelope the draws are the profile's own."""
+    pool = envelope_pool(profile.kernel_pool, envelope) if envelope is not ANY else profile.kernel_pool
+    config: dict = dict(draw(st.sampled_from(pool))) if pool else {}
+    budget = profile.max_total_tokens if envelope.max_tokens is None else min(
+        profile.max_total_tokens, envelope.max_tokens
+    )
     if config:
         per_token = config["num_v_heads"] * config["head_k_dim"] * config["head_v_dim"]
         budget = min(budget, max(profile.min_length, profile.max_work // per_token))
     lens, packed = draw(seq_lens(profile, budget, config.get("packed")))
     heads = draw(st.integers(min_value=1, max_value=profile.max_heads))
-    group = draw(st.sampled_from([g for g in (1, 2, 4) if heads * g <= profile.value_heads_limit] or [1]))
-    head_k_dim = draw(st.sampled_from(profile.head_dims))
-    head_v_dim = draw(st.one_of(st.just(head_k_dim), st.sampled_from(profile.head_dims)))
+    groups = [g for g in (1, 2, 4) if heads * g <= profile.value_heads_limit] if envelope.gva else []
+    group = draw(st.sampled_from(groups or [1]))
+    head_dims = envelope.head_dim_choices(profile.head_dims)
+    head_k_dim = draw(st.sampled_from(head_dims))
+    if envelope.equal_head_dims:
+        head_v_dim = head_k_dim
+    else:
+        v_dims = tuple(d for d in head_dims if envelope.takes_head_dim(d, key=False)) or (head_k_dim,)
+        head_v_dim = draw(st.one_of(st.just(head_k_dim), st.sampled_from(v_dims)))
     forms = ("lower_bound", "lower_bound", "log") if profile.safe_gates_only else ("lower_bound", "softplus", "log")
-    gate = draw(st.sampled_from(forms))
+    gate = draw(st.sampled_from(_inside(forms, envelope.gates)))
     bound = GATES[gate].bound
+    in_range = [b for b in LOWER_BOUNDS if envelope.lower_bound_ok(gate, True, b)] or [
+        (envelope.in_kernel_lower_bound or (-5.0, 0.0))[0]
+    ]
     if bound == "required":
-        lower_bound, safe_gate = draw(st.sampled_from(LOWER_BOUNDS)), True
+        safe_gate = True in envelope.safe_gate
+        lower_bound = draw(st.sampled_from(in_range if safe_gate else LOWER_BOUNDS))
     elif bound == "optional":
-        bounds = st.sampled_from(LOWER_BOUNDS)
-        lower_bound = draw(bounds if profile.safe_gates_only else st.one_of(st.none(), bounds))
+        with_bound = st.sampled_from(in_range)
+        if profile.safe_gates_only or False not in envelope.safe_gate:
+            lower_bound = draw(with_bound)
+        elif True not in envelope.safe_gate:
+            lower_bound = None
+        else:
+            lower_bound = draw(st.one_of(st.none(), with_bound))
         safe_gate = lower_bound is not None
     else:
         lower_bound, safe_gate = None, False
@@ -106,8 +153,8 @@ def cases(draw: st.DrawFn, profile: Profile) -> Case:
         num_v_heads=heads * group,
         head_k_dim=head_k_dim,
         head_v_dim=head_v_dim,
-        dtype=draw(st.sampled_from(profile.dtypes)),
-        state_dtype=draw(st.sampled_from(("fp32", "fp32", "bf16"))),
+        dtype=draw(st.sampled_from(_inside(profile.dtypes, envelope.dtypes))),
+        state_dtype=draw(st.sampled_from(_inside(("fp32", "fp32", "bf16"), envelope.state_dtypes))),
         gate=gate,
         lower_bound=lower_bound,
         safe_gate=safe_gate,
@@ -115,11 +162,11 @@ def cases(draw: st.DrawFn, profile: Profile) -> Case:
         key_regime=key_regime,
         key_rho=draw(st.sampled_from(KEY_RHOS)) if key_regime == "correlated" else 0.0,
         beta_regime=draw(st.sampled_from(BETA_REGIMES)),
-        l2norm_in_kernel=draw(st.booleans()),
-        beta_sigmoid_in_kernel=draw(st.booleans()),
+        l2norm_in_kernel=draw(_flag(envelope.l2norm_in_kernel)),
+        beta_sigmoid_in_kernel=draw(_flag(envelope.beta_sigmoid_in_kernel)),
         initial_state=draw(st.sampled_from(INITIAL_STATES)),
-        state_layout=draw(st.sampled_from(STATE_LAYOUTS)),
-        checkpoints=draw(checkpoints(lens)),
+        state_layout=draw(st.sampled_from(envelope.state_layouts)),
+        checkpoints=draw(checkpoints(lens)) if envelope.checkpoints else (),
         seed=draw(st.integers(min_value=0, max_value=2**31 - 1)),
         tags=(f"profile:{profile.name}",),
     )

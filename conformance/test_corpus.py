@@ -12,9 +12,9 @@ import pytest
 from kda_cases.case import Case
 from kda_cases.corpus import CorpusEntry, load_corpus
 from kda_conformance.check_tests import fail, unanswered
+from kda_conformance.checks import CHECKS, Drawn
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.judging.repro import BUDGET_CHECK
-from kda_conformance.running.runner import run_backend
 from kda_conformance.running.session import Run
 from kda_kernels import guard
 from kda_kernels.guard import BackendFault
@@ -35,7 +35,7 @@ def test_corpus_case(
     too_large = kda_run.config.profile.corpus_skip(case, backend.interpreted(kda_run.config.device))
     if too_large:
         pytest.skip(too_large)
-    findings = kda_checked(BUDGET_CHECK, case, backend, {}, lambda truth: run_backend(truth, backend))
+    findings = kda_checked(CHECKS[BUDGET_CHECK], Drawn(case), backend)
     skipped = [f for f in findings if f.verdict in ("skip", "resource")]
     if skipped and len(skipped) == len(findings):  # (a skip of one tensor beside judged ones is recorded)
         pytest.skip(f"{backend.name}: {skipped[0].verdict}: {skipped[0].reason}")
@@ -75,10 +75,18 @@ def test_guaranteed_case(
     request: pytest.FixtureRequest,
 ) -> None:
     """A guaranteed case of the night (cases/guarantee.py: together they reach every required axis value,
-    whatever the seed), within its budgets; a backend that does not take it skips with its reason."""
-    _within_budget(
-        guaranteed_case, kda_backend, kda_run, kda_checked, "guaranteed case of the night", request, kda_record
-    )
+    whatever the seed), within its budgets. A backend that does not take it records that skip (the night's
+    coverage then tells a value outside its envelope from one the night missed) and runs the case moved
+    into its envelope instead."""
+    try:
+        fitted = guard.fit(kda_backend, guaranteed_case)
+        outside = not guard.supports(kda_backend, guaranteed_case)
+    except BackendFault as fault:
+        unanswered(BUDGET_CHECK, kda_backend, kda_run, kda_record, fault)
+    if outside:
+        _skip_record(guaranteed_case, kda_backend, kda_run, kda_record)
+    what = "guaranteed case of the night" + (", moved into the backend's envelope" if outside else "")
+    _within_budget(fitted, kda_backend, kda_run, kda_checked, what, request, kda_record)
 
 
 @pytest.mark.kda_device_dependent
@@ -109,16 +117,19 @@ def _within_budget(
     except BackendFault:  # the budget check asks again, and records the backend's error
         supported = Support.yes()
     if not supported:
-        # Recorded without computing the truth: the night's coverage per backend tells a value outside the
-        # backend's envelope from one the night missed (reports/reach.py).
-        kda_record(
-            [judge_for(BUDGET_CHECK, case, backend.name, kda_run.config.device).outcome("skip", supported.reason)]
-        )
+        _skip_record(case, backend, kda_run, kda_record)
         pytest.skip(f"{backend.name}: {supported.reason}")
-    findings = kda_checked(BUDGET_CHECK, case, backend, {}, lambda truth: run_backend(truth, backend))
+    findings = kda_checked(CHECKS[BUDGET_CHECK], Drawn(case), backend)
     skipped = [f for f in findings if f.verdict in ("skip", "resource")]
     if skipped and len(skipped) == len(findings):  # (a skip of one tensor beside judged ones is recorded)
         pytest.skip(f"{backend.name}: {skipped[0].verdict}: {skipped[0].reason}")
     report = failure_report(findings, f"{what} ({case.total_tokens} tokens)", kda_run.config.fails)
     if report:
         fail(request, findings, report)
+
+
+def _skip_record(case: Case, backend: Backend, kda_run: Run, kda_record: Callable) -> None:
+    """The case recorded as outside the backend's envelope, without computing its truth: the night's coverage
+    per backend tells a value outside the envelope from one the night missed (reports/reach.py)."""
+    reason = guard.supports(backend, case).reason
+    kda_record([judge_for(BUDGET_CHECK, case, backend.name, kda_run.config.device).outcome("skip", reason)])

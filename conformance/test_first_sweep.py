@@ -7,20 +7,38 @@ from collections.abc import Callable
 import pytest
 
 from kda_cases.case import Case
-from kda_conformance.check_tests import fail
+from kda_conformance.check_tests import fail, unanswered
+from kda_conformance.checks import CHECKS, Drawn
 from kda_conformance.judging.repro import BUDGET_CHECK
-from kda_conformance.running.runner import run_backend
+from kda_conformance.running.session import Run
+from kda_kernels import guard
+from kda_kernels.guard import BackendFault
 from kda_kernels.protocol import Backend
 from kda_reports.findings import failure_report
 
 
 @pytest.mark.kda_device_dependent
 def test_first_sweep(
-    first_sweep_case: Case, kda_backend: Backend, kda_checked: Callable, request: pytest.FixtureRequest
+    first_sweep_case: Case,
+    kda_backend: Backend,
+    kda_run: Run,
+    kda_checked: Callable,
+    kda_record: Callable,
+    request: pytest.FixtureRequest,
 ) -> None:
-    """The sweep's cases come from --kda-lengths/--kda-dtypes/--kda-heads/--kda-head-dim (plugin)."""
+    """The sweep's cases come from --kda-lengths/--kda-dtypes/--kda-heads/--kda-head-dim (plugin), each moved
+    into the backend's envelope (a narrow backend runs the grid too); a case that lands on one an earlier
+    case of the grid already became is not run twice."""
     backend = kda_backend
-    findings = kda_checked(BUDGET_CHECK, first_sweep_case, backend, {}, lambda truth: run_backend(truth, backend))
+    grid = kda_run.config.grid.cases()
+    try:
+        fitted = guard.fit(backend, first_sweep_case)
+        earlier = {guard.fit(backend, c).id for c in grid[: grid.index(first_sweep_case)]}
+    except BackendFault as fault:
+        unanswered(BUDGET_CHECK, backend, kda_run, kda_record, fault)
+    if fitted.id in earlier:
+        pytest.skip(f"{backend.name}: moved into its envelope, this is {fitted.id}, which an earlier case runs")
+    findings = kda_checked(CHECKS[BUDGET_CHECK], Drawn(fitted), backend)
     skipped = [f for f in findings if f.verdict in ("skip", "resource")]
     if skipped:
         pytest.skip(f"{backend.name}: {skipped[0].verdict}: {skipped[0].reason}")

@@ -43,7 +43,8 @@ from kda_cases.case import Case
 from kda_cases.devices import gpu_arch
 from kda_cases.dtypes import stored
 from kda_cases.materialize import KDAInputs
-from kda_kernels.envelope import SAFE_LOWER_BOUND_RANGE, head_dim_envelope, in_safe_range, safe_gate_envelope
+from kda_kernels.envelope import CHUNK_KDA, FLASH_KDA, SAFE_LOWER_BOUND_RANGE
+from kda_kernels.libraries import AITER
 from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported
 
 ENTRY = "aiter.ops.triton.kimi_delta_attn"
@@ -123,6 +124,8 @@ class AiterBackend(Backend):
 
     flash_kda = False
     segment: int | None = None
+    envelope = CHUNK_KDA
+    libraries = (AITER,)
     needs: tuple[str, ...] = ()  # parameters the signature must have
     extra: ClassVar[dict[str, object]] = {}  # arguments this variant adds to the call
 
@@ -148,45 +151,6 @@ class AiterBackend(Backend):
 
     def markers(self, device: torch.device) -> tuple[str, ...]:
         return ("gfx950",) if gpu_arch(device) == "gfx950" else ()
-
-    def supports(self, case: Case) -> Support:
-        for envelope in (head_dim_envelope(case, "AITER"), safe_gate_envelope(case, "AITER's safe gate")):
-            if not envelope:
-                return envelope
-        return self.flash_kda_envelope(case) if self.flash_kda else Support.yes()
-
-    def fit(self, case: Case) -> Case:
-        if not self.flash_kda:
-            return case
-        in_range = case.gate == "lower_bound" and in_safe_range(case.lower_bound)
-        lower_bound = case.lower_bound if in_range else SAFE_LOWER_BOUND_RANGE[0]
-        return case.replace(
-            head_k_dim=128,
-            head_v_dim=128,
-            num_v_heads=case.num_heads,
-            dtype="bf16",
-            gate="lower_bound",
-            lower_bound=lower_bound,
-            safe_gate=True,
-            l2norm_in_kernel=True,
-            beta_sigmoid_in_kernel=True,
-        )
-
-    @staticmethod
-    def flash_kda_envelope(case: Case) -> Support:
-        """FlashKDA's envelope, as AITER's dispatcher admits calls (beyond it AITER runs the default pipeline)."""
-        reasons = []
-        if not (case.head_k_dim == case.head_v_dim == 128):
-            reasons.append(f"K = V = 128 (the case has K={case.head_k_dim}, V={case.head_v_dim})")
-        if case.num_v_heads != case.num_heads:
-            reasons.append(f"no GVA (the case has H={case.num_heads}, HV={case.num_v_heads})")
-        if case.dtype != "bf16":
-            reasons.append(f"bf16 inputs (the case has {case.dtype})")
-        if not (case.safe_gate and case.gate == "lower_bound"):
-            reasons.append(f"the safe gate computed in the kernel (the case has gate {case.gate!r})")
-        if not (case.l2norm_in_kernel and case.beta_sigmoid_in_kernel):
-            reasons.append("l2norm and beta sigmoid in the kernel")
-        return Support.no("FlashKDA needs " + "; ".join(reasons)) if reasons else Support.yes()
 
     def _arguments(self, inputs: KDAInputs) -> tuple[tuple, dict]:
         case = inputs.case
@@ -233,11 +197,20 @@ class AiterBackend(Backend):
         return BackendOutput(o=o, final_state=stored(inputs.case, "final_state", final))
 
 
+# FlashKDA as AITER's dispatcher admits calls (beyond it AITER runs the default pipeline): FlashKDA's own
+# envelope with the safe gate and its range (AITER's flash_kda_supported); cases with checkpoints are taken,
+# their states not returned.
+AITER_FLASH_KDA = FLASH_KDA.narrowed(
+    safe_gate=(True,), in_kernel_lower_bound=SAFE_LOWER_BOUND_RANGE, checkpoints=True
+)
+
+
 class AiterFlashKDA(AiterBackend):
     name = "aiter_flashkda"
     description = "AITER chunk_kimi_delta_attn, FlashKDA path, AITER's default segment length (depends on CU count)"
     flash_kda = True
     chunk_tokens = 32
+    envelope = AITER_FLASH_KDA
 
 
 class AiterFlashKDASeg16(AiterFlashKDA):
@@ -262,8 +235,9 @@ class AiterNative(AiterBackend):
     description = "AITER chunk_kimi_delta_attn(backend='native'): the HIP FlashKDA port on gfx942/gfx950"
     needs = ("backend",)
     extra: ClassVar[dict[str, object]] = {"backend": "native"}
-    flash_kda = True  # the native port's envelope is FlashKDA's
+    flash_kda = True
     chunk_tokens = 16
+    envelope = AITER_FLASH_KDA  # the native port's envelope is FlashKDA's
 
     def availability(self, device: torch.device) -> Support:
         arch = gpu_arch(device)
@@ -276,10 +250,7 @@ class AiterNative(AiterBackend):
     def fit(self, case: Case) -> Case:
         return super().fit(case).replace(state_layout="v_first")
 
-    def supports(self, case: Case) -> Support:
-        flash = super().supports(case)  # FlashKDA's envelope: bf16, K = V = 128, the fused safe gate
-        if not flash:
-            return flash
+    def also_supports(self, case: Case) -> Support:
         if case.has_initial_state and not case.state_v_first:
             return Support.no("the native port takes a V-first initial state only")
         return Support.yes()
@@ -297,17 +268,8 @@ class AiterPaged(AiterFlashKDA):
         "AITER chunk_kimi_delta_attn's in-place paged API (out, state_cache, state_indices, has_initial_state)"
     )
     needs = ("out", "state_cache", "state_indices", "has_initial_state")
-
-    def fit(self, case: Case) -> Case:
-        return super().fit(case).replace(state_layout="v_first", state_dtype="fp32")
-
-    def supports(self, case: Case) -> Support:
-        flash = super().supports(case)
-        if not flash:
-            return flash
-        if not case.state_v_first or case.state_dtype != "fp32":
-            return Support.no("the paged API takes an fp32 V-first state pool only (state_layout='v_first', fp32)")
-        return Support.yes()
+    # The paged API takes an fp32 V-first state pool only.
+    envelope = AITER_FLASH_KDA.narrowed(state_layouts=("v_first",), state_dtypes=("fp32",))
 
     def run_paged(
         self,

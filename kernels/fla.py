@@ -17,9 +17,11 @@ import torch
 
 from kda_cases.case import Case
 from kda_cases.dtypes import stored
+from kda_cases.envelope import Envelope
 from kda_cases.materialize import KDAInputs
 from kda_kernels import triton_interpret
-from kda_kernels.envelope import head_dim_envelope, safe_gate_envelope
+from kda_kernels.envelope import CHUNK_KDA, MAX_HEAD_K_DIM
+from kda_kernels.libraries import FLA
 from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported
 
 
@@ -64,7 +66,7 @@ _STANDALONE = """
 
 def call(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs):
     os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"  # the Triton path itself, not a dispatch to FlashKDA
-    kda = pytest.importorskip("fla.ops.kda", reason="needs fla-core, the library under test (pip install fla-core)")
+    kda = needs("fla.ops.kda")  # skips naming what is missing: fla-core, or a module it imports
     return kda.{function}(
         q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, output_final_state=True, {extra}**kwargs
     )
@@ -74,8 +76,8 @@ def call(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs):
 class FlaChunk(Backend):
     name = "fla_chunk"
     description = "fla.ops.kda.chunk_kda, the Triton chunk pipeline (dispatch to FlashKDA disabled)"
-
-    host_metadata_names = ("cu_seqlens_cpu",)
+    envelope = CHUNK_KDA.narrowed(host_metadata=("cu_seqlens_cpu",))
+    libraries = (FLA,)
 
     def __init__(self, chunk_size: int = 64) -> None:
         if chunk_size not in (32, 64):
@@ -89,12 +91,6 @@ class FlaChunk(Backend):
 
     def interpreted(self, device: torch.device) -> bool:
         return device.type == "cpu"
-
-    def supports(self, case: Case) -> Support:
-        head_dims = head_dim_envelope(case, "FLA")
-        if not head_dims:
-            return head_dims
-        return safe_gate_envelope(case, "chunk_kda's safe gate with the in-kernel gate")
 
     def standalone_source(self, case: Case) -> str:
         """A ``call`` that needs only torch and fla-core, for standalone repro files (on a GPU)."""
@@ -132,15 +128,14 @@ class FlaRecurrent(Backend):
     name = "fla_recurrent"
     description = "fla.ops.kda.fused_recurrent_kda, the per-token Triton kernel with an fp32 state"
     chunk_tokens = 1
+    envelope = Envelope(max_head_k_dim=MAX_HEAD_K_DIM)  # no range check of the safe gate's bound
+    libraries = (FLA,)
 
     def availability(self, device: torch.device) -> Support:
         return _fla_availability(device)
 
     def interpreted(self, device: torch.device) -> bool:
         return device.type == "cpu"
-
-    def supports(self, case: Case) -> Support:
-        return head_dim_envelope(case, "FLA")
 
     def standalone_source(self, case: Case) -> str:
         """A ``call`` that needs only torch and fla-core, for standalone repro files (on a GPU)."""

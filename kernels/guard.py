@@ -28,6 +28,7 @@ import torch
 
 from kda_cases.case import Case
 from kda_cases.dtypes import bits
+from kda_cases.envelope import Envelope
 from kda_cases.materialize import KDAInputs
 from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported
 
@@ -159,13 +160,29 @@ def _answer(backend: Backend, question: str, ask: Callable[[], object], case: Ca
 
 
 def availability(backend: Backend, device: torch.device) -> Support:
-    """``backend.availability(device)``; a BackendFault where it raises."""
-    return _answer(backend, "availability", lambda: backend.availability(device), None)
+    """Whether its envelope runs on ``device``'s type, then ``backend.availability(device)``; a BackendFault
+    where either raises."""
+
+    def ask() -> Support:
+        devices = backend.envelope.devices
+        if device.type not in devices:
+            return Support.no(f"{backend.name} runs on {' and '.join(devices)} only (its envelope), not {device.type}")
+        return backend.availability(device)
+
+    return _answer(backend, "availability", ask, None)
 
 
 def supports(backend: Backend, case: Case) -> Support:
     """``backend.supports(case)``; a BackendFault (naming the case) where it raises."""
     return _answer(backend, "supports", lambda: backend.supports(case), case)
+
+
+def envelope(backend: Backend) -> Envelope:
+    """``backend.envelope``; a BackendFault where reading it raises or gives no Envelope."""
+    declared = _answer(backend, "envelope", lambda: backend.envelope, None)
+    if not isinstance(declared, Envelope):
+        raise fault(backend, f"declares {type(declared).__name__} as its envelope, not an Envelope")
+    return declared
 
 
 def fit(backend: Backend, case: Case) -> Case:

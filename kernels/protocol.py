@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kda_cases.case import Case
+from kda_cases.envelope import ANY, Envelope
 from kda_cases.materialize import KDAInputs
 
 
@@ -38,6 +39,44 @@ def relayout(state: torch.Tensor, v_first: bool, to_v_first: bool) -> torch.Tens
 
 
 @dataclass(frozen=True)
+class Library:
+    """The library a backend's kernel comes from, declared once: the run's environment records its version
+    (or its source tree's commit), every record names it, the findings page's kernel column and a standalone
+    file's skip reason come from it."""
+
+    name: str  # as people call it: "fla-core", "AITER", "FlashKDA", "vLLM", "SGLang"
+    distribution: str = ""  # its installed distribution (importlib.metadata), where it may be installed
+    source_variable: str = ""  # the KDA_*_SRC variable that names its source tree, where it may run from one
+    module: str = ""  # its import name (a standalone file imports it, or skips naming what is missing)
+    install: str = ""  # how to get it
+
+
+@dataclass(frozen=True)
+class WorkingPrecision:
+    """Where a kernel computes below the case's precision by its documented design, declared with the document
+    that says so: its recurrent state kept in ``state_dtype`` between updates, one update per ``chunk``
+    tokens (FlashKDA: bf16, 16). Its budgets then come from the baseline run at that precision, and every
+    record keeps its ratio to the strict baseline's limits beside it (docs/tolerance.md). A declaration is
+    never a way to retire a finding: what a kernel's users do not expect stays in the ledger."""
+
+    state_dtype: str
+    chunk: int
+    source: str  # the document that states the design: project, file, section
+
+    def __post_init__(self) -> None:
+        if self.state_dtype not in ("bf16", "fp16"):
+            raise ValueError(f"WorkingPrecision.state_dtype {self.state_dtype!r} not allowed; choose bf16 or fp16")
+        if not (isinstance(self.chunk, int) and self.chunk >= 1):
+            raise ValueError(f"WorkingPrecision.chunk must be a positive number of tokens, got {self.chunk!r}")
+        if not self.source.strip():
+            raise ValueError("WorkingPrecision.source must cite the document that states the design")
+
+    @property
+    def label(self) -> str:
+        return f"{self.state_dtype} state every {self.chunk} tokens"
+
+
+@dataclass(frozen=True)
 class BackendOutput:
     """What a backend computed, as it returned it (its own dtypes, the case's state layout).
 
@@ -58,12 +97,19 @@ class Backend(ABC):
     """An implementation under test.
 
     ``availability`` says whether it can run in this environment at all (package
-    installed, device present); ``supports`` whether it takes this case; ``run``
-    computes it. Neither check may raise or crash: both answer with a reason.
+    installed, device present); ``envelope`` which cases it takes, as data (``supports`` and ``fit`` follow
+    from it, and the cases drawn for it are drawn inside it); ``run`` computes a case. Neither question may
+    raise or crash: both answer with a reason.
     """
 
     name: str = ""
     description: str = ""
+    # What it takes (cases/envelope.py). The default takes every case.
+    envelope: Envelope = ANY
+    # Where it computes below the case's precision by its documented design (None: nowhere).
+    working_precision: WorkingPrecision | None = None
+    # The libraries its kernel comes from (FLA's dispatch to FlashKDA: both); empty for the suite's own.
+    libraries: tuple[Library, ...] = ()
     # Whether ``run`` returns the states at the case's checkpoints (prefix caching); the serving harness
     # plans checkpoint slots only for backends that do.
     produces_checkpoints: bool = False
@@ -76,14 +122,24 @@ class Backend(ABC):
     def availability(self, device: torch.device) -> Support:
         """Whether this backend can run on ``device`` in this environment."""
 
-    @abstractmethod
     def supports(self, case: Case) -> Support:
-        """Whether this backend takes ``case``, and if not, why."""
+        """Whether this backend takes ``case``, and if not, why: its envelope first (the reason names the
+        field), then ``also_supports`` for what the record cannot say."""
+        refusal = self.envelope.refusal(case)
+        if refusal is not None:
+            return Support.no(f"{self.name} {refusal}")
+        return self.also_supports(case)
+
+    def also_supports(self, case: Case) -> Support:
+        """What the envelope cannot say (a choice of the installed library, a coupling of two fields); yes by
+        default. A backend that refuses here gives ``fit`` a way in too, or its drawn cases are filtered."""
+        return Support.yes()
 
     def fit(self, case: Case) -> Case:
         """``case`` moved into this backend's envelope where a few fields keep it out (a kernel that takes
-        only K = V = 128, say), so generated sweeps exercise narrow backends too; every other axis is kept."""
-        return case
+        only K = V = 128, say), every other axis kept: what a fixed case (the first sweep's, a long case's, the
+        checks table's) becomes for a narrow backend. Drawn cases are drawn inside the envelope already."""
+        return self.envelope.fit(case)
 
     def markers(self, device: torch.device) -> tuple[str, ...]:
         """pytest markers this backend's tests carry on ``device`` (AITER on a gfx950: ``gfx950``), so CI
@@ -95,9 +151,6 @@ class Backend(ABC):
         so the CPU tiers give it only their shortest corpus cases."""
         return False
 
-    # The sequence metadata its API can take from the host (FLA's ``cu_seqlens_cpu``); the host-metadata
-    # check runs for backends that name some.
-    host_metadata_names: tuple[str, ...] = ()
     # A correct control: `kda-conformance detection` expects it to pass (a plugin's backends are otherwise
     # taken for planted bugs, which must be caught).
     correct_control: bool = False

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from kda_cases.case import Case
 from kda_cases.dtypes import TORCH_DTYPES, stored
 from kda_cases.materialize import KDAInputs
-from kda_kernels.protocol import Backend, BackendOutput, Support
+from kda_kernels.protocol import Backend, BackendOutput, Support, WorkingPrecision
 from kda_reference.chunked import DEFAULT_CHUNK, kda_chunked
 
 
@@ -23,13 +22,18 @@ class TorchChunk(Backend):
     description = "pure-PyTorch chunked KDA in working precision (input-dtype operands, fp32 state): the baseline"
     produces_checkpoints = True
 
-    def __init__(self, chunk_size: int = DEFAULT_CHUNK) -> None:
+    def __init__(self, chunk_size: int = DEFAULT_CHUNK, carried_state_dtype: str | None = None) -> None:
         self.chunk_size = self.chunk_tokens = chunk_size
+        # A declared working precision's baseline keeps its state in this dtype between chunks.
+        self.carried_state_dtype = carried_state_dtype
+
+    @classmethod
+    def at_precision(cls, precision: WorkingPrecision) -> TorchChunk:
+        """The baseline at a declared working precision: its state kept in ``precision.state_dtype`` between
+        chunks of ``precision.chunk`` tokens."""
+        return cls(chunk_size=precision.chunk, carried_state_dtype=precision.state_dtype)
 
     def availability(self, device: torch.device) -> Support:
-        return Support.yes()
-
-    def supports(self, case: Case) -> Support:
         return Support.yes()
 
     def run(self, inputs: KDAInputs) -> BackendOutput:
@@ -44,6 +48,7 @@ class TorchChunk(Backend):
                 inputs.options,
                 chunk_size=self.chunk_size,
                 working_dtype=TORCH_DTYPES[case.dtype],
+                carried_state_dtype=TORCH_DTYPES[self.carried_state_dtype] if self.carried_state_dtype else None,
             )
         return BackendOutput(
             o=stored(case, "o", result.o),

@@ -46,14 +46,15 @@ def _within_budget(backend: str, case: Case) -> None:
 
 
 def test_the_envelope_is_flashkdas_own_checks() -> None:
+    """FlashKDA's checks (csrc/flash_kda.cpp) as an envelope record: each refusal names its field."""
     backend = registry.get("flashkda_cuda")
     assert backend.supports(CASES[0])
     reasons = {
-        "bf16 only": Case(seq_lens=(9,), dtype="fp16", **WIDE),
-        "only D == 128": Case(seq_lens=(9,)),
-        "no GVA": Case(seq_lens=(9,), **{**WIDE, "num_v_heads": 2}),
-        "lower-bound gate": Case(seq_lens=(9,), gate="log", **WIDE),
-        "beta's sigmoid in the kernel": Case(seq_lens=(9,), beta_sigmoid_in_kernel=False, **WIDE),
+        "dtypes bf16 (the case has fp16)": Case(seq_lens=(9,), dtype="fp16", **WIDE),
+        "head_dims 128 (the case has K=64, V=64)": Case(seq_lens=(9,)),
+        "gva no GVA (HV = H)": Case(seq_lens=(9,), **{**WIDE, "num_v_heads": 2}),
+        "gates lower_bound (the case has log)": Case(seq_lens=(9,), gate="log", **WIDE),
+        "beta_sigmoid_in_kernel True": Case(seq_lens=(9,), beta_sigmoid_in_kernel=False, **WIDE),
         "no intermediate states": Case(seq_lens=(70,), checkpoints=((0, 64),), **WIDE),
     }
     for words, case in reasons.items():

@@ -12,6 +12,7 @@ from types import ModuleType
 from rich.console import Console
 
 from kda_conformance.cli import (
+    backends,
     benchmark,
     calibrate,
     checks,
@@ -39,6 +40,7 @@ COMMANDS: tuple[ModuleType, ...] = (
     detection,
     calibrate,
     checks,
+    backends,
     diff,
     benchmark,
 )

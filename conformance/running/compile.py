@@ -52,9 +52,24 @@ def shard_jobs(nodeids: Sequence[str], planned: Sequence[Case], drawn_from: Sequ
     """The jobs a shard of the night needs, from the node ids of its tests: a test of one planned case
     (``test_corpus_case[fla_chunk-T37_bf16_...-kda-7735f63ee3cc]``) needs that case's configuration on that
     backend; a test whose cases are drawn (``test_within_budget[fla_chunk]``) needs every configuration the
-    drawn cases take theirs from (``drawn_from``)."""
+    drawn cases take theirs from (``drawn_from``). Each case is moved into its backend's envelope first, as
+    the night's tests move it (a narrow backend compiles the configurations it will run, not the ones it
+    skips)."""
+    from kda_kernels import guard, registry
+    from kda_kernels.guard import BackendFault
+
     by_id = {case.id: case for case in planned}
     wanted: dict[tuple[str, KernelConfig], Case] = {}
+    fitted: dict[tuple[str, str], Case] = {}
+
+    def fit(backend: str, case: Case) -> Case:
+        if (backend, case.id) not in fitted:
+            try:
+                fitted[(backend, case.id)] = guard.fit(registry.get(backend), case)
+            except (BackendFault, KeyError, registry.PluginError):  # its tests record that; compile it as given
+                fitted[(backend, case.id)] = case
+        return fitted[(backend, case.id)]
+
     for nodeid in nodeids:
         if not nodeid.endswith("]") or "[" not in nodeid:
             continue
@@ -63,6 +78,7 @@ def shard_jobs(nodeids: Sequence[str], planned: Sequence[Case], drawn_from: Sequ
         case_id = "kda-" + param.rsplit("-kda-", 1)[1] if "-kda-" in param else None
         cases = [by_id[case_id]] if case_id in by_id else ([] if case_id else list(drawn_from))
         for case in cases:
+            case = fit(backend, case)
             wanted.setdefault((backend, kernel_config(case)), case)
     # Configurations outermost, backends inside: the processes that take them round-robin compile different
     # configurations at once.

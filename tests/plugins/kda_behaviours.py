@@ -9,6 +9,7 @@ import dataclasses
 
 import torch
 
+from kda_cases.envelope import Envelope
 from kda_cases.materialize import KDAInputs
 from kda_kernels.protocol import BackendOutput
 from kda_kernels.registry import register
@@ -19,7 +20,7 @@ class TakesHostBounds(TorchChunk):
     """Takes ``cu_seqlens_cpu`` and trusts it over the device's bounds, as a kernel that skips the sync."""
 
     name = "test_takes_host_bounds"
-    host_metadata_names = ("cu_seqlens_cpu",)
+    envelope = Envelope(host_metadata=("cu_seqlens_cpu",))
 
     def host_metadata(self, device: torch.device, cu_seqlens_cpu: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"cu_seqlens_cpu": cu_seqlens_cpu}

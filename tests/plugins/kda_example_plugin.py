@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kda_cases.case import Case
-from kda_cases.dtypes import stored
-from kda_cases.materialize import KDAInputs
-from kda_kernels.protocol import Backend, BackendOutput, Support
-from kda_kernels.registry import register
+from kda_kernels.api import Backend, BackendOutput, KDAInputs, Support, register, stored
 from kda_reference.run import run_reference
 
 
@@ -21,9 +17,6 @@ class RoundedReference(Backend):
     description = "the float64 reference with its output rounded to the input dtype"
 
     def availability(self, device: torch.device) -> Support:
-        return Support.yes()
-
-    def supports(self, case: Case) -> Support:
         return Support.yes()
 
     def run(self, inputs: KDAInputs) -> BackendOutput:

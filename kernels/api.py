@@ -1,0 +1,29 @@
+"""Everything a backend plugin needs, in one place: ``from kda_kernels.api import Backend, Envelope, register``.
+
+The names here are the suite's public face for plugin authors (docs/plugins.md); the modules they come from
+are its inside and may move. A test holds ``__all__`` to this list.
+"""
+
+from __future__ import annotations
+
+from kda_cases.case import Case
+from kda_cases.dtypes import stored
+from kda_cases.envelope import Envelope
+from kda_cases.materialize import KDAInputs
+from kda_kernels.protocol import Backend, BackendOutput, Library, Support, Unsupported, WorkingPrecision, relayout
+from kda_kernels.registry import register
+
+__all__ = [
+    "Backend",
+    "BackendOutput",
+    "Case",
+    "Envelope",
+    "KDAInputs",
+    "Library",
+    "Support",
+    "Unsupported",
+    "WorkingPrecision",
+    "register",
+    "relayout",
+    "stored",
+]
