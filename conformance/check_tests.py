@@ -89,7 +89,7 @@ def check_test(check: Check) -> Callable[..., None]:
         data,
     ) -> None:
         backend = kda_backend
-        reason = check.requires(backend)
+        reason = check.applies(backend, kda_run.config.device.type)
         if reason:
             pytest.skip(reason)
         nodeid = request.node.nodeid
@@ -103,9 +103,7 @@ def check_test(check: Check) -> Callable[..., None]:
         for axis, values in axis_values(drawn.case).items():  # Hypothesis's statistics: the axes reached
             for value in values:
                 event(f"{axis}: {value}")
-        findings = kda_checked(
-            check.name, drawn.case, backend, drawn.params, lambda truth: check.run(truth, backend, drawn.params)
-        )
+        findings = kda_checked(check, drawn, backend)
         measured = [f.worst for f in findings if f.errors is not None]
         if check.targets and profile.targeted and measured:
             # Climb toward the worst inputs: the largest error/limit ratio this backend shows (Hypothesis takes

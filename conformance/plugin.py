@@ -6,22 +6,19 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shlex
 import sys
-import textwrap
-from collections import Counter
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Callable
 from typing import NoReturn
 
-import pandas as pd
 import pytest
 import torch
 
 from kda_cases.case import Case
-from kda_cases.devices import gpu_arch
 from kda_cases.grids import FIRST_SWEEP_DTYPES
+from kda_conformance.plugin_summary import RUN, WRITTEN, empty_selection
+from kda_conformance.plugin_summary import pytest_terminal_summary as pytest_terminal_summary
+from kda_conformance.running.check import Check, Drawn
 from kda_conformance.running.config import ConfigError, Grid, baseline_warning, build_config
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost
 from kda_conformance.running.memory import chosen_gpus, visible_device
@@ -34,16 +31,12 @@ from kda_conformance.running.search import (
     stop_observing,
 )
 from kda_conformance.running.session import Run
-from kda_conformance.running.stages import CLOCK
-from kda_conformance.running.truth import CaseTruth
 from kda_kernels import guard, registry, triton_interpret
 from kda_kernels.guard import BackendFault
 from kda_kernels.protocol import Backend
-from kda_reports.console import RECORD_LINE_HEADER, record_line, stale_lines
+from kda_reports.console import RECORD_LINE_HEADER, record_line
 from kda_reports.findings import Finding, stale_known_issues
 
-RUN = pytest.StashKey[Run]()
-WRITTEN = pytest.StashKey[dict[str, Path]]()
 HEADER_SHOWN = pytest.StashKey[bool]()  # -v: the record lines' header, once per session
 
 
@@ -205,20 +198,14 @@ def kda_record(request: pytest.FixtureRequest, kda_run: Run) -> Callable[[list[F
 @pytest.fixture
 def kda_checked(
     request: pytest.FixtureRequest, kda_run: Run, kda_record: Callable[[list[Finding]], None]
-) -> Callable[..., list[Finding]]:
-    """Runs a check on a case the way Run.checked does and records its findings. After a sticky device
-    error the case's error is recorded and this process ends: a pytest-xdist worker exits and xdist
-    replaces it; a single process stops the session, naming the case."""
+) -> Callable[[Check, Drawn, Backend], list[Finding]]:
+    """Runs a check on a drawn case through the run's executor (``Run.checked``) and records its findings.
+    After a sticky device error the case's error is recorded and this process ends: a pytest-xdist worker
+    exits and xdist replaces it; a single process stops the session, naming the case."""
 
-    def checked(
-        check: str,
-        case: Case,
-        backend: Backend,
-        params: Mapping[str, object],
-        run: Callable[[CaseTruth], list[Finding]],
-    ) -> list[Finding]:
+    def checked(check: Check, drawn: Drawn, backend: Backend) -> list[Finding]:
         try:
-            findings = kda_run.checked(check, case, backend, params, run, request.node.nodeid)
+            findings = kda_run.checked(check, drawn, backend, request.node.nodeid)
         except DeviceLost as lost:
             kda_record(lost.findings)
             _end(request.config, str(lost))
@@ -317,51 +304,13 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return [header, *run_config.kernel_pool_lines(), *([f"kda-conformance: warning: {replaced}"] if replaced else [])]
 
 
-def _unavailable(run: Run) -> dict[str, str]:
-    """The selected backends that cannot run on the run's device, with why (one that raised instead of
-    answering says so)."""
-    missing = {}
-    for name in run.config.backends:
-        try:
-            available = guard.availability(registry.get(name), run.config.device)
-        except BackendFault as fault:
-            missing[name] = fault.reason
-            continue
-        if not available:
-            missing[name] = available.reason
-    return missing
-
-
-def _empty_selection(config: pytest.Config, exitstatus: int) -> bool:
-    return bool(config.option.markexpr) and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED
-
-
-def _selection_lines(config: pytest.Config) -> list[str]:
-    """Why ``-m EXPR`` selected nothing: what it looked for, the device, each selected backend's markers and
-    availability here (a backend's own markers, such as AITER's ``gfx950``, need its hardware)."""
-    run_config = config.stash[RUN].config
-    device = run_config.device
-    arch = gpu_arch(device) if device.type == "cuda" else platform.machine()
-    lines = [f"-m {config.option.markexpr!r} selected no test", f"device: {device} ({arch or 'unknown arch'})"]
-    marker = "cpu" if device.type == "cpu" else ("rocm" if torch.version.hip else "cuda")
-    for name in run_config.backends:
-        backend = registry.get(name)
-        markers = ", ".join((marker, *backend.markers(device)))
-        available = backend.availability(device)
-        runs_here = "runs here" if available else f"cannot run here: {available.reason}"
-        lines.append(f"backend {name}: its tests are marked {markers}; {runs_here}")
-    if run_config.strict:
-        lines.append("--kda-strict: a selection that yields no test is an error (exit 4)")
-    return lines
-
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Write the run's files. Each pytest-xdist worker writes its part of the run and hands its stage
     totals (in its part) and example log to the controller, which merges the parts into the run's files; a single
     process writes them itself. One invocation is one run either way."""
     config = session.config
     run = config.stash[RUN]
-    if run.config.strict and _empty_selection(config, exitstatus) and not hasattr(config, "workerinput"):
+    if run.config.strict and empty_selection(config, exitstatus) and not hasattr(config, "workerinput"):
         session.exitstatus = pytest.ExitCode.USAGE_ERROR
     complete = exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.NO_TESTS_COLLECTED)
     if hasattr(config, "workeroutput"):
@@ -383,63 +332,3 @@ def pytest_testnodedown(node, error) -> None:
     output = getattr(node, "workeroutput", {})
     if "kda_examples" in output:
         node.config.stash[RUN].examples.entries.update(json.loads(output["kda_examples"]))
-
-
-def skip_counts(reports: list) -> dict[str, int]:
-    """How many tests skipped for each reason, most first (pytest's skip reports, any worker's)."""
-    reasons: Counter[str] = Counter()
-    for report in reports:
-        longrepr = getattr(report, "longrepr", None)
-        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
-        reasons[textwrap.shorten(str(reason).removeprefix("Skipped: "), 160, placeholder=" ...")] += 1
-    return dict(reasons.most_common())
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    run = config.stash[RUN]
-    written = config.stash.get(WRITTEN, {})
-    tr = terminalreporter
-    skips = skip_counts(tr.stats.get("skipped", []))
-    if skips:
-        tr.write_line(f"skipped {sum(skips.values())}, by reason: " + "; ".join(f"{n} {r}" for r, n in skips.items()))
-    unavailable = _unavailable(run)
-    if unavailable and len(unavailable) == len(run.config.backends):
-        tr.section("KDA conformance: no selected backend can run here")
-        for name, reason in unavailable.items():
-            tr.write_line(f"{name}: {reason}")
-        tr.write_line("every test of theirs skipped; --kda-strict (KDA_STRICT=1) makes that a failure")
-    if _empty_selection(config, exitstatus):
-        tr.section("KDA conformance: why no test was selected")
-        for line in _selection_lines(config):
-            tr.write_line(line)
-    if run.examples.entries:
-        tr.section("KDA conformance: examples checked per test (and the first that failed)")
-        for nodeid, entry in run.examples.entries.items():
-            failed = "" if entry["failed_at"] is None else f", failed at example {entry['failed_at']}"
-            tr.write_line(f"{nodeid}: {entry['examples']} examples{failed}")
-        if "checks" in written:
-            tr.write_line(f"checks: {written['checks']}")
-    if any(CLOCK.calls.values()):
-        tr.section("KDA conformance: the suite's own time by stage (all workers)")
-        for line in CLOCK.lines():
-            tr.write_line(line)
-        if "timing" in written:
-            tr.write_line(f"timing: {written['timing']}")
-    rows = run.rows if run.frame is None else run.frame.to_dict("records")
-    if not rows:
-        return
-    noted = Counter(
-        (r["verdict"], r["backend"], r["check"], r["observed"]) for r in rows if r["verdict"] in ("known", "warn")
-    )
-    stale = stale_known_issues(pd.DataFrame(rows))
-    if noted or not stale.empty:
-        tr.section("KDA conformance: known issues and warnings (not failures of this run)")
-        for (verdict, backend, check, observed), count in sorted(noted.items()):
-            tr.write_line(f"{verdict}: {backend} {check} {observed}: {count} findings")
-        for line in stale_lines(stale, run.config.strict):
-            tr.write_line(line)
-    tr.section("KDA conformance: max-abs error against the float64 reference")
-    tr.write_line(RECORD_LINE_HEADER)
-    for row in rows:
-        tr.write_line(record_line(row))
-    tr.write_line(f"report: {written['records']} and {written['summary_md']}")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from kda_reports.findings import VERDICTS
-from kda_reports.quarantine import Quarantine
+from kda_reports.quarantine import read_quarantine
 from kda_reports.runfile import (
     JOURNAL_SUFFIX,
     RECORD_SUFFIXES,
@@ -155,8 +155,11 @@ def _nights(runs_dir: Path, problems: list[str]) -> tuple[pd.DataFrame, pd.DataF
             problems.append(f"{path.name}: not readable ({_said(exc)})")
     quarantined = []
     for path in sorted(runs_dir.glob("*.quarantine.jsonl")):
-        for entry in Quarantine(path).entries():
-            quarantined.append({"run_id": run_id_of(path), **entry.__dict__})
+        # Two workers may have written the same configuration's crash: once each (backend, configuration).
+        first: dict[tuple[str, str], object] = {}
+        for entry in read_quarantine(path):
+            first.setdefault((entry.backend, entry.config), entry)
+        quarantined += [{"run_id": run_id_of(path), **entry.__dict__} for entry in first.values()]
     return pd.DataFrame(nights), pd.DataFrame(quarantined)
 
 

@@ -15,12 +15,11 @@ import torch
 
 from kda_cases.case import Case
 from kda_conformance.check_tests import finite_or_largest
-from kda_conformance.checks import get_check, run_check
+from kda_conformance.checks import Drawn, get_check, run_check
 from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running import faults, truth
 from kda_conformance.running.config import build_config
 from kda_conformance.running.faults import DeviceLost, memory_report
-from kda_conformance.running.runner import run_backend
 from kda_conformance.running.session import Run
 from kda_kernels import registry
 from kda_kernels.torch_chunk import TorchChunk
@@ -57,7 +56,7 @@ def registered() -> None:
 
 def checked(run: Run, backend: str = "torch_chunk", case: Case = CASE) -> list:
     chosen = registry.get(backend)
-    return run.checked(BUDGET_CHECK, case, chosen, {}, lambda t: run_backend(t, chosen))
+    return run.checked(get_check(BUDGET_CHECK), Drawn(case), chosen)
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ out of memory; one invocation is one run, over pytest-xdist workers and over hos
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -18,13 +19,12 @@ import torch
 
 from kda_cases.case import Case
 from kda_cases.grids import first_sweep_cases
-from kda_conformance.checks import get_check
+from kda_conformance.checks import Drawn, get_check
 from kda_conformance.cli import main
 from kda_conformance.cli.exits import ERRORED
 from kda_conformance.running.config import build_config, parse_shard
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost, is_sticky
 from kda_conformance.running.memory import SHARES, memory_shares, shares_for, visible_device
-from kda_conformance.running.runner import run_backend
 from kda_conformance.running.session import Run
 from kda_kernels import registry
 from kda_reports.regressions import find_regressions
@@ -224,7 +224,7 @@ def test_out_of_memory_is_retried_alone_and_then_a_resource_outcome(tmp_path: Pa
 
     def budget(name: str) -> list:
         backend = registry.get(name)
-        return run.checked("budget", case, backend, {}, lambda truth: run_backend(truth, backend))
+        return run.checked(get_check("budget"), Drawn(case), backend)
 
     assert {f.verdict for f in budget("planted_oom_once")} == {"pass"}
     [resource] = budget("planted_oom_always")
@@ -234,11 +234,11 @@ def test_out_of_memory_is_retried_alone_and_then_a_resource_outcome(tmp_path: Pa
     )
     check = get_check("prefix")
 
-    def raises(truth):
+    def raises(truth, backend, params):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     with pytest.raises(DeviceLost) as lost:
-        run.checked(check.name, case, registry.get("torch_chunk"), {"at": 5}, raises)
+        run.checked(dataclasses.replace(check, run=raises), Drawn(case, {"at": 5}), registry.get("torch_chunk"))
     [error] = lost.value.findings
     assert error.verdict == "error" and "--check prefix" in error.repro and "--at 5" in error.repro
 
@@ -259,7 +259,7 @@ def test_a_sticky_error_raised_when_the_case_gives_its_memory_back_is_still_that
     monkeypatch.setattr(session, "release_cached_memory", release_on_a_dead_context)
     # The kernel's fault surfaced only at the release: charged to this case and backend, and the worker ends.
     with pytest.raises(DeviceLost) as lost:
-        run.checked("budget", case, backend, {}, lambda truth: run_backend(truth, backend))
+        run.checked(get_check("budget"), Drawn(case), backend)
     [error] = lost.value.findings
     assert error.verdict == "error" and error.backend == "torch_chunk" and is_sticky(error.reason)
 
@@ -267,11 +267,11 @@ def test_a_sticky_error_raised_when_the_case_gives_its_memory_back_is_still_that
     # first one quarantined the case's kernel configuration on this backend, as a night does).
     run = Run(build_config(device="cpu", backends=["torch_chunk"], out=tmp_path))
 
-    def kernel_fault(truth):
+    def kernel_fault(truth, backend, params):
         raise RuntimeError("CUDA error: misaligned address")
 
     with pytest.raises(DeviceLost) as lost:
-        run.checked("budget", case, backend, {}, kernel_fault)
+        run.checked(dataclasses.replace(get_check("budget"), run=kernel_fault), Drawn(case), backend)
     [error] = lost.value.findings
     assert "misaligned address" in error.reason and "release_on_a_dead_context" not in error.reason
 
@@ -466,7 +466,7 @@ def test_an_invalid_case_is_the_suites_error_not_the_backends(tmp_path: Path, mo
     monkeypatch.setattr(truth, "case_budgets", invalid)
     run = Run(build_config(device="cpu", backends=["torch_chunk"], out=tmp_path))
     backend = registry.get("torch_chunk")
-    [finding] = run.checked("budget", Case(seq_lens=(37,)), backend, {}, lambda t: run_backend(t, backend))
+    [finding] = run.checked(get_check("budget"), Drawn(Case(seq_lens=(37,))), backend)
     assert finding.verdict == "error" and finding.backend == "(suite)"
     assert finding.reason.startswith("invalid case (not torch_chunk's error): case kda-")
 
@@ -530,10 +530,10 @@ def test_a_configuration_whose_compile_crashed_is_quarantined_before_the_cases(
     monkeypatch.setenv("KDA_LAUNCH_LOG", str(log))
     run, backend = Run(config), registry.get("planted_bf16_crash")
     later = Case(seq_lens=(130,), seed=5)  # another case of the crashed configuration
-    [error] = run.checked("budget", later, backend, {}, lambda truth: run_backend(truth, backend))
+    [error] = run.checked(get_check("budget"), Drawn(later), backend)
     assert error.verdict == "error" and error.reason.startswith(f"quarantined after {jobs[0].case.id} (compile)")
     assert "--backend planted_bf16_crash" in error.repro and '"seq_lens": [130]' in error.repro
-    assert {f.verdict for f in run.checked("budget", fp32, backend, {}, lambda t: run_backend(t, backend))} == {"pass"}
+    assert {f.verdict for f in run.checked(get_check("budget"), Drawn(fp32), backend)} == {"pass"}
     assert [line.split()[1] for line in log.read_text().splitlines()] == ["fp32"]  # the bf16 case never launched
 
 

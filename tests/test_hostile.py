@@ -133,7 +133,7 @@ def test_a_nan_state_at_step_one_is_the_backends_failure_at_step_one() -> None:
 def test_repro_minimize_and_checks_charge_a_backend_that_exits(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    case = ["--case", CASES[0].to_json(), "--device", "cpu", "--plugin", "kda_hostile"]
+    case = ["--case", CASES[0].to_json(), "--device", "cpu", "--plugin", "kda_hostile", "--out", str(tmp_path)]
     assert main(["repro", "--backend", "hostile_os_exit", "--check", "budget", *case]) == ERRORED
     assert "called os._exit(0) during its call" in capsys.readouterr().out
     assert main(["minimize", "--backend", "hostile_system_exit", "--budget-s", "10", *case]) == ERRORED
@@ -216,3 +216,42 @@ def test_a_worker_that_dies_in_a_call_leaves_its_row_in_the_merged_run(tmp_path:
     assert list(died["verdict"]) == ["error"] and "the process ended during" in died["reason"].iloc[0]
     assert list(records[records["backend"] == "torch_chunk"]["verdict"]) == ["pass", "pass"]
     assert len(load_store(tmp_path).runs) == 1
+
+
+# What a record says of a call, whichever command made it.
+SAID = ["check", "case_id", "backend", "tensor", "verdict", "reason", "observed", "first_bad", "known_issue", "max_abs"]
+
+
+def _budget_rows(out: Path, case: Case) -> list[dict]:
+    records = load_store(out).records
+    rows = records[(records["check"] == "budget") & (records["case_id"] == case.id)]
+    return rows[SAID].fillna("").astype(str).sort_values("tensor").to_dict("records")
+
+
+@pytest.mark.parametrize(
+    "backend", ["hostile_writes_q", "hostile_os_exit", "hostile_raises_in_supports", "hostile_abort"]
+)
+def test_repro_minimize_and_checks_record_what_the_sweep_records(backend: str, tmp_path: Path) -> None:
+    """One executor: the budget check of a backend that breaks its call contract, calls os._exit, raises where
+    it must answer or kills its process gives the same verdict and the same record (its journal row, for the
+    process that died) through `run`, `repro`, `minimize` and `checks --run`."""
+    case = CASES[0]
+    common = ["--device", "cpu", "--plugin", "kda_hostile", "--backend", backend, "--case", case.to_json()]
+    commands = {
+        "run": ["run", *common, "--no-dashboard"],
+        "repro": ["repro", "--check", "budget", *common],
+        "minimize": ["minimize", "--budget-s", "1", *common],
+        "checks": ["checks", "--run", *common],
+    }
+    rows = {}
+    for name, command in commands.items():
+        out = tmp_path / name
+        if backend == "hostile_abort":  # the process dies in the call: its journal row is all there is
+            done, _ = _dead([sys.executable, "-m", "kda_conformance.cli", *command, "--out", str(out)], out)
+            assert done.returncode < 0, (name, done.stdout[-2000:], done.stderr[-2000:])
+        else:
+            main([*command, "--out", str(out)])
+        rows[name] = _budget_rows(out, case)
+    assert rows["run"], rows
+    for name in ("repro", "minimize", "checks"):
+        assert rows[name] == rows["run"], (name, rows[name], rows["run"])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kda_cases.case import Case
-from kda_conformance.running.runner import run_backend
+from kda_conformance.checks.budget import run as budget_check
 from kda_conformance.running.truth import case_truth
 from kda_kernels import registry
 from kda_reports.environment import environment
@@ -27,7 +27,7 @@ CPU = torch.device("cpu")
 def records() -> list[dict]:
     case = Case(seq_lens=(37,), checkpoints=((0, 5),))
     truth = case_truth(case, CPU)
-    return record_rows(run_backend(truth, registry.get("torch_chunk")))
+    return record_rows(budget_check(truth, registry.get("torch_chunk"), {}))
 
 
 def record_run(rows: list[dict], env: dict, out_dir: Path) -> tuple[pd.DataFrame, dict[str, Path]]:
@@ -69,13 +69,14 @@ def test_stopped_cli_run_writes_what_it_measured(tmp_path: Path) -> None:
     script = (
         "import os, signal, sys\n"
         "from kda_conformance import cli\n"
-        "from kda_conformance.cli import sweep as runner\n"
-        "real = runner.run_backend\n"
-        "def stop_after_first(truth, backend, calls=[]):\n"
+        "from kda_conformance.checks import budget\n"
+        "real = budget.run\n"
+        "def stop_after_first(truth, backend, params, calls=[]):\n"
         "    calls.append(1)\n"
         "    if len(calls) == 2: os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    return real(truth, backend)\n"
-        "runner.run_backend = stop_after_first\n"
+        "    return real(truth, backend, params)\n"
+        "import dataclasses, kda_conformance.checks as checks\n"
+        "checks.CHECKS['budget'] = dataclasses.replace(checks.CHECKS['budget'], run=stop_after_first)\n"
         f"sys.exit(cli.main(['run', '--device', 'cpu', '--backend', 'torch_chunk', '--out', {str(tmp_path)!r}]))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from kda_cases.case import Case
+from kda_conformance.checks import get_check
 from kda_conformance.cli import main
-from kda_conformance.running.isolation import run_cases_isolated
+from kda_conformance.running.isolation import run_isolated
 from kda_conformance.running.stages import CLOCK, STAGES, StageClock
 from kda_reports.runfile import read_run
 
@@ -58,6 +59,6 @@ def test_a_run_writes_its_time_per_stage_and_each_truth_s_seconds(tmp_path: Path
 def test_isolated_cases_bring_their_time_back() -> None:
     before = CLOCK.calls["reference"]
     case = Case(seq_lens=(37,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
-    [findings] = list(run_cases_isolated([case], ["torch_chunk"], CPU, [], 120.0))
+    [findings] = list(run_isolated(get_check("budget"), [(case, "torch_chunk")], CPU, [], 120.0))
     assert {f.verdict for f in findings} == {"pass"} and all(f.reference_seconds > 0 for f in findings)
     assert CLOCK.calls["reference"] == before + 1

@@ -13,6 +13,7 @@ from kda_conformance.checks import (
     cu_seqlens,
     determinism,
     host_metadata,
+    host_syncs,
     packing,
     padded_tail,
     poison,
@@ -33,6 +34,7 @@ for module in (
     checkpoint,
     cu_seqlens,
     host_metadata,
+    host_syncs,
     padded_tail,
 ):
     register(module.CHECK)

@@ -19,8 +19,12 @@ from rich.console import Console
 from kda_cases.case import Case
 from kda_cases.files import atomic_write_text
 from kda_conformance.checks import CHECKS, run_check
-from kda_conformance.cli.common import add_backends, add_device, config_from_args, parse_case, say, typed
+from kda_conformance.cli.common import add_backends, add_device, add_out, config_from_args, parse_case, say, typed
 from kda_conformance.cli.exits import PASSED, verdict_exit
+from kda_conformance.judging.judge import judge_for
+from kda_conformance.running.faults import DeviceLost
+from kda_conformance.running.runner import fault_finding
+from kda_conformance.running.session import Run
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault
 from kda_kernels.serving import POISON_MODES
@@ -47,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--table", type=Path, default=None, help="also write the markdown to this file")
     parser.add_argument("--run", action="store_true", help="run every check on one case per backend")
     add_device(parser)
+    add_out(parser)
     add_backends(parser, default="fla_chunk and fla_recurrent")
     parser.add_argument(
         "--case", type=typed(parse_case), default=None, metavar="JSON_OR_FILE", help="with --run: the case"
@@ -80,9 +85,11 @@ def _params(name: str, case: Case) -> list[dict]:
     return [{}]
 
 
-def run_table(backends: list[str], device, case: Case, console: Console) -> pd.DataFrame:
-    rows = []
-    for name in backends:
+def run_table(run: Run, case: Case, console: Console) -> pd.DataFrame:
+    """Every check on ``case`` for every backend of ``run``, the case moved into each backend's envelope and
+    prepared for each check (the budget check's too), each through the run's executor and recorded."""
+    rows, device = [], run.config.device
+    for name in run.config.backends:
         backend = registry.get(name)
         for check in CHECKS.values():
             try:
@@ -90,19 +97,25 @@ def run_table(backends: list[str], device, case: Case, console: Console) -> pd.D
                 fitted = check.prepare(guard.fit(backend, case), backend)
                 supported = guard.supports(backend, fitted)
             except BackendFault as fault:
+                judge = judge_for(check.name, case, name, device)
+                run.record([fault_finding(judge, fault)])
                 rows.append(_row(name, check.name, "", "", "error", fault.reason))
                 continue
-            reason = available.reason if not available else check.requires(backend) or supported.reason
+            reason = available.reason if not available else check.applies(backend, device.type) or supported.reason
             if not available or not supported or reason:
                 rows.append(_row(name, check.name, "", "", "skip", reason))
                 continue
             for params in _params(check.name, fitted):
                 shown = "".join(f" --{key} {value}" for key, value in params.items())
                 console.print(f"checking {name}: {check.name}{shown}", highlight=False)
-                findings = run_check(check, fitted, backend, device, params)  # what raises is a finding too
-                for f in findings:
-                    what = (f"{shown.strip()} " if params else "") + f"{f.subject} {f.tensor}".strip()
-                    rows.append(_row(name, check.name, what, f.observed, f.verdict, "; ".join(f.problems) or f.reason))
+                try:
+                    findings = run_check(check, fitted, backend, device, params, run)  # what raises is a finding
+                except DeviceLost as lost:  # a sticky device error: this process can run nothing more
+                    run.record(lost.findings)
+                    say(console, f"{lost}", "stopped:", "red")
+                    return pd.DataFrame([*rows, *_rows(name, check.name, "", lost.findings)], columns=COLUMNS)
+                run.record(findings)
+                rows += _rows(name, check.name, shown, findings)
                 # Each failure's line to rerun it, once per check and parameters.
                 for repro in dict.fromkeys(f.repro for f in findings if f.failed and f.repro):
                     say(console, repro, f"FAIL {name} {check.name}{shown}; repro:", "red")
@@ -110,6 +123,15 @@ def run_table(backends: list[str], device, case: Case, console: Console) -> pd.D
 
 
 COLUMNS = ["backend", "check", "what", "observed", "verdict", "note"]
+
+
+def _rows(backend: str, check: str, shown: str, findings: list) -> list[dict[str, str]]:
+    """One table row per finding of a check (``shown``: its parameters as options)."""
+    rows = []
+    for f in findings:
+        what = (f"{shown.strip()} " if shown else "") + f"{f.subject} {f.tensor}".strip()
+        rows.append(_row(backend, check, what, f.observed, f.verdict, "; ".join(f.problems) or f.reason))
+    return rows
 
 
 def summary(table: pd.DataFrame) -> pd.DataFrame:
@@ -130,11 +152,17 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         text = checks_markdown()
     else:
         args.plugin = args.plugin or []
-        config = config_from_args(args, console)
+        config = config_from_args(args, console, writes=True)
         if config is None:
             return 2
         case = args.case or TABLE_CASE
-        rows = run_table(list(config.backends), config.device, case, console)
+        run = Run(config)
+        try:
+            rows = run_table(run, case, console)
+        finally:
+            written = run.finish(complete=True)
+        if "records" in written:
+            console.print(f"records: {written['records']}", highlight=False)
         code = verdict_exit(rows["verdict"], config.strict)
         table = summary(rows)
         text = (

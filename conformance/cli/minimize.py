@@ -14,6 +14,7 @@ from kda_conformance.checks import CHECKS, get_check
 from kda_conformance.cli.common import (
     add_check_params,
     add_device,
+    add_out,
     check_params,
     config_from_args,
     missing_params,
@@ -21,10 +22,12 @@ from kda_conformance.cli.common import (
     say,
     typed,
 )
-from kda_conformance.cli.exits import PASSED, verdict_exit
+from kda_conformance.cli.exits import ERRORED, PASSED, verdict_exit
 from kda_conformance.judging.repro import BUDGET_CHECK, repro_line
 from kda_conformance.repro.minimize import minimize
 from kda_conformance.repro.standalone import write_standalone
+from kda_conformance.running.faults import DeviceLost
+from kda_conformance.running.session import Run
 from kda_kernels import registry
 from kda_reports.findings import FAILED
 from kda_reports.runfile import read_run
@@ -50,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plugin", action="append", default=[], metavar="MODULE", help="module that registers backends (repeatable)"
     )
     add_device(parser)
+    add_out(parser)
     parser.add_argument(
         "--check", default=BUDGET_CHECK, choices=list(CHECKS), help=f"which check (default: {BUDGET_CHECK})"
     )
@@ -97,20 +101,34 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     if missing_params(check, params, console):
         return 2
     args.backends = [backend_name]
-    config = config_from_args(args, console)
+    config = config_from_args(args, console, writes=True)
     if config is None:
         return 2
     device, backend = config.device, registry.get(backend_name)
     console.print(f"minimizing {case.id} ({case.label}) on {backend.name}, check {check.name}", highlight=False)
-    result = minimize(
-        check,
-        check.prepare(case, backend),
-        backend,
-        device,
-        params,
-        args.budget_s,
-        progress=lambda line: console.print(f"  {line}", highlight=False),
-    )
+    run = Run(config)  # every candidate through the run's executor; the original and the minimal case recorded
+    try:
+        result = minimize(
+            check,
+            check.prepare(case, backend),
+            backend,
+            device,
+            params,
+            args.budget_s,
+            progress=lambda line: console.print(f"  {line}", highlight=False),
+            run=run,
+        )
+    except DeviceLost as lost:  # a sticky device error: nothing more may run in this process
+        run.record(lost.findings)
+        say(console, f"{lost}", "stopped:", "red")
+        run.finish(complete=False)
+        return ERRORED
+    run.record(result.original_findings)
+    if result.case != result.original:
+        run.record(result.findings)
+    records = run.finish().get("records")
+    if records:
+        console.print(f"records: {records}", highlight=False)
     code = verdict_exit((f.verdict for f in result.findings), config.strict)
     if result.failure is None:
         for finding in result.findings:

@@ -31,7 +31,7 @@ from kda_conformance.running.config import DEFAULT_CASE_TIMEOUT, ConfigError, bu
 from kda_conformance.running.faults import is_sticky
 from kda_conformance.running.memory import WORKERS_VARIABLE, WorkerPlan, chosen_gpus, device_gib, plan_workers
 from kda_conformance.running.options import OPTIONS, add_options, pytest_argv
-from kda_reports.quarantine import Quarantine
+from kda_conformance.running.quarantine import Quarantine
 from kda_reports.reach import backend_coverage, missed_lines
 from kda_reports.runfile import read_run, run_file
 

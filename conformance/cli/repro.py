@@ -15,6 +15,7 @@ from kda_conformance.checks import CHECKS, get_check, run_check
 from kda_conformance.cli.common import (
     add_check_params,
     add_device,
+    add_out,
     config_from_args,
     missing_params,
     parse_case,
@@ -24,7 +25,9 @@ from kda_conformance.cli.common import (
 from kda_conformance.cli.exits import ERRORED, NOTHING_RAN, PASSED, verdict_exit
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.repro.standalone import plan_lines, write_standalone
+from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.runner import fault_finding
+from kda_conformance.running.session import Run
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault
 
@@ -50,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plugin", action="append", default=[], metavar="MODULE", help="module that registers backends"
     )
     add_device(parser)
+    add_out(parser)
     parser.add_argument("--check", default="poison", choices=list(CHECKS), help="which check (default: poison)")
     add_check_params(parser)
     parser.add_argument(
@@ -64,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def execute(args: argparse.Namespace, console: Console) -> int:
     check = get_check(args.check)
     args.backends = [args.backend]
-    config = config_from_args(args, console)
+    config = config_from_args(args, console, writes=True)
     if config is None:
         return 2
     device, backend = config.device, registry.get(args.backend)
@@ -78,8 +82,12 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     try:
         available = guard.availability(backend, device)
         supported = guard.supports(backend, case) if available else available
-    except BackendFault as fault:
-        say(console, fault_finding(judge, fault).message(repro=False), "ERROR", "red")
+    except BackendFault as fault:  # its availability or supports raised: its error, recorded as the sweep does
+        error = fault_finding(judge, fault)
+        run = Run(config)
+        run.record([error])
+        run.finish()
+        say(console, error.message(repro=False), "ERROR", "red")
         return ERRORED
     if not supported:
         say(console, f"{backend.name} does not run this case on {device}: {supported.reason}", "nothing ran:", "yellow")
@@ -93,7 +101,13 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     if check.suite == "serving":
         for line in plan_lines(case):
             console.print(line, highlight=False)
-    findings = run_check(check, case, backend, device, params)
+    run = Run(config)  # the sweep's executor: journal, quarantine, watchdog, memory retry, ledger
+    try:
+        findings = run_check(check, case, backend, device, params, run)
+    except DeviceLost as lost:  # a sticky device error: recorded, and nothing more runs in this process
+        findings = lost.findings
+    run.record(findings)
+    run.finish()
     for finding in findings:
         if finding.failed or finding.verdict == "skip":
             label, style = {"fail": ("FAIL", "red"), "error": ("ERROR", "red")}.get(finding.verdict, ("skip", "yellow"))

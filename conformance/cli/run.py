@@ -33,6 +33,7 @@ from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
 from kda_reports.console import record_table, stale_lines
 from kda_reports.findings import stale_known_issues
+from kda_reports.precision import precision_lines
 
 NAME = "run"
 HELP = "run the conformance sweep and write a report"
@@ -115,6 +116,8 @@ def report(result: SweepResult, console: Console, allow_empty: bool = False, str
     console.print(f"run {frame['run_id'].iloc[0]}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     console.print(f"records: {paths['records']}\nsummary: {paths['summary_md']}")
     console.print("suite time by stage: " + "\n  ".join(CLOCK.lines()), highlight=False)
+    for line in precision_lines(frame):
+        say(console, line, "declared precision:")
     stale = stale_known_issues(frame)
     for line in stale_lines(stale, strict):
         say(console, line)
@@ -154,7 +157,10 @@ def execute(args: argparse.Namespace, console: Console) -> int:
             say(console, why, "error:", "red")
         return USAGE
     run = Run(config, hung_exit=ERRORED)  # a hung case (--case-timeout) ends the sweep: an error
-    code = report(sweep(run, cases, console, args.verbose), console, args.allow_empty, config.strict)
+    # A given --case runs exactly as given (a repro line); the grid and the profile's cases are moved into
+    # each backend's envelope, so a narrow backend gets them too.
+    result = sweep(run, cases, console, args.verbose, fit=not args.cases)
+    code = report(result, console, args.allow_empty, config.strict)
     if args.dashboard and code != INTERRUPTED:
         code = after_run(config.out, args.window, args.growth, console, code)
     return code

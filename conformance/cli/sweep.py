@@ -13,15 +13,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kda_cases.case import Case
+from kda_conformance.checks import CHECKS, Drawn
 from kda_conformance.cli.common import say
+from kda_conformance.judging.judge import judge_for
 from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running.config import DEFAULT_CASE_TIMEOUT
 from kda_conformance.running.faults import DeviceLost
-from kda_conformance.running.isolation import run_cases_isolated
-from kda_conformance.running.runner import run_backend
+from kda_conformance.running.isolation import run_isolated
+from kda_conformance.running.runner import fault_finding
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
-from kda_kernels import registry
+from kda_kernels import guard, registry
+from kda_kernels.guard import BackendFault
 from kda_reports.console import RECORD_LINE_HEADER, record_line
 from kda_reports.findings import Finding
 
@@ -37,27 +40,71 @@ class SweepResult:
     stopped: str = ""  # why the sweep stopped before its end (a sticky device error), if it did
 
 
-def _findings(run: Run, cases: Sequence[Case]) -> Iterator[list[Finding]]:
-    """Every case on every backend, the budget check: in this process (each case's truth computed once,
-    the run keeping it for the next backend), or each case in a worker process with ``--isolate``."""
-    config = run.config
+@dataclass(frozen=True)
+class Call:
+    """One case for one backend: the case as given, moved into the backend's envelope where asked to; or
+    the backend's error where its ``fit`` raised on it."""
+
+    case: Case
+    backend: str
+    fault: BackendFault | None = None
+
+
+def planned_calls(cases: Sequence[Case], backends: Sequence[str], fit: bool = True) -> list[Call]:
+    """Every case on every backend, case by case. With ``fit`` (every sweep but one of given ``--case``s,
+    which reruns exactly what it names) each case is moved into each backend's envelope, so the narrowest
+    backend runs the grid too, and a case that lands on one the backend already has is not run twice."""
+    calls, seen = [], set()
+    chosen = [registry.get(name) for name in backends]
+    for case in cases:
+        for backend in chosen:
+            fault = None
+            fitted = case
+            if fit:
+                try:
+                    fitted = guard.fit(backend, case)
+                except BackendFault as broken:
+                    fault = broken
+            if (fitted.id, backend.name) not in seen:
+                seen.add((fitted.id, backend.name))
+                calls.append(Call(fitted, backend.name, fault))
+    return calls
+
+
+def _findings(run: Run, calls: Sequence[Call]) -> Iterator[list[Finding]]:
+    """The budget check of every call: in this process (each case's truth computed once, the run keeping it
+    for the next backend), or each case in a worker process with ``--isolate``."""
+    config, check = run.config, CHECKS[BUDGET_CHECK]
+    faulted = {(c.case.id, c.backend): c.fault for c in calls if c.fault is not None}
+
+    def fault_of(call: Call) -> list[Finding]:
+        judge = judge_for(BUDGET_CHECK, call.case, call.backend, config.device)
+        return [fault_finding(judge, faulted[(call.case.id, call.backend)])]
+
     if config.isolate:
         timeout = config.case_timeout or DEFAULT_CASE_TIMEOUT
-        yield from run_cases_isolated(cases, config.backends, config.device, config.plugins, timeout)
+        runnable = [(c.case, c.backend) for c in calls if c.fault is None]
+        isolated = run_isolated(check, runnable, config.device, config.plugins, timeout)
+        try:
+            for call in calls:
+                yield fault_of(call) if call.fault is not None else next(isolated)
+        finally:
+            isolated.close()  # the worker ends with the sweep
         return
-    backends = [registry.get(name) for name in config.backends]
-    for case in cases:
-        for backend in backends:
-            yield run.checked(BUDGET_CHECK, case, backend, {}, lambda truth, b=backend: run_backend(truth, b))
+    backends = {name: registry.get(name) for name in config.backends}
+    for call in calls:
+        yield fault_of(call) if call.fault is not None else run.checked(check, Drawn(call.case), backends[call.backend])
 
 
-def sweep(run: Run, cases: Sequence[Case], console: Console, verbose: bool = False) -> SweepResult:
-    """Every case through every backend of the run; a Ctrl-C or a time limit's SIGTERM (raised as
-    KeyboardInterrupt) stops it and keeps what was measured, the run marked incomplete."""
+def sweep(run: Run, cases: Sequence[Case], console: Console, verbose: bool = False, fit: bool = True) -> SweepResult:
+    """Every case through every backend of the run (moved into each backend's envelope with ``fit``); a Ctrl-C
+    or a time limit's SIGTERM (raised as KeyboardInterrupt) stops it and keeps what was measured, the run
+    marked incomplete."""
     CLOCK.drain()  # the run's timing file holds this run's time only
     failures: list[str] = []
     interrupted, stopped = False, ""
-    total, done, started, said = len(cases) * len(run.config.backends), 0, time.monotonic(), time.monotonic()
+    calls = planned_calls(cases, run.config.backends, fit)
+    total, done, started, said = len(calls), 0, time.monotonic(), time.monotonic()
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -66,8 +113,8 @@ def sweep(run: Run, cases: Sequence[Case], console: Console, verbose: bool = Fal
         console=console,
         transient=True,
     ) as progress:
-        task = progress.add_task("sweep", total=len(cases) * len(run.config.backends))
-        stream = _findings(run, cases)
+        task = progress.add_task("sweep", total=total)
+        stream = _findings(run, calls)
         try:
             for findings in stream:
                 rows = run.record(findings)

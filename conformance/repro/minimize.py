@@ -17,7 +17,9 @@ import torch
 from kda_cases.case import Case
 from kda_cases.shrink import size, smaller_cases
 from kda_conformance.checking.registry import Check, run_check
+from kda_conformance.running.session import Run
 from kda_kernels import guard
+from kda_kernels.guard import BackendFault
 from kda_kernels.protocol import Backend
 from kda_reports.findings import Finding
 
@@ -46,6 +48,7 @@ class Minimized:
     case: Case
     failure: tuple[str, str] | None  # the (tensor, kind) kept; None when the case does not fail
     findings: list[Finding]  # the minimal case's
+    original_findings: list[Finding]  # the given case's
     tried: int
     seconds: float
     stopped_by_budget: bool
@@ -59,24 +62,29 @@ def minimize(
     params: Mapping[str, object] | None = None,
     budget_s: float = 300.0,
     progress: Callable[[str], None] | None = None,
+    run: Run | None = None,
 ) -> Minimized:
     """The smallest case found that fails ``check`` as ``case`` does (``failure`` None, and nothing tried,
-    when ``case`` does not fail: its findings say whether it passed or did not run)."""
+    when ``case`` does not fail: its findings say whether it passed or did not run). Every candidate runs
+    through ``run``'s executor (a run of its own where None is given)."""
     start, params, original = time.monotonic(), dict(params or {}), case
-    findings = run_check(check, case, backend, device, params)
+    findings = first = run_check(check, case, backend, device, params, run)
     kinds = failure_kinds(findings)
     if not kinds:
-        return Minimized(original, case, None, findings, 0, time.monotonic() - start, False)
+        return Minimized(original, case, None, findings, first, 0, time.monotonic() - start, False)
     wanted, tried = kinds[0], 0
 
     def fails(candidate: Case) -> list[Finding] | None:
         """The candidate's findings when it fails the same way (None otherwise, or outside the envelope)."""
         nonlocal tried
-        candidate = guard.fit(backend, candidate)
-        if size(candidate) >= size(case) or not guard.supports(backend, candidate):
+        try:
+            candidate = guard.fit(backend, candidate)
+            if size(candidate) >= size(case) or not guard.supports(backend, candidate):
+                return None
+        except BackendFault:  # it cannot answer for the candidate: the original's error stands
             return None
         tried += 1
-        got = run_check(check, candidate, backend, device, params)
+        got = run_check(check, candidate, backend, device, params, run)
         return got if wanted in failure_kinds(got) else None
 
     def out_of_time() -> bool:
@@ -115,4 +123,4 @@ def minimize(
                     case, findings, high, improved = got[0].case, got, mid, True
                     if progress is not None:
                         progress(f"still fails ({wanted[1]} {wanted[0] or ''}): {case.label}")
-    return Minimized(original, case, wanted, findings, tried, time.monotonic() - start, out_of_time())
+    return Minimized(original, case, wanted, findings, first, tried, time.monotonic() - start, out_of_time())

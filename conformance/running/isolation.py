@@ -21,10 +21,9 @@ import torch
 
 from kda_cases.case import Case
 from kda_conformance.judging.judge import judge_for
-from kda_conformance.judging.repro import BUDGET_CHECK
+from kda_conformance.running.check import Check, Drawn
 from kda_conformance.running.config import DEFAULT_CASE_TIMEOUT, RunConfig
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost, die_with_parent
-from kda_conformance.running.runner import run_backend
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
 from kda_reports.findings import Finding
@@ -45,10 +44,10 @@ def _worker(conn: Connection, device: str, plugins: list[str], parent_pid: int) 
         task = conn.recv()
         if task is None:
             return
-        case_json, backend_name = task
-        case, backend = Case.from_json(case_json), registry.get(backend_name)
+        check, case_json, params, backend_name = task
+        drawn, backend = Drawn(Case.from_json(case_json), params), registry.get(backend_name)
         try:  # one case's truth serves all its backends (the run keeps the last few)
-            findings = run.checked(BUDGET_CHECK, case, backend, {}, lambda truth, b=backend: run_backend(truth, b))
+            findings = run.checked(check, drawn, backend)
         except DeviceLost as lost:
             conn.send((lost.findings, CLOCK.drain(), True))  # True: this worker ends
             conn.close()
@@ -84,12 +83,15 @@ class IsolatedRunner:
             self.process.join(timeout=30)
         self.process, self.conn = None, None
 
-    def run(self, case: Case, backend: str) -> list[Finding]:
+    def run(self, check: Check, drawn: Drawn, backend: str) -> list[Finding]:
+        """``check`` on the drawn case for ``backend`` in the worker (the check travels as itself: its fields
+        are data and module-level functions), the worker's executor applying every rule the sweep's does."""
         if self.process is None:
             self._start()
         assert self.conn is not None and self.process is not None
         start = time.perf_counter()
-        self.conn.send((case.to_json(), backend))
+        case = drawn.case
+        self.conn.send((check, case.to_json(), dict(drawn.params), backend))
         reason = ""
         if self.conn.poll(self.case_timeout):
             try:
@@ -104,7 +106,7 @@ class IsolatedRunner:
         else:
             reason = f"no result within {self.case_timeout:g} s (hung or too slow): its process was killed"
         self._discard()
-        judge = judge_for(BUDGET_CHECK, case, backend, self.device)
+        judge = judge_for(check.name, case, backend, self.device, drawn.params)
         return [judge.outcome("error", reason, time.perf_counter() - start)]
 
     def close(self) -> None:
@@ -128,18 +130,18 @@ def _exit_status(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def run_cases_isolated(
-    cases: Iterable[Case],
-    backends: Sequence[str],
+def run_isolated(
+    check: Check,
+    calls: Iterable[tuple[Case, str]],
     device: torch.device,
     plugins: Sequence[str] = (),
     case_timeout: float = DEFAULT_CASE_TIMEOUT,
 ) -> Iterator[list[Finding]]:
-    """``run_cases`` with every case run in a worker process (see the module's docstring)."""
+    """``check`` on each (case, backend) of ``calls``, every case in a worker process (see the module's
+    docstring)."""
     runner = IsolatedRunner(device, plugins, case_timeout)
     try:
-        for case in cases:
-            for backend in backends:
-                yield runner.run(case, backend)
+        for case, backend in calls:
+            yield runner.run(check, Drawn(case), backend)
     finally:
         runner.close()

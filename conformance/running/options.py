@@ -17,7 +17,6 @@ from typing import Any
 from kda_cases.case import DTYPES
 from kda_cases.profiles import PROFILES
 from kda_conformance.running.config import (
-    DEFAULT_CASE_TIMEOUT,
     PROFILE_VARIABLE,
     RUN_ID_VARIABLE,
     SHARD_VARIABLE,
@@ -148,8 +147,6 @@ OPTIONS: dict[str, Option] = {
 
 # The options every pytest run takes (as --kda-NAME).
 PYTEST_OPTIONS = tuple(OPTIONS)
-# What the command line's commands default to where they differ from the table.
-CASE_TIMEOUT_DEFAULT = DEFAULT_CASE_TIMEOUT
 
 
 def add_options(

@@ -1,0 +1,69 @@
+"""The truths of a run's recent cases, kept so that every backend of a case reuses them: inputs, float64
+truth and the strict budgets once per case, and the budgets of each declared working precision beside them."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Mapping
+
+import torch
+
+from kda_cases.case import Case
+from kda_conformance.running.memory import TRUTH_CACHE_GIB
+from kda_conformance.running.truth import CaseTruth, at_precision, case_truth
+from kda_kernels.protocol import WorkingPrecision
+
+# Long GPU cases hold gigabytes of truth; a handful is enough for every backend to reuse a case. Between cases
+# a worker keeps at most TRUTH_CACHE_GIB of them (memory outside the GPU's shares, in the night's memory plan).
+TRUTH_CACHE_SIZE = 4
+
+
+def tensor_bytes(value: object) -> int:
+    """The bytes of every tensor in ``value`` (a tensor, a dataclass, a mapping or a sequence of them)."""
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return sum(tensor_bytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+    if isinstance(value, Mapping):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
+
+
+class TruthCache:
+    """The last few cases' truths on one device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._strict: OrderedDict[str, CaseTruth] = OrderedDict()
+        self._declared: dict[tuple[str, WorkingPrecision], CaseTruth] = {}
+
+    def get(self, case: Case, precision: WorkingPrecision | None = None) -> CaseTruth:
+        """Inputs, float64 truth and budgets of ``case``, set at ``precision`` (a backend's declared working
+        precision) where one is given: that reuses the case's inputs and truth, with another baseline."""
+        if case.id not in self._strict:
+            self._strict[case.id] = case_truth(case, self.device)
+        self._strict.move_to_end(case.id)
+        strict = self._strict[case.id]
+        if precision is None:
+            return strict
+        key = (case.id, precision)
+        if key not in self._declared:
+            self._declared[key] = at_precision(strict, precision)
+        return self._declared[key]
+
+    def trim(self) -> None:
+        """Keep what the memory plan allows between cases: at most TRUTH_CACHE_SIZE truths and TRUTH_CACHE_GIB
+        of them, the oldest dropped first (the case just run too, when it alone is larger)."""
+        while len(self._strict) > TRUTH_CACHE_SIZE:
+            self._strict.popitem(last=False)
+        while self._strict and sum(map(tensor_bytes, self._strict.values())) > TRUTH_CACHE_GIB * 2**30:
+            self._strict.popitem(last=False)
+        # A declared precision's budgets share their case's tensors: kept while the case is.
+        self._declared = {key: truth for key, truth in self._declared.items() if key[0] in self._strict}
+
+    def clear(self) -> None:
+        self._strict.clear()
+        self._declared.clear()
