@@ -24,32 +24,24 @@ from typing import Any
 
 import torch
 
-from kda_cases.case import Case
 from kda_cases.dtypes import stored
 from kda_cases.materialize import KDAInputs
-from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported, relayout
+from kda_kernels.envelope import FLASH_KDA
+from kda_kernels.libraries import FLA, FLASHKDA
+from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported, WorkingPrecision, relayout
 
 HEAD_DIM = 128
+# FlashKDA's own checks (csrc/flash_kda.cpp), on CUDA only.
+ENVELOPE = FLASH_KDA.narrowed(devices=("cuda",))
+# FlashKDA's documented design: its recurrent state kept in bf16 on chip between the updates of its 16-token
+# chunks (fp32 FMA for the update itself).
+PRECISION = WorkingPrecision(
+    state_dtype="bf16",
+    chunk=16,
+    source="MoonshotAI/FlashKDA docs/20260420-flashkda-v1-deep-dive.md, section 1 (CHUNK = 16) and section 3 "
+    "(the on-chip recurrent state stored in bf16 between updates)",
+)
 INSTALL = "flash_kda is not installed (MoonshotAI/FlashKDA, built from source for sm_90a: docs/flashkda.md)"
-
-
-def flash_kda_envelope(case: Case) -> Support:
-    """What FlashKDA's checks accept, said the way its errors say it."""
-    if case.dtype != "bf16":
-        return Support.no(f"FlashKDA takes bf16 only (q must be bfloat16), the case is {case.dtype}")
-    if case.head_k_dim != HEAD_DIM or case.head_v_dim != HEAD_DIM:
-        return Support.no(f"FlashKDA supports only D == {HEAD_DIM} (K = V), the case has K={case.head_k_dim}, "
-                          f"V={case.head_v_dim}")  # fmt: skip
-    if case.num_v_heads != case.num_heads:
-        return Support.no("FlashKDA needs v to match q's shape: no GVA (HV != H)")
-    if case.gate != "lower_bound":
-        return Support.no("FlashKDA computes the lower-bound gate from raw g in the kernel; the case's gate is "
-                          f"{case.gate}")  # fmt: skip
-    if not (case.l2norm_in_kernel and case.beta_sigmoid_in_kernel):
-        return Support.no("FlashKDA normalises q/k and applies beta's sigmoid in the kernel: the case does not")
-    if case.checkpoints:
-        return Support.no("FlashKDA returns no intermediate states (checkpoints)")
-    return Support.yes()
 
 
 def _availability(device: torch.device) -> Support:
@@ -77,12 +69,12 @@ class FlashKdaCuda(Backend):
     name = "flashkda_cuda"
     description = "flash_kda.fwd, MoonshotAI's FlashKDA CUTLASS kernel (sm_90a), called as its README calls it"
     chunk_tokens = 16
+    envelope = ENVELOPE
+    working_precision = PRECISION
+    libraries = (FLASHKDA,)
 
     def availability(self, device: torch.device) -> Support:
         return _availability(device)
-
-    def supports(self, case: Case) -> Support:
-        return flash_kda_envelope(case)
 
     def run(self, inputs: KDAInputs) -> BackendOutput:
         support = self.supports(inputs.case)
@@ -131,14 +123,15 @@ class FlaChunkDispatch(Backend):
     name = "fla_chunk_dispatch"
     description = "fla.ops.kda.chunk_kda as dispatched to FlashKDA when flash_kda is installed (FLA's own adapter)"
     chunk_tokens = 16
+    # FLA's verifier hands a call to FlashKDA only with the safe gate on (fla/ops/kda/backends/flash_kda.py)
+    envelope = ENVELOPE.narrowed(safe_gate=(True,))
+    working_precision = PRECISION
+    libraries = (FLA, FLASHKDA)
 
     def availability(self, device: torch.device) -> Support:
         if importlib.util.find_spec("fla") is None:
             return Support.no("fla-core is not installed (pip install fla-core==0.6.0)")
         return _availability(device)
-
-    def supports(self, case: Case) -> Support:
-        return flash_kda_envelope(case)
 
     def call_kwargs(self, inputs: KDAInputs) -> dict[str, Any]:
         """chunk_kda's arguments as a Hopper user passes them: the case's, with the fp32 state V-first."""

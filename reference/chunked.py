@@ -62,6 +62,7 @@ def kda_chunked(
     *,
     chunk_size: int = DEFAULT_CHUNK,
     working_dtype: torch.dtype | None = None,
+    carried_state_dtype: torch.dtype | None = None,
     block_elements: int | None = None,
 ) -> ReferenceResult:
     """KDA with ``kda_recurrent``'s arguments and conventions, computed chunk by chunk.
@@ -71,6 +72,10 @@ def kda_chunked(
     chunks a block at a time (about ``block_elements`` elements per ``[chunks x heads, C, K]`` temporary),
     so its memory beyond the inputs and outputs does not grow with the tokens; the working-precision
     baseline takes every chunk in one block (its arithmetic, which sets the budgets, unchanged).
+    ``carried_state_dtype`` (a working precision only) keeps the state between chunks in that dtype: it is
+    rounded to it as it enters each chunk and as it leaves the last (a sequence with no tokens gives back its
+    initial state so rounded), the baseline of a kernel that declares such a state (FlashKDA holds a bf16
+    state on chip between its 16-token chunks).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
@@ -78,9 +83,11 @@ def kda_chunked(
         raise ValueError(f"working_dtype must be None, bfloat16, float16 or float32, got {working_dtype}")
     if block_elements is not None and block_elements < 1:
         raise ValueError(f"block_elements must be a positive integer, got {block_elements}")
+    if carried_state_dtype is not None and working_dtype is None:
+        raise ValueError("carried_state_dtype needs a working_dtype: the exact form keeps its state in float64")
     compute = torch.float64 if working_dtype is None else torch.float32
     raw = check_inputs(q, k, v, g, beta, options or KDAOptions(), compute)
-    rounded = Rounding(working_dtype or compute, compute)
+    rounded = Rounding(working_dtype or compute, compute, carried_state_dtype)
     exact = working_dtype is None
     block = (block_elements or EXACT_BLOCK_ELEMENTS) if exact else None
     return _chunked(raw, chunk_size, rounded, exact, block)
@@ -97,7 +104,8 @@ def _chunked(raw: Raw, C: int, r: Rounding, exact: bool, block_elements: int | N
     most = M if block_elements is None else max(1, block_elements // per_chunk)
 
     o = torch.zeros(B * T + 1, HV, V, dtype=dtype, device=device)  # the last row takes the padding
-    final = raw.h0.clone()  # sequences with no tokens keep their initial state
+    # Sequences with no tokens keep their initial state (as the kernel holds it: a declared state dtype's)
+    final = r.state(raw.h0.clone())
     saved = torch.zeros(len(raw.checkpoints), HV, K, V, dtype=dtype, device=device)
     # The states entering the next block's first step, of the sequences still going on there.
     entering = raw.h0[plan.order[: plan.active[0]]].reshape(-1, K, V) if M else raw.h0.new_zeros(0, K, V)
@@ -272,6 +280,8 @@ def _rounded_states(
     for j in range(first, last):
         offset, active = plan.offsets[j] - c0, plan.active[j]
         here = slice(offset * HV, (offset + active) * HV)
+        if r.carried not in (None, r.compute):  # a declared state precision: kept so between chunks
+            S_in[here] = r.state(S_in[here])
         S = S_in[here]
         U[here] = r(u[here] - w[here] @ r(S))
         decayed = decay_end[here] * S
@@ -286,7 +296,7 @@ def _rounded_states(
             S_in[start : start + going_on * HV] = nxt[: going_on * HV]
         elif going_on:
             entering = nxt[: going_on * HV].clone()
-        final[plan.order[going_on:active]] = nxt[going_on * HV :].reshape(-1, HV, K, V)
+        final[plan.order[going_on:active]] = r.state(nxt[going_on * HV :]).reshape(-1, HV, K, V)
     return U, entering
 
 
@@ -375,9 +385,14 @@ class Rounding:
 
     store: torch.dtype
     compute: torch.dtype
+    carried: torch.dtype | None = None  # the dtype the state is kept in between chunks (None: ``compute``)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.store == self.compute else x.to(self.store).to(self.compute)
+
+    def state(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (a carried state) rounded to the dtype the state is kept in."""
+        return x if self.carried in (None, self.compute) else x.to(self.carried).to(self.compute)
 
     def product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``self(a * b)`` in one pass: multiplied in ``compute`` and written rounded to ``store`` (same

@@ -21,6 +21,7 @@ from kda_cases.files import atomic_write
 from kda_cases.sentinels import SENTINEL_GROWTH
 from kda_reports.environment import SUITE_BASELINE
 from kda_reports.findings import VERDICTS, stale_known_issues
+from kda_reports.precision import precision_costs
 from kda_reports.reach import MISSED, backend_coverage
 from kda_reports.regressions import GROUP, find_regressions, longest, nightly_groups, record_worst, sentinel_worst
 from kda_reports.runfile import record_coverage
@@ -374,6 +375,12 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
             f"<p class='note'>Worst error/limit per backend, case family and tensor against the median of up to "
             f"{window} earlier complete runs; growth flagged past {growth:g} times the median.</p>",
             _table(regressions, "regressions", code_columns=("repro",)),
+            f"<h2>Declared working precisions, {which}</h2>",
+            "<p class='note'>Backends that declare where their kernel computes below the case's precision by its "
+            "documented design (FlashKDA: a bf16 state between 16-token chunks) are judged against the baseline "
+            "at that precision; this is what the design costs against the strict limits, apart from the "
+            "verdicts. A declaration under which every record passes the strict limits is unnecessary.</p>",
+            _table(precision_costs(last), "precision-costs"),
             "<h2>Known issues that no longer reproduce</h2>",
             "<p class='note'>Ledger entries (conformance/known_issues.toml) that matched cases of the last complete "
             "run, none of which reproduced them: remove them from the ledger.</p>",

@@ -63,10 +63,25 @@ class Budget:
     tensor: str
     max_abs: Limit
     rel_rms: Limit
+    # Where the backend declared a working precision (kernels/protocol.py WorkingPrecision): its label, and the
+    # budget the strict baseline (the case's own precision) sets, kept beside the declared one.
+    precision: str = ""
+    strict: Budget | None = None
 
     @property
     def limits(self) -> tuple[Limit, Limit]:
         return self.max_abs, self.rel_rms
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Budget:
+        strict = data.get("strict")
+        return cls(
+            data["tensor"],
+            Limit(**data["max_abs"]),
+            Limit(**data["rel_rms"]),
+            data.get("precision", ""),
+            None if strict is None else cls.from_dict(strict),
+        )
 
 
 @dataclass(frozen=True)
@@ -171,6 +186,17 @@ class Finding:
         return worst_ratio(self.ratio, self.rel_rms_ratio)
 
     @property
+    def strict_worst(self) -> float:
+        """The worst error/limit against the strict baseline's limits, where the backend declared a working
+        precision (NaN otherwise): what its design costs, apart from its verdict."""
+        strict = None if self.budget is None else self.budget.strict
+        if self.errors is None or strict is None:
+            return math.nan
+        return worst_ratio(
+            ratio(self.errors.max_abs, strict.max_abs.value), ratio(self.errors.rel_rms, strict.rel_rms.value)
+        )
+
+    @property
     def title(self) -> str:
         """``kda-... (label) backend NAME`` and the tensor: how every message starts."""
         head = f"{self.case.id} ({self.case.label}) backend {self.backend}"
@@ -192,6 +218,11 @@ class Finding:
                         f"  {limit.metric} = {value:.3e}, {ratio(value, limit.value):.3g}x its limit {limit.value:.3e} "
                         f"(baseline {limit.baseline:.3e}, floor {limit.floor:.3e}, cap {limit.cap:.3e})"
                     )
+                if self.budget.strict is not None:
+                    lines.append(
+                        f"  limits of its declared working precision ({self.budget.precision}); against the strict "
+                        f"baseline's: {self.strict_worst:.3g}x"
+                    )
                 lines.append(f"  first bad: {self.first_bad or '-'} (first point past the max-abs limit)")
             elif self.first_bad is not None:
                 lines.append(f"  first bad: {self.first_bad}")
@@ -212,8 +243,7 @@ class Finding:
         if data.get("errors") is not None:
             data["errors"] = Errors(**{**data["errors"], "curve": tuple(data["errors"]["curve"])})
         if data.get("budget") is not None:
-            budget = data["budget"]
-            data["budget"] = Budget(budget["tensor"], Limit(**budget["max_abs"]), Limit(**budget["rel_rms"]))
+            data["budget"] = Budget.from_dict(data["budget"])
         if data.get("first_bad") is not None:
             data["first_bad"] = Location(**data["first_bad"])
         data["problems"] = tuple(data.get("problems", ()))

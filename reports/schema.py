@@ -66,6 +66,12 @@ RECORD_COLUMNS: dict[str, str] = {
     "budget_binding": "which term set the max-abs limit: `baseline`, `floor` or `cap`",
     "baseline_rel_rms": "rel-RMS error of the same-precision baseline on this case",
     "budget_rel_rms_binding": "which term set the rel-RMS limit",
+    "precision": "the working precision the backend declares by its documented design (`bf16 state every 16 "
+    "tokens`), whose baseline set this row's limits; '' where it declares none (the limits are the strict ones)",
+    "strict_ratio": "with a declared precision: the worst error/limit against the strict baseline's limits (the "
+    "case's own precision), what the design costs apart from the verdict; NaN otherwise",
+    "library": "the library (and version) the backend's kernel comes from, as the backend declares it: "
+    "`fla-core 0.6.0`, `vLLM 1a2b3c (KDA_VLLM_SRC)`; '' for the suite's own and undeclared backends",
     "test": "pytest node id (pytest runs only)",
     "env_device_type": "`cpu`, `cuda`",
     "env_device_name": "GPU name, or the CPU's model (`/proc/cpuinfo`)",
@@ -79,6 +85,9 @@ RECORD_COLUMNS: dict[str, str] = {
     "env_source_trees": "the commit of each kernel source tree a `KDA_*_SRC` variable names (`KDA_AITER_SRC`, "
     "`KDA_VLLM_SRC`, `KDA_SGLANG_SRC`), as JSON keyed by the variable: `git rev-parse` in the tree's own checkout, "
     "else its `COMMIT` file, else `unknown`; `{}` when none is named",
+    "env_libraries": "the libraries of the run's backends (each backend declares its own: kernels/libraries.py) "
+    "with the version the run used, as JSON: the commit of the source tree its `KDA_*_SRC` variable names where "
+    "set, else the installed version, else `not installed`",
     "env_cuda": "CUDA version torch was built with (GPU runs)",
     "env_hip": "HIP version torch was built with (ROCm runs)",
     "env_visible_devices": "GPU runs: the GPUs the process saw (`CUDA_VISIBLE_DEVICES` / `HIP_VISIBLE_DEVICES`; "
@@ -161,6 +170,8 @@ def record_row(finding: Finding) -> dict:
         "budget_binding": budget.max_abs.binding,
         "baseline_rel_rms": budget.rel_rms.baseline,
         "budget_rel_rms_binding": budget.rel_rms.binding,
+        "precision": budget.precision,
+        "strict_ratio": finding.strict_worst,
     }
 
 
@@ -190,6 +201,7 @@ NUMBER_COLUMNS = (
     "budget_floor",
     "budget_cap",
     "baseline_rel_rms",
+    "strict_ratio",
     "env_multiprocessors",
 )
 FINITE_COLUMNS = ("seconds", "reference_seconds")  # times: a NaN or an infinity is not a time

@@ -18,7 +18,7 @@ from kda_conformance.judging.judge import Judge
 from kda_conformance.running.stages import CLOCK
 from kda_conformance.running.truth import inputs_truth
 from kda_kernels import serving as harness
-from kda_kernels.protocol import Backend, BackendOutput
+from kda_kernels.protocol import Backend, BackendOutput, WorkingPrecision
 from kda_kernels.serving import NULL_SLOT, PoolPlan, ServingRun
 from kda_reports.findings import Finding, Location
 
@@ -107,11 +107,14 @@ def differences(judge: Judge, got: ServingRun, want: ServingRun, what: str) -> l
     return findings
 
 
-def request_findings(judge: Judge, what: str, request: KDAInputs, got: BackendOutput) -> list[Finding]:
+def request_findings(
+    judge: Judge, what: str, request: KDAInputs, got: BackendOutput, precision: WorkingPrecision | None = None
+) -> list[Finding]:
     """A request judged as a case of its own: the float64 truth of exactly what it was given (its initial
     state as the pool stored it: a bf16 pool's rounding is the server's choice), budgets from the baseline
-    on the same request. Its findings name the request's case; they carry the check's repro line."""
-    truth = inputs_truth(request)
+    on the same request (at the backend's declared working precision, the batch's truth's). Its findings name
+    the request's case; they carry the check's repro line."""
+    truth = inputs_truth(request, precision=precision)
     request_judge = Judge(judge.check, request.case, judge.backend, judge.device, judge.repro)
     return request_judge.result(truth.reference, got, truth.budgets, what)
 

@@ -34,6 +34,8 @@ def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
 
 
 def requires(backend: Backend) -> str | None:
+    if not backend.envelope.checkpoints:
+        return f"{backend.name} takes no cases with checkpoints (its envelope)"
     return None if backend.produces_checkpoints else f"{backend.name} returns no checkpoint states"
 
 
@@ -62,6 +64,7 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> lis
             f"request resumed from checkpoint {j} (slot {slot}, sequence {seq} at token {position})",
             dataclasses.replace(later, initial_state=served.pool[[slot]]),
             BackendOutput(o=out[:, : end - start - position], final_state=pool[[slot]]),
+            truth.precision,
         )
     return findings
 

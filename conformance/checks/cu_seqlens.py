@@ -58,7 +58,7 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> lis
     case, device = truth.case.replace(checkpoints=()), truth.inputs.device
     first = dataclasses.replace(truth, case=case, inputs=dataclasses.replace(truth.inputs, case=case))
     judge = judge_for(NAME, truth.case, backend.name, device, params)
-    second = case_truth(next_batch(case), device)
+    second = case_truth(next_batch(case), device, precision=truth.precision)
     n = case.num_seqs
     persistent = torch.zeros(n + 1 + 8, dtype=torch.int32, device=device)
     same = torch.zeros(n + 1, dtype=torch.int32, device=device)

@@ -49,7 +49,7 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> lis
     prefix = call_backend(backend, prefix_inputs)
     # Step 1 against the truth of exactly its inputs: a prefix (or its final state) that is wrong is the
     # backend's failure here, with its first bad point, and no suffix is resumed from it.
-    step1 = inputs_truth(prefix_inputs)
+    step1 = inputs_truth(prefix_inputs, precision=truth.precision)
     first = Judge(NAME, prefix_inputs.case, backend.name, judge.device, judge.repro)
     judged = first.result(step1.reference, prefix, step1.budgets, "step 1: the prefix against its own truth")
     if any(f.failed for f in judged):

@@ -48,6 +48,7 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> lis
         "two-step prefill, step 1 (first half of each sequence)",
         first,
         BackendOutput(o=out1[:, :T1], final_state=after_first),
+        truth.precision,
     )
     if any(f.failed for f in step1):  # step 2 would resume from what step 1 got wrong: judged at step 1 alone
         return step1
@@ -60,6 +61,7 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> lis
         "two-step prefill, step 2 (the rest, resumed from the slots)",
         dataclasses.replace(second, initial_state=stored),
         BackendOutput(o=out2[:, :T2], final_state=pool[slots]),
+        truth.precision,
     )
 
 

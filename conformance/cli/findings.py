@@ -14,6 +14,7 @@ from kda_conformance.judging.known import LEDGER, load_ledger
 from kda_conformance.repro.upstream import upstream_findings, write_finding_test, write_findings_page
 from kda_kernels import registry
 from kda_kernels.registry import PluginError
+from kda_reports.precision import precision_lines
 from kda_reports.store import load_store
 
 NAME = "findings"
@@ -62,7 +63,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     runs = store.records.drop_duplicates("run_id")
     where = ", ".join(sorted({f"{r.env_device_type} {r.env_device_name}" for r in runs.itertuples()}))
     source = f"runs {', '.join(sorted(runs['run_id'].astype(str)))} ({where})"
-    page = write_findings_page(findings, source, args.page)
+    page = write_findings_page(findings, source, args.page, precision_lines(store.records))
     for f in findings:
         console.print(f"{f.status:8} {f.id}: {f.backends}; {f.worst}; {f.test or ''}", highlight=False, soft_wrap=True)
     console.print(f"page: {page}", highlight=False)

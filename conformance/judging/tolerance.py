@@ -85,11 +85,14 @@ def derive_budget(
     reference_max_abs: float,
     rule: BudgetRule = DEFAULT_RULE,
     elements: int = 1,
+    declared_dtype: str | None = None,
 ) -> Budget:
     """Apply the rule to one tensor, given the baseline's errors on it, the reference's largest magnitude
-    and the tensor's number of elements (the max-abs floor covers the largest of that many errors)."""
+    and the tensor's number of elements (the max-abs floor covers the largest of that many errors). A
+    ``declared_dtype`` (a backend's declared working precision: its state's dtype) is part of the working
+    precision the cap is taken from."""
     stored = UNIT_ROUNDOFF[stored_dtype_name(case, tensor)]
-    working = max(UNIT_ROUNDOFF[case.dtype], stored)
+    working = max(UNIT_ROUNDOFF[case.dtype], stored, UNIT_ROUNDOFF[declared_dtype] if declared_dtype else 0.0)
     growth = math.sqrt(max(case.seq_lens)) * UNIT_ROUNDOFF["fp32"]
     floor_rel_rms = rule.floor_ulps * stored + rule.floor_lambda * growth
     lambda_max = math.sqrt(rule.floor_lambda**2 + 2 * math.log(max(elements, 1)))
@@ -103,9 +106,14 @@ def derive_budget(
 
 
 def case_budgets(
-    case: Case, truth: Tensors, baseline: Iterable[Measurement], rule: BudgetRule = DEFAULT_RULE
+    case: Case,
+    truth: Tensors,
+    baseline: Iterable[Measurement],
+    rule: BudgetRule = DEFAULT_RULE,
+    declared_dtype: str | None = None,
 ) -> dict[str, Budget]:
-    """Budgets for every tensor the baseline was measured on, keyed by tensor name."""
+    """Budgets for every tensor the baseline was measured on, keyed by tensor name (``declared_dtype``: see
+    ``derive_budget``)."""
     budgets = {}
     for measured in baseline:
         ref = getattr(truth, measured.tensor)
@@ -120,6 +128,6 @@ def case_budgets(
             )
         ref_max = float(ref.abs().max()) if ref.numel() else 0.0
         budgets[measured.tensor] = derive_budget(
-            case, measured.tensor, measured.errors, ref_max, rule, elements=ref.numel()
+            case, measured.tensor, measured.errors, ref_max, rule, elements=ref.numel(), declared_dtype=declared_dtype
         )
     return budgets

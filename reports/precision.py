@@ -1,0 +1,46 @@
+"""What a declared working precision costs (kernels/protocol.py ``WorkingPrecision``): per backend that
+declares one, how its judged records stand against the strict baseline's limits beside the declared ones.
+
+A declaration moves a backend's verdicts to the baseline at its documented precision; the strict ratios the
+records keep show the price of the design apart from those verdicts ("bf16 state every 16 tokens: 2.8x the
+strict limits at worst"). A declaration under which every record also passes the strict limits hides
+nothing: it is reported as unnecessary.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+COLUMNS = ["backend", "precision", "records", "over_strict", "worst_strict", "worst_declared", "note"]
+
+
+def precision_costs(records: pd.DataFrame) -> pd.DataFrame:
+    """One row per (backend, declared precision): its judged records, how many are past the strict limits,
+    the worst ratio against the strict and the declared limits, and a note (the cost, or that the
+    declaration is unnecessary)."""
+    if records.empty or "precision" not in records or "strict_ratio" not in records:
+        return pd.DataFrame(columns=COLUMNS)
+    declared = records[records["precision"].fillna("").astype(str) != ""]
+    rows = []
+    for (backend, precision), part in declared.groupby(["backend", "precision"], sort=True):
+        strict = pd.to_numeric(part["strict_ratio"], errors="coerce").dropna()
+        if strict.empty:
+            continue
+        ratios = [pd.to_numeric(part[c], errors="coerce") for c in ("ratio", "rel_rms_ratio") if c in part]
+        worst_declared = float(pd.concat(ratios).max()) if ratios else float("nan")
+        over, worst = int((strict > 1).sum()), float(strict.max())
+        if over:
+            note = f"{precision}: {worst:.3g}x the strict limits at worst ({over} of {len(strict)} records past them)"
+        else:
+            note = (
+                f"declared {precision}, but all {len(strict)} records pass the strict limits (worst {worst:.3g}x): "
+                "the declaration is unnecessary"
+            )
+        values = (backend, precision, len(strict), over, worst, worst_declared, note)
+        rows.append(dict(zip(COLUMNS, values, strict=True)))
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def precision_lines(records: pd.DataFrame) -> list[str]:
+    """The notes of ``precision_costs``, one line per backend that declares a working precision."""
+    return [f"{row.backend}: {row.note}" for row in precision_costs(records).itertuples()]

@@ -1,0 +1,83 @@
+"""Declared working precisions (kernels/protocol.py WorkingPrecision): a backend that keeps its state in bf16
+by its documented design is judged against the baseline at that precision, every record keeping its ratio to
+the strict limits; a planted bug on top is still caught; a declaration that hides nothing is reported."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from kda_cases.case import Case
+from kda_cases.materialize import materialize
+from kda_conformance.cli import main
+from kda_kernels import registry
+from kda_kernels.protocol import WorkingPrecision
+from kda_kernels.torch_chunk import TorchChunk
+from kda_reports.precision import precision_costs
+
+PLUGINS = Path(__file__).with_name("plugins")
+BACKENDS = ("declared_bf16_state", "undeclared_bf16_state", "declared_bf16_state_and_a_bug", "declared_needlessly")
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
+    out = tmp_path_factory.mktemp("declared")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(PLUGINS))
+        chosen = [arg for name in BACKENDS for arg in ("--backend", name)]
+        code = main(["run", "--device", "cpu", "--plugin", "kda_declared", *chosen, "--out", str(out),
+                     "--no-dashboard"])  # fmt: skip
+    assert code == 1  # the planted bug and the undeclared bf16 state fail
+    [parquet] = (out / "runs").glob("*.parquet")
+    return pd.read_parquet(parquet)
+
+
+def _verdicts(records: pd.DataFrame, backend: str) -> set[str]:
+    return set(records[records["backend"] == backend]["verdict"])
+
+
+def test_a_declared_state_precision_passes_where_only_the_states_rounding_differs(records: pd.DataFrame) -> None:
+    assert _verdicts(records, "declared_bf16_state") == {"pass"}
+    # The same kernel undeclared fails its fp32 cases: the declaration is what moved the verdicts.
+    undeclared = records[records["backend"] == "undeclared_bf16_state"]
+    assert set(undeclared[undeclared["case_dtype"] == "fp32"]["verdict"]) == {"fail"}
+    declared = records[records["backend"] == "declared_bf16_state"]
+    assert set(declared["precision"]) == {"bf16 state every 16 tokens"}
+    # Each record keeps what the design costs against the strict limits.
+    assert declared["strict_ratio"].max() > 100 and undeclared["strict_ratio"].isna().all()
+
+
+def test_a_planted_bug_on_top_of_a_declared_precision_is_caught(records: pd.DataFrame) -> None:
+    bug = records[records["backend"] == "declared_bf16_state_and_a_bug"]
+    failed = bug[bug["verdict"] == "fail"]
+    assert not failed.empty and set(failed["tensor"]) == {"o"}
+
+
+def test_the_cost_of_a_declaration_and_a_needless_one_are_reported(records: pd.DataFrame) -> None:
+    costs = precision_costs(records).set_index("backend")
+    assert "x the strict limits at worst" in costs.loc["declared_bf16_state", "note"]
+    assert costs.loc["declared_bf16_state", "over_strict"] > 0
+    assert "the declaration is unnecessary" in costs.loc["declared_needlessly", "note"]
+    assert "undeclared_bf16_state" not in costs.index
+
+
+def test_the_declared_baseline_keeps_its_state_in_the_declared_dtype() -> None:
+    case = Case(seq_lens=(50,), dtype="fp32", initial_state="random", head_k_dim=16, head_v_dim=16)
+    inputs = materialize(case, torch.device("cpu"))
+    precision = WorkingPrecision("bf16", 16, "a test")
+    final = TorchChunk.at_precision(precision).run(inputs).final_state
+    assert torch.equal(final, final.to(torch.bfloat16).float())  # rounded as it left the last chunk
+    strict = TorchChunk().run(inputs).final_state
+    assert not torch.equal(strict, strict.to(torch.bfloat16).float())
+
+
+def test_flashkda_declares_its_documented_state_precision() -> None:
+    for name in ("flashkda_cuda", "fla_chunk_dispatch"):
+        precision = registry.get(name).working_precision
+        assert precision is not None and (precision.state_dtype, precision.chunk) == ("bf16", 16)
+        assert "flashkda-v1-deep-dive.md" in precision.source and "section 3" in precision.source
+    with pytest.raises(ValueError, match="source"):
+        WorkingPrecision("bf16", 16, " ")
