@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import subprocess
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def _checkout_commit() -> str:
     commit = _own_checkout_head(_REPO)
     if not commit:
         return ""
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    dirty = _git("status", "--porcelain", "--untracked-files=no", cwd=_REPO)
     return f"{commit}+dirty" if dirty else commit
 
 
@@ -124,6 +125,21 @@ def source_tree_commits(environ: dict[str, str] | None = None) -> dict[str, str]
     return commits
 
 
+def library_version(distribution: str = "", source_variable: str = "") -> str:
+    """The version of a backend's library as the run uses it: the commit of the source tree ``source_variable``
+    names where it is set (``KDA_VLLM_SRC``: the kernels load from there), else the installed
+    ``distribution``'s version, else ``not installed``."""
+    if source_variable and os.environ.get(source_variable):
+        commit = source_tree_commits({source_variable: os.environ[source_variable]})[source_variable]
+        return f"{commit} ({source_variable})"
+    return (_version(distribution) if distribution else "") or "not installed"
+
+
+def library_versions(libraries: Mapping[str, tuple[str, str]]) -> dict[str, str]:
+    """``{name: version}`` of libraries given as ``{name: (distribution, source_variable)}``."""
+    return {name: library_version(*where) for name, where in sorted(libraries.items())}
+
+
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo`` on Linux), else what the platform says."""
     try:
@@ -135,8 +151,11 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def environment(device: torch.device) -> dict[str, str | int]:
-    """A flat description of the machine and libraries, stored beside every record."""
+def environment(
+    device: torch.device, libraries: Mapping[str, tuple[str, str]] | None = None
+) -> dict[str, str | int]:
+    """A flat description of the machine and libraries, stored beside every record: ``libraries`` are the
+    run's backends' (``{name: (distribution, source_variable)}``), their versions recorded as JSON."""
     env: dict[str, str | int] = {
         "device_type": device.type,
         "device_name": cpu_model(),
@@ -148,6 +167,7 @@ def environment(device: torch.device) -> dict[str, str | int]:
         "fla": _version("fla-core"),
         "aiter": _version("aiter"),
         "source_trees": json.dumps(source_tree_commits(), sort_keys=True),
+        "libraries": json.dumps(library_versions(libraries or {}), sort_keys=True),
         # The commit and where it was read (KDA_SUITE_COMMIT, git, package metadata or unknown).
         **dict(zip(("suite_commit", "suite_commit_from"), suite_commit(), strict=True)),
         "variables": json.dumps(numerics_variables(), sort_keys=True),

@@ -13,6 +13,7 @@ commit, or neither (a new seed drew harder cases, or the kernel is not determini
 
 from __future__ import annotations
 
+import json
 import math
 
 import pandas as pd
@@ -31,6 +32,7 @@ ENV_KEYS = {
     "env_hip": "HIP",
     "env_multiprocessors": "SMs/CUs",
     "env_variables": "variables",
+    "env_libraries": "libraries",
 }
 GROUP = ["backend", "check", "family", "tensor"]
 
@@ -90,13 +92,30 @@ def nightly_groups(records: pd.DataFrame) -> pd.DataFrame:
     return table.reset_index()
 
 
+def _json(text: object) -> dict:
+    try:
+        value = json.loads(str(text))
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def environment_change(runs: pd.DataFrame, before: str, after: str) -> str:
     """What differs between two runs: environment, suite commit, or neither."""
     a = runs.set_index("run_id").loc[before]
     b = runs.set_index("run_id").loc[after]
     changes = [
-        f"{label} {a[key]} -> {b[key]}" for key, label in ENV_KEYS.items() if key in runs and str(a[key]) != str(b[key])
+        f"{label} {a[key]} -> {b[key]}"
+        for key, label in ENV_KEYS.items()
+        if key in runs and key != "env_libraries" and str(a[key]) != str(b[key])
     ]
+    if "env_libraries" in runs:  # the libraries both runs used, by name (a run of other backends changes none)
+        before_libs, after_libs = _json(a["env_libraries"]), _json(b["env_libraries"])
+        changes += [
+            f"{name} {before_libs[name]} -> {after_libs[name]}"
+            for name in sorted(set(before_libs) & set(after_libs))
+            if before_libs[name] != after_libs[name]
+        ]
     suite = "env_suite_commit" in runs and str(a["env_suite_commit"]) != str(b["env_suite_commit"])
     seed = "env_seed" in runs and _shown(a["env_seed"]) != _shown(b["env_seed"])
     parts = []

@@ -164,7 +164,7 @@ def test_repro_command_localizes_and_writes_a_failing_standalone_test(
         env={"PATH": ""},
     )
     assert without_plugin.returncode == 0 and "1 skipped" in without_plugin.stdout, without_plugin.stdout[-2000:]
-    assert "needs kda_planted_bugs, the module that registers it" in without_plugin.stdout
+    assert "needs kda_planted_bugs (the module that registers planted_padding_writes_slot0)" in without_plugin.stdout
 
 
 class _Tampered:
@@ -226,7 +226,10 @@ def test_fla_standalone_test_needs_only_torch_and_fla(tmp_path: Path) -> None:
     assert done.returncode == 0 and "1 skipped" in done.stdout and "TRITON_INTERPRET=1" in done.stdout, done.stdout
     # Without its library it skips.
     done = standalone("import os, sys; os.environ['TRITON_INTERPRET'] = '1'; sys.modules['fla'] = None; ")
-    assert done.returncode == 0 and "needs fla-core, the library under test" in done.stdout, done.stdout[-2000:]
+    assert done.returncode == 0 and "needs fla-core (pip install fla-core" in done.stdout, done.stdout[-2000:]
+    # Where its library is there but a module it imports is not, it names that module, not the library.
+    done = standalone("import os, sys; os.environ['TRITON_INTERPRET'] = '1'; sys.modules['einops'] = None; ")
+    assert done.returncode == 0 and "needs einops, which fla-core imports" in done.stdout, done.stdout[-2000:]
 
 
 def test_a_standalone_test_written_on_a_gpu_skips_without_one(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,7 +27,8 @@ def _record(run: str, backend: str, verdict: str, known: str = "", **more: objec
     row = {"run_id": run, "backend": backend, "check": "budget", "verdict": verdict, "known_issue": known}
     row |= {"case_id": case.id, "case_json": case.to_json(), "case_total_tokens": case.total_tokens}
     row |= {"ratio": 0.5, "rel_rms_ratio": 0.4, "reason": "", "first_bad": "", "repro": f"repro {case.id}"}
-    row |= {"env_fla": "0.6.0", "env_aiter": ""}
+    library = {"fla": "fla-core 0.6.0", "aiter": "AITER 1a2b3c (KDA_AITER_SRC)"}.get(backend.split("_")[0], "")
+    row |= {"library": library}
     return row | more
 
 

@@ -40,12 +40,42 @@ def plan_lines(case: Case) -> list[str]:
 
 def _suite_imports(backend: Backend) -> str:
     """The imports of a file that runs ``backend`` through this suite, inside its test: it skips where the
-    suite (or the plugin module that registers the backend) is not importable."""
-    lines = ['pytest.importorskip("kda_kernels", reason="runs the backend through kda-conformance, not installed")']
+    suite (or the plugin module that registers the backend, or a library it declares) is not importable."""
+    lines = ['needs("kda_kernels")']
     module = registry.plugin_of(backend.name)
     if module:  # a plugin's backend: importing its module registers it
-        lines.append(f"pytest.importorskip({module!r}, reason={f'needs {module}, the module that registers it'!r})")
+        lines.append(f"needs({module!r})")
+    lines += [f"needs({library.module!r})" for library in backend.libraries if library.module]
     return "".join(f"    {line}\n" for line in lines)
+
+
+def needs_source(backend: Backend) -> str:
+    """``needs(module)`` of the written file: the module imported, or the test skipped naming the package that
+    is really missing (the library a backend declares, the suite, the plugin module; or a module one of them
+    imports, by its own name), with how to get it where the backend's declaration says."""
+    known = {library.module: (library.name, library.install) for library in backend.libraries if library.module}
+    known["kda_kernels"] = ("kda-conformance", "pip install kda-conformance, the suite that runs this backend")
+    module = registry.plugin_of(backend.name)
+    if module:
+        known[module] = (module, f"the module that registers {backend.name}")
+    return textwrap.dedent(
+        f"""
+
+        LIBRARIES = {known!r}
+
+
+        def needs(module):
+            try:
+                return importlib.import_module(module)
+            except ImportError as exc:
+                missing = (exc.name or module).split(".")[0]
+                top = module.split(".")[0]
+                name, install = LIBRARIES.get(top, (top, ""))
+                if missing == top:
+                    pytest.skip(f"needs {{name}}" + (f" ({{install}})" if install else ""))
+                pytest.skip(f"needs {{missing}}, which {{name}} imports (pip install {{missing}})")
+        """
+    )
 
 
 def where_it_runs_source(backend: Backend, device: torch.device) -> str:
@@ -204,7 +234,8 @@ def write_standalone(case: Case, backend: Backend, device: torch.device, poison:
         f'"""Standalone repro written by `kda-conformance repro`: case {served.id} on {backend.name}, poison '
         f"{poison}.\n\nCase: {served.to_json()}\nData: {data_path.name} (inputs, the poisoned pool and output "
         "buffer, the float64 truth, the limits).\nIt skips, saying why, where its library or the device it needs "
-        'is missing.\n"""\n\nimport os\nfrom pathlib import Path\n\nimport pytest\nimport torch\n'
+        'is missing.\n"""\n\nimport importlib\nimport os\nfrom pathlib import Path\n\nimport pytest\nimport torch\n'
     )
-    atomic_write_text(path, header + source + "\n" + where_it_runs_source(backend, device) + body)
+    text = header + needs_source(backend) + source + "\n" + where_it_runs_source(backend, device) + body
+    atomic_write_text(path, text)
     return path, data_path

@@ -13,7 +13,6 @@ wrong, passes once it is right and skips where its library or device is missing.
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -59,26 +58,11 @@ class UpstreamFinding:
 
 
 def _kernel(rows: pd.DataFrame) -> str:
-    """The library and version behind the rows' backends, as their run recorded it."""
-    backends = set(rows["backend"].astype(str))
-    parts = []
-    if any(b.startswith("fla") for b in backends):
-        parts.append(f"fla-core {_first(rows, 'env_fla') or '(version not recorded)'}")
-    if any(b.startswith("aiter") for b in backends):
-        parts.append(
-            f"aiter {_first(rows, 'env_aiter') or 'source tree (KDA_AITER_SRC; commit in the upstream column)'}"
-        )
-    trees = _first(rows, "env_source_trees")
-    for variable, commit in (json.loads(trees) if trees.startswith("{") else {}).items():
-        server = variable.removeprefix("KDA_").removesuffix("_SRC").lower()  # KDA_VLLM_SRC: vllm_chunk's tree
-        if server != "aiter" and any(b.startswith(server) for b in backends):
-            parts.append(f"{commit} ({variable})")
-    return "; ".join(parts) or ", ".join(sorted(backends))
-
-
-def _first(rows: pd.DataFrame, column: str) -> str:
-    values = [str(v) for v in rows[column].dropna().unique() if str(v)] if column in rows else []
-    return values[0] if values else ""
+    """The library and version behind the rows' backends, as each backend declares it (the records' ``library``
+    column); the backends' names where a run recorded none (an older store, a plugin that declares none)."""
+    libraries = sorted({str(v) for v in rows.get("library", pd.Series(dtype=str)).dropna() if str(v)})
+    backends = ", ".join(sorted(set(rows["backend"].astype(str))))
+    return "; ".join(libraries) or f"{backends} (library not recorded)"
 
 
 def _worst(rows: pd.DataFrame) -> str:
@@ -207,8 +191,9 @@ def write_finding_test(finding: UpstreamFinding, device: torch.device, folder: P
     return replace(finding, test=f"{path.name} ({state} on {device})")
 
 
-def findings_markdown(findings: list[UpstreamFinding], source: str) -> str:
-    """docs/findings.md: the table, then each finding's text and repro line."""
+def findings_markdown(findings: list[UpstreamFinding], source: str, precisions: list[str] | None = None) -> str:
+    """docs/findings.md: the table, then what declared working precisions cost (``precisions``: lines of
+    reports/precision.py), then each finding's text and repro line."""
     counts = ", ".join(f"{sum(f.status == s for f in findings)} {s}" for s in STATUSES)
     lines = [
         "# Findings ready for upstream",
@@ -232,6 +217,14 @@ def findings_markdown(findings: list[UpstreamFinding], source: str) -> str:
         cells = [f"[{f.id}](#{f.id})", f.status, f.kernel or "-", f.backends, f.check or "-", str(f.cases), f.worst,
                  f.first_bad, f.case_id or "-", f.test or "-"]  # fmt: skip
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    if precisions:
+        lines += [
+            "",
+            "Declared working precisions (a design the kernel's documentation states, judged against the baseline "
+            "at that precision; not findings): what each costs against the strict limits.",
+            "",
+            *(f"- {line}" for line in precisions),
+        ]
     for f in findings:
         lines += ["", f"## {f.id}", "", f"{f.status}, in run {f.run or '-'}: {f.description}"]
         if f.confirmed:
@@ -243,6 +236,8 @@ def findings_markdown(findings: list[UpstreamFinding], source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_findings_page(findings: list[UpstreamFinding], source: str, path: Path) -> Path:
-    atomic_write_text(Path(path), findings_markdown(findings, source))
+def write_findings_page(
+    findings: list[UpstreamFinding], source: str, path: Path, precisions: list[str] | None = None
+) -> Path:
+    atomic_write_text(Path(path), findings_markdown(findings, source, precisions))
     return Path(path)

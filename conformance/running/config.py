@@ -195,7 +195,7 @@ class RunConfig:
 
     def environment(self) -> dict:
         """The environment record of the run: machine, libraries, command, and the profile and seed."""
-        env = {**environment(self.device), "command": self.command, "baseline": baseline_class()}
+        env = {**environment(self.device, self.libraries()), "command": self.command, "baseline": baseline_class()}
         if self.profile is not None:
             env["profile"] = self.profile.name
             env["seed"] = "" if self.seed is None else self.seed
@@ -204,6 +204,14 @@ class RunConfig:
         if self.shard is not None:
             env["shard"] = f"{self.shard[0]}/{self.shard[1]}"
         return env
+
+    def libraries(self) -> dict[str, tuple[str, str]]:
+        """The libraries of the run's backends, as each declares them: ``{name: (distribution, variable)}``."""
+        return {
+            library.name: (library.distribution, library.source_variable)
+            for name in self.backends
+            for library in registry.get(name).libraries
+        }
 
     def long_cases(self) -> list[Case]:
         """The run's long cases (the profile's ``long_dtypes``), drawn from its seed."""
