@@ -105,7 +105,7 @@ def _register_builtins() -> None:
     from kda_kernels.fla import FlaChunk, FlaRecurrent
     from kda_kernels.flashkda import FlaChunkDispatch, FlashKdaCuda
     from kda_kernels.torch_chunk import TorchChunk
-    from kda_kernels.vendored import SglangChunk, VllmChunk
+    from kda_kernels.vendored import SglangChunk, VllmChunk, VllmGlm5Chunk, VllmGlm5ChunkAmd, VllmKimiChunkAmd
 
     register("fla_chunk", FlaChunk)
     register("fla_chunk32", lambda: FlaChunk(chunk_size=32))
@@ -114,6 +114,9 @@ def _register_builtins() -> None:
     register("flashkda_cuda", FlashKdaCuda)
     register("fla_chunk_dispatch", FlaChunkDispatch)
     register("vllm_chunk", VllmChunk)
+    register("vllm_kimi_chunk_amd", VllmKimiChunkAmd)
+    register("vllm_glm5_chunk", VllmGlm5Chunk)
+    register("vllm_glm5_chunk_amd", VllmGlm5ChunkAmd)
     register("sglang_chunk", SglangChunk)
     for aiter_backend in AITER_BACKENDS:
         register(aiter_backend.name, aiter_backend)

@@ -30,7 +30,6 @@ import contextlib
 import functools
 import importlib
 import inspect
-import math
 import os
 import sys
 import types
@@ -40,11 +39,13 @@ from pathlib import Path
 
 import torch
 
-from kda_cases.case import Case
+from kda_cases.case import GATES, Case
 from kda_cases.dtypes import stored
+from kda_cases.envelope import Envelope
 from kda_cases.materialize import KDAInputs
+from kda_kernels import libraries as libs
 from kda_kernels import triton_interpret
-from kda_kernels.envelope import head_dim_envelope
+from kda_kernels.envelope import CHUNK_KDA
 from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported, relayout
 
 
@@ -60,6 +61,8 @@ class Tree:
     variable: str  # the environment variable naming the source tree
     package: str  # the top package in the tree
     modules: tuple[str, ...]  # where kda.py lives, newest layout first
+    # Packages of the tree the kernels import from, registered bare too (their __init__ imports the server).
+    bare: tuple[str, ...] = ()
 
     def root(self) -> Path:
         source = os.environ.get(self.variable)
@@ -73,6 +76,9 @@ class Tree:
         return root
 
 
+# vLLM's copy of FLA the model folders' kernels build on: its package __init__ imports every FLA op (and
+# vLLM's JIT warm-up machinery), so it is registered bare and its modules import one by one.
+VLLM_FLA = ("vllm.third_party.flash_linear_attention.ops",)
 VLLM = Tree(
     "vLLM",
     "KDA_VLLM_SRC",
@@ -83,6 +89,16 @@ VLLM = Tree(
         "vllm.third_party.flash_linear_attention.ops.kda",
         "vllm.model_executor.layers.fla.ops.kda",
     ),
+    VLLM_FLA,
+)
+VLLM_KIMI_AMD = Tree("vLLM", "KDA_VLLM_SRC", "vllm", ("vllm.models.kimi_k3.amd.ops.third_party.kda",), VLLM_FLA)
+# GLM-5.3-Flash (vllm/models/glm5next): its layer imports chunk_kda_with_fused_gate from the NVIDIA copy's
+# kernels module on CUDA and from the AMD copy's on ROCm (glm5next/common/kda.py).
+VLLM_GLM5 = Tree(
+    "vLLM", "KDA_VLLM_SRC", "vllm", ("vllm.models.glm5next.nvidia.ops.third_party.kda.kernels",), VLLM_FLA
+)
+VLLM_GLM5_AMD = Tree(
+    "vLLM", "KDA_VLLM_SRC", "vllm", ("vllm.models.glm5next.amd.ops.third_party.kda.kernels",), VLLM_FLA
 )
 SGLANG = Tree(
     "SGLang",
@@ -90,7 +106,23 @@ SGLANG = Tree(
     "sglang",
     ("sglang.kernels.ops.attention.fla.kda", "sglang.srt.layers.attention.fla.kda"),
 )
-TREES = (VLLM, SGLANG)
+TREES = (VLLM, VLLM_KIMI_AMD, VLLM_GLM5, VLLM_GLM5_AMD, SGLANG)
+
+
+class StubGap(Unsupported, AttributeError):
+    """The kernels asked a stub of the server's modules for something the loader does not provide: the
+    suite's gap, not the kernel's error. An AttributeError (so ``hasattr`` and ``from m import x`` behave as
+    they would) and Unsupported (so a call that meets it is a skip naming what is missing, never an error
+    charged to the kernel)."""
+
+
+class _Stub(types.ModuleType):
+    """A stub module of the server: what the loader provides, and a StubGap naming anything else."""
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise StubGap(f"the suite's stub of {self.__name__} has no {name} (the loader's gap, not the kernel's)")
 
 
 def _triton_utils() -> dict[str, object]:
@@ -105,12 +137,67 @@ def _math_utils() -> dict[str, object]:
     return {
         "cdiv": lambda a, b: -(a // -b),
         "next_power_of_2": lambda n: 1 << (int(n) - 1).bit_length() if n > 0 else 1,
-        "RCP_LN2": 1.0 / math.log(2.0),
+        # vLLM's own constant (vllm/utils/math_utils.py), not 1 / ln 2: its gates' log2 scaling uses it.
+        "RCP_LN2": 1.4426950216,
     }
 
 
+class _Capability(tuple):
+    """vLLM's ``DeviceCapability``: ``(major, minor)`` that compares as a tuple and says ``to_int()``."""
+
+    @property
+    def major(self) -> int:
+        return self[0]
+
+    @property
+    def minor(self) -> int:
+        return self[1]
+
+    def to_int(self) -> int:
+        return self[0] * 10 + self[1]
+
+    def as_version_str(self) -> str:
+        return f"{self[0]}.{self[1]}"
+
+
 class _Platform:
-    """What the kernels ask of vLLM's ``current_platform``."""
+    """What the kernels ask of vLLM's ``current_platform`` (vllm/platforms/interface.py); anything else is a
+    StubGap naming it."""
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise StubGap(f"the suite's stub of vllm.platforms.current_platform has no {name} (the loader's gap)")
+
+    def get_device_capability(self, device_id: int = 0) -> _Capability | None:
+        if not torch.cuda.is_available():
+            return None
+        return _Capability(torch.cuda.get_device_capability(device_id))
+
+    def has_device_capability(self, capability: tuple[int, int] | int, device_id: int = 0) -> bool:
+        current = self.get_device_capability(device_id)
+        if current is None:
+            return False
+        return tuple(current) >= tuple(capability) if isinstance(capability, tuple) else current.to_int() >= capability
+
+    def is_device_capability(self, capability: tuple[int, int] | int, device_id: int = 0) -> bool:
+        current = self.get_device_capability(device_id)
+        if current is None:
+            return False
+        return tuple(current) == tuple(capability) if isinstance(capability, tuple) else current.to_int() == capability
+
+    def is_device_capability_family(self, capability: int, device_id: int = 0) -> bool:
+        current = self.get_device_capability(device_id)
+        return current is not None and current.to_int() // 10 == capability // 10
+
+    def is_arch_support_pdl(self) -> bool:
+        return False  # programmatic dependent launch: a scheduling choice, not the kernels' numerics
+
+    def get_device_name(self, device_id: int = 0) -> str:
+        return torch.cuda.get_device_name(device_id) if torch.cuda.is_available() else "cpu"
+
+    def num_compute_units(self, device_id: int = 0) -> int:
+        return torch.cuda.get_device_properties(device_id).multi_processor_count
 
     def is_cuda_alike(self) -> bool:
         return torch.cuda.is_available()
@@ -165,6 +252,7 @@ STUBS: dict[str, Callable[[], dict[str, object]]] = {
     "vllm.model_executor.custom_op": lambda: {"CustomOp": _CustomOp},
     "vllm.utils.gpu_sync_debug": lambda: {"gpu_sync_allowed": contextlib.nullcontext},
     "vllm.utils.torch_utils": lambda: {"async_tensor_h2d": _async_tensor_h2d},
+    "vllm.utils.platform_utils": lambda: {"num_compute_units": _Platform().num_compute_units},
     "sglang.srt.utils": _sglang_utils,
     "sglang.srt.utils.common": _sglang_utils,
     # SGLang 0.5.23's gated norm asks for the JIT's CUDA arch and programmatic dependent launch: neither here
@@ -201,11 +289,13 @@ def _register_tree(tree: Tree, root: Path) -> None:
     another's modules), and the stubs of ``tree``'s server."""
     for module in tree.modules:
         _register_parents(root, module)
+    for package in tree.bare:
+        _register_parents(root, f"{package}.x")  # the package itself, bare, with its parents
     for name, provide in STUBS.items():
         if name.split(".")[0] != tree.package or name in sys.modules:
             continue
         _register_parents(root, name)
-        stub = types.ModuleType(name)
+        stub = _Stub(name)
         stub.__dict__.update(provide())
         stub.__path__ = []  # a package too, in case the kernels import a submodule of it
         sys.modules[name] = stub
@@ -262,6 +352,30 @@ class VendoredBackend(Backend):
 
     tree: Tree
     chunk_tokens = 64
+    # The server's entry points, any one of which the backend can call (a tree with none is unavailable).
+    entry_points: tuple[str, ...] = ("chunk_kda",)
+    # The probe call that finds the kernels' state layout (K != V): a gate the entry point takes.
+    probe_gate: str = "log"
+    # The server's KDA layer: as many value heads as key heads, no intermediate states saved. Where the tree
+    # loads, ``envelope`` narrows this to the gates its entry points take.
+    declared = CHUNK_KDA.narrowed(in_kernel_lower_bound=None, gva=False, checkpoints=False)
+
+    @property
+    def envelope(self) -> Envelope:  # type: ignore[override]
+        try:
+            refused = self.refused_gates()
+        except VendoredMissing:
+            return self.declared
+        gates = tuple(g for g in self.declared.gates if g not in refused)
+        return self.declared.narrowed(gates=gates) if gates else self.declared
+
+    def refused_gates(self) -> dict[str, str]:
+        """The gate forms the loaded tree's entry points do not take, with why."""
+        return {}
+
+    def supports(self, case: Case) -> Support:
+        refused = self.refused_gates().get(case.gate)  # the tree's own reason, before the envelope's words
+        return Support.no(refused) if refused else super().supports(case)
 
     def kda(self) -> types.ModuleType:
         return load(self.tree)
@@ -279,24 +393,17 @@ class VendoredBackend(Backend):
         elif device.type != "cuda" or not torch.cuda.is_available():
             return Support.no(f"{self.tree.server}'s Triton kernels do not run on {device}")
         try:
-            self.kda()
+            kda = self.kda()
         except VendoredMissing as exc:
             return Support.no(str(exc))
+        missing = [name for name in self.entry_points if not hasattr(kda, name)]
+        if len(missing) == len(self.entry_points):  # the tree is another version's: say what it lacks
+            return Support.no(f"this {self.tree.server} tree's {kda.__name__} has no {' nor '.join(missing)}")
         gap = _interpreter_gap(self) if device.type == "cpu" else ""
         return Support.no(gap) if gap else Support.yes()
 
     def interpreted(self, device: torch.device) -> bool:
         return device.type == "cpu"
-
-    def supports(self, case: Case) -> Support:
-        head_dims = head_dim_envelope(case, self.tree.server)
-        if not head_dims:
-            return head_dims
-        if case.num_v_heads != case.num_heads:
-            return Support.no(f"{self.tree.server}'s KDA layer has as many value heads as key heads (no GVA)")
-        if case.checkpoints:
-            return Support.no(f"{self.tree.server}'s KDA prefill saves no intermediate states (checkpoints)")
-        return Support.yes()
 
     def kernel_v_first(self, device: torch.device) -> bool:
         """Whether the kernels keep the state V-first, found once by a probe call with K = 16, V = 32."""
@@ -322,19 +429,20 @@ class VendoredBackend(Backend):
         return beta.sigmoid() if inputs.case.beta_sigmoid_in_kernel else beta
 
 
-_LAYOUTS: dict[tuple[str, str], bool] = {}
+_LAYOUTS: dict[tuple[Tree, str], bool] = {}
 
 
 def _probe_layout(backend: VendoredBackend, device_type: str) -> bool:
     """One call with K = 16, V = 32 and a zero initial state: the final state's shape says the layout (a
     kernel that checks its initial state's shape is given the other layout if the first is refused). Kept
     per tree and device type."""
-    key = (backend.tree.package, device_type)
+    key = (backend.tree, device_type)
     if key not in _LAYOUTS:
         from kda_cases.materialize import materialize
 
-        case = Case(seq_lens=(3,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=32, gate="log",
-                    lower_bound=None, safe_gate=False)  # fmt: skip
+        bounded = GATES[backend.probe_gate].bound == "required"
+        case = Case(seq_lens=(3,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=32, gate=backend.probe_gate,
+                    lower_bound=-5.0 if bounded else None, safe_gate=bounded)  # fmt: skip
         inputs = materialize(case, torch.device(device_type))
         with torch.inference_mode():
             try:
@@ -347,7 +455,7 @@ def _probe_layout(backend: VendoredBackend, device_type: str) -> bool:
     return _LAYOUTS[key]
 
 
-_GAPS: dict[str, str] = {}
+_GAPS: dict[Tree, str] = {}
 
 
 def _interpreter_gap(backend: VendoredBackend) -> str:
@@ -355,7 +463,7 @@ def _interpreter_gap(backend: VendoredBackend) -> str:
     Triton's interpreter refuses, or the interpreter's own error on the layout probe. It is this machine's
     limit, not the kernel's bug: the backend is unavailable here instead of an error charged to the kernel.
     Kept per tree (it reads the kernels' sources and makes a kernel call)."""
-    key, triton = backend.tree.package, f"triton=={triton_interpret.PINNED_TRITON}"
+    key, triton = backend.tree, f"triton=={triton_interpret.PINNED_TRITON}"
     if key not in _GAPS:
         uses = _block_pointer_modules(backend.tree.root())
         if uses:
@@ -381,9 +489,10 @@ def forget(tree: Tree) -> None:
     """Drop what was loaded from ``tree`` (its modules, stubs and layout), so another tree can be loaded."""
     for name in [m for m in sys.modules if m == tree.package or m.startswith(tree.package + ".")]:
         del sys.modules[name]
-    for key in [k for k in _LAYOUTS if k[0] == tree.package]:
+    for key in [k for k in _LAYOUTS if k[0].package == tree.package]:
         del _LAYOUTS[key]
-    _GAPS.pop(tree.package, None)
+    for key in [k for k in _GAPS if k.package == tree.package]:
+        del _GAPS[key]
     load.cache_clear()
 
 
@@ -391,18 +500,28 @@ class VllmChunk(VendoredBackend):
     name = "vllm_chunk"
     description = "vLLM's vendored KDA chunk kernels (KDA_VLLM_SRC), called as vLLM's KDA layer calls them"
     tree = VLLM
+    libraries = (libs.VLLM,)
+    entry_points = ("chunk_kda_with_fused_gate", "chunk_kda")
 
-    def supports(self, case: Case) -> Support:
-        base = super().supports(case)
-        if not base:
-            return base
+    def _fused_parameters(self) -> set[str]:
         fused = getattr(self.kda(), "chunk_kda_with_fused_gate", None)
-        takes = _parameters(fused) if fused is not None else set()
-        if case.gate == "lower_bound" and "lower_bound" not in takes:
-            return Support.no("this vLLM tree's KDA gate is -exp(A_log) * softplus(g + dt_bias): no lower-bound gate")
-        if case.gate_in_kernel and "raw_beta" in takes and not case.beta_sigmoid_in_kernel:
+        return _parameters(fused) if fused is not None else set()
+
+    def refused_gates(self) -> dict[str, str]:
+        if "lower_bound" in self._fused_parameters():
+            return {}
+        return {"lower_bound": "this vLLM tree's KDA gate is -exp(A_log) * softplus(g + dt_bias): no lower-bound gate"}
+
+    def also_supports(self, case: Case) -> Support:
+        if case.gate_in_kernel and "raw_beta" in self._fused_parameters() and not case.beta_sigmoid_in_kernel:
             return Support.no("this vLLM tree's fused-gate KDA takes beta raw (its sigmoid inside the kernel)")
         return Support.yes()
+
+    def fit(self, case: Case) -> Case:
+        fitted = super().fit(case)
+        if fitted.gate_in_kernel and not fitted.beta_sigmoid_in_kernel and "raw_beta" in self._fused_parameters():
+            return fitted.replace(beta_sigmoid_in_kernel=True)  # the layer hands beta raw to the kernel
+        return fitted
 
     def call(self, inputs: KDAInputs, v_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's prefill call with the states in the given layout: (o, final state in that layout)."""
@@ -445,18 +564,18 @@ class SglangChunk(VendoredBackend):
     name = "sglang_chunk"
     description = "SGLang's vendored KDA chunk kernels (KDA_SGLANG_SRC), called as SGLang's TritonKDAKernel calls them"
     tree = SGLANG
+    libraries = (libs.SGLANG,)
 
-    def supports(self, case: Case) -> Support:
-        base = super().supports(case)
-        if not base:
-            return base
+    def refused_gates(self) -> dict[str, str]:
         kda = self.kda()
         takes = _parameters(kda.chunk_kda)
-        if case.gate_in_kernel and "A_log" not in takes and not hasattr(kda, "fused_kda_gate"):
-            return Support.no("this SGLang tree's chunk_kda takes no A_log and it has no fused_kda_gate")
-        if case.gate == "lower_bound" and "lower_bound" not in takes:
-            return Support.no("this SGLang tree's chunk_kda takes no lower_bound (safe gate)")
-        return Support.yes()
+        refused = {}
+        if "A_log" not in takes and not hasattr(kda, "fused_kda_gate"):
+            why = "this SGLang tree's chunk_kda takes no A_log and it has no fused_kda_gate"
+            refused = {name: why for name, form in GATES.items() if form.in_kernel}
+        if "lower_bound" not in takes:
+            refused["lower_bound"] = "this SGLang tree's chunk_kda takes no lower_bound (safe gate)"
+        return refused
 
     def call(self, inputs: KDAInputs, v_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """SGLang's prefill call with the states in the given layout: (o, final state in that layout)."""
@@ -500,3 +619,87 @@ class SglangChunk(VendoredBackend):
         if "initial_state_indices" in _parameters(self.kda().chunk_kda):
             return True  # the pool API: V-first slots (the kernel's block pointers read state[v, k])
         return super().kernel_v_first(device)
+
+
+class VllmKimiChunkAmd(VllmChunk):
+    name = "vllm_kimi_chunk_amd"
+    description = "vLLM 0.33's Kimi K3 AMD copy (vllm/models/kimi_k3/amd), Triton, called as the Kimi layer calls it"
+    tree = VLLM_KIMI_AMD
+
+    def availability(self, device: torch.device) -> Support:
+        if device.type == "cuda" and torch.version.hip is None:
+            # Measured on an H200 (2026-12-02), with Triton's allocator set as vLLM sets it: its first kernel
+            # stops with "an illegal instruction was encountered" (it builds tensor descriptors on the device,
+            # written for ROCm). Not the suite's error, nor a bug of a kernel vLLM runs on ROCm only.
+            return Support.no("vLLM's Kimi K3 AMD copy does not run on NVIDIA GPUs (an illegal instruction on an "
+                              "H200); it runs on ROCm")  # fmt: skip
+        return super().availability(device)
+
+    def call(self, inputs: KDAInputs, v_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if inputs.device.type == "cuda":
+            # Its kernels build tensor descriptors on the device (tl.make_tensor_descriptor), which Triton on
+            # NVIDIA backs with global scratch memory from an allocator; vLLM's own set_triton_allocator
+            # (vllm/triton_utils/allocation.py) hands it plain device memory, as here. It changes no number.
+            import triton
+
+            device = inputs.device
+            triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device=device, dtype=torch.int8))
+        return super().call(inputs, v_first)
+
+
+class VllmGlm5Chunk(VendoredBackend):
+    """GLM-5.3-Flash's prefill as vLLM 0.33 serves it on CUDA with the Triton backend (glm5next/common/kda.py
+    ``Glm5NextLinearAttention``): ``chunk_kda_with_fused_gate`` with q, k, v ``[1, T, H, D]``, the raw gate,
+    beta sigmoided in fp32 before the call, ``A_log`` as the layer's ``[1, 1, H, 1]`` fp32 parameter,
+    ``g_bias`` its fp32 ``dt_bias`` ``[H * D]``, the safe gate always on with the model's lower bound, q/k
+    normalised in the kernel, every sequence's V-first fp32 state gathered from the pool (zeros for a fresh
+    one) and the final states scattered back; the output lands in v's buffer."""
+
+    name = "vllm_glm5_chunk"
+    description = "vLLM 0.33's GLM-5.3-Flash NVIDIA copy (vllm/models/glm5next/nvidia), called as its layer calls it"
+    tree = VLLM_GLM5
+    libraries = (libs.VLLM,)
+    entry_points = ("chunk_kda_with_fused_gate",)
+    probe_gate = "lower_bound"
+    # The layer: one head size for K and V, as many value heads as key heads, the safe lower-bound gate from
+    # the raw projection, q/k normalised in the kernel; no intermediate states.
+    declared = Envelope(
+        max_head_k_dim=256,
+        equal_head_dims=True,
+        gva=False,
+        gates=("lower_bound",),
+        safe_gate=(True,),
+        l2norm_in_kernel=(True,),
+        checkpoints=False,
+    )
+
+    def call(self, inputs: KDAInputs, v_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        case = inputs.case
+        n, h, K, V = case.num_seqs, case.num_heads, case.head_k_dim, case.head_v_dim
+        if inputs.initial_state is not None:
+            h0 = relayout(inputs.initial_state.float(), case.state_v_first, v_first)
+        else:  # gather_initial_states: a fresh sequence's row is zeros
+            h0 = torch.zeros((n, h, V, K) if v_first else (n, h, K, V), device=inputs.device)
+        kwargs = {"scale": case.scale} if case.scale is not None else {}  # the layer leaves it at D ** -0.5
+        return self.kda().chunk_kda_with_fused_gate(
+            q=inputs.q,
+            k=inputs.k,
+            v=inputs.v.clone(),  # the kernel writes the output into v's buffer
+            raw_g=inputs.g,
+            beta=self.beta_for_call(inputs),
+            A_log=inputs.A_log.float().view(1, 1, -1, 1),
+            g_bias=inputs.dt_bias.float(),
+            initial_state=h0.contiguous(),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=_server_cu_seqlens(inputs),
+            safe_gate=True,
+            lower_bound=case.lower_bound,
+            **kwargs,
+        )
+
+
+class VllmGlm5ChunkAmd(VllmGlm5Chunk):
+    name = "vllm_glm5_chunk_amd"
+    description = "vLLM 0.33's GLM-5.3-Flash AMD copy (vllm/models/glm5next/amd), its Triton run wherever Triton runs"
+    tree = VLLM_GLM5_AMD

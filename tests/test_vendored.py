@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from kda_cases.case import Case
 from kda_conformance.cli import main
@@ -117,7 +118,6 @@ def test_sglang_pool_api_reads_and_writes_each_sequence_slot(tmp_path: Path, mon
 def test_a_missing_or_incomplete_tree_says_why(
     tree: vendored.Tree, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    torch = pytest.importorskip("torch")
     name = f"{tree.package}_chunk"
     monkeypatch.delenv(tree.variable, raising=False)
     assert (
@@ -146,3 +146,66 @@ def test_a_missing_or_incomplete_tree_says_why(
     )
     reason = registry.get(name).availability(torch.device("cpu")).reason
     assert "Triton's CPU interpreter (triton==3.9.0) cannot run" in reason and "Did you forget" in reason, reason
+
+
+def test_glm5_flash_is_called_as_its_layer_calls_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.33's GLM-5.3-Flash copies (NVIDIA's and AMD's): beta activated in fp32 before the call, A_log as
+    the layer's [1, 1, H, 1] parameter, the safe gate always on with the case's bound, q/k normalised in the
+    kernel, V-first states (zeros for a fresh sequence); a packed batch with an initial state."""
+    monkeypatch.setenv(VLLM.variable, str(DOUBLES / "vllm_glm5_tree"))
+    case = Case(seq_lens=(50, 0, 20), packed=True, head_k_dim=32, head_v_dim=32, initial_state="random",
+                lower_bound=-1.0)  # fmt: skip
+    fresh = Case(seq_lens=(40,), head_k_dim=32, head_v_dim=32, beta_sigmoid_in_kernel=False)
+    for name in ("vllm_glm5_chunk", "vllm_glm5_chunk_amd"):
+        for n, chosen in enumerate((case, fresh)):
+            assert _run(name, chosen, tmp_path / f"{name}{n}") == 0, (name, chosen.label)
+    calls = [
+        c for c in _calls() if c["entry"] == "glm5_chunk_kda_with_fused_gate" and c["initial_state"].shape[-1] == 32
+    ]
+    assert calls and all(c["A_log"] == (1, 1, 2, 1) and c["safe_gate"] and c["l2norm"] for c in calls)
+    assert {c["lower_bound"] for c in calls} == {-1.0, -5.0}
+    assert all(c["beta"].dtype == torch.float32 for c in calls)
+    assert any(not c["initial_state"].any() for c in calls), "a fresh sequence passes zeros"
+    assert vendored.load(vendored.VLLM_GLM5).__name__.endswith("glm5next.nvidia.ops.third_party.kda.kernels")
+    # The layer's envelope: the safe lower-bound gate only, q/k normalised in the kernel, K = V, no GVA.
+    backend = registry.get("vllm_glm5_chunk")
+    assert "gates lower_bound" in backend.supports(Case(seq_lens=(9,), gate="softplus", **NO_BOUND)).reason
+    assert "l2norm_in_kernel True" in backend.supports(Case(seq_lens=(9,), l2norm_in_kernel=False)).reason
+
+
+def test_a_tree_without_the_entry_point_is_unavailable_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pointed at a tree that holds only GLM-5.3-Flash's copy, Kimi's backend is unavailable with what the
+    tree lacks (on the H200 it raised AttributeError and was charged to the kernel); GLM-5.3-Flash's is
+    unavailable at a Kimi-only tree the same way."""
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(VLLM.variable, str(DOUBLES / "vllm_glm5_tree"))
+    reason = registry.get("vllm_chunk").availability(cpu).reason
+    assert "holds none of vllm.models.kimi_k3" in reason, reason
+    monkeypatch.setenv(VLLM.variable, str(DOUBLES / "vllm033_tree"))
+    reason = registry.get("vllm_glm5_chunk").availability(cpu).reason
+    assert "holds none of vllm.models.glm5next.nvidia.ops.third_party.kda.kernels" in reason, reason
+    for tree in vendored.TREES:
+        vendored.forget(tree)
+    # A module that is there but has neither entry point: unavailable, naming both
+    kda = tmp_path.joinpath(*VLLM.modules[0].split("."), "__init__.py")
+    kda.parent.mkdir(parents=True)
+    kda.write_text("def fused_recurrent_kda(*args, **kwargs):\n    raise AssertionError\n")
+    monkeypatch.setenv(VLLM.variable, str(tmp_path))
+    reason = registry.get("vllm_chunk").availability(cpu).reason
+    assert "has no chunk_kda_with_fused_gate nor chunk_kda" in reason, reason
+
+
+def test_a_stub_the_kernels_need_and_the_loader_lacks_is_the_suites_gap_not_the_kernels() -> None:
+    """What the kernels ask of a stub that the loader does not provide is a StubGap: an AttributeError to
+    `hasattr` and `from m import x`, and an Unsupported to the checks (a skip naming it, not an error)."""
+    platform = vendored._Platform()
+    assert not hasattr(platform, "some_new_question")
+    with pytest.raises(vendored.StubGap, match="current_platform has no some_new_question"):
+        platform.some_new_question()
+    assert issubclass(vendored.StubGap, vendored.Unsupported)
+    assert platform.has_device_capability(80) is torch.cuda.is_available()
+    stub = vendored._Stub("vllm.utils.math_utils")
+    with pytest.raises(vendored.StubGap, match=r"stub of vllm\.utils\.math_utils has no round_up"):
+        stub.round_up  # noqa: B018
