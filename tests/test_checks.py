@@ -89,3 +89,41 @@ def test_checks_run_tabulates_every_check_on_one_case(tmp_path: Path) -> None:
     assert {check for check, _ in seen} == set(CHECKS)
     assert {verdict for _, verdict in seen} == {"pass", "skip"}  # host metadata: torch_chunk takes none
     assert ("cu_seqlens", "pass") in seen and ("padded_tail", "pass") in seen
+
+
+def test_host_syncs_counts_the_backends_own_synchronisations_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sync debug mode is on while the backend's own call is in flight only: a synchronisation the suite
+    makes around the call (the contract's comparisons) is not counted, the backend's are (on the CPU, torch's
+    mode and its warning are stood in for)."""
+    import warnings
+
+    from kda_cases.materialize import materialize
+    from kda_conformance.checks.host_syncs import count_syncs
+    from kda_kernels.guard import run_backend_call
+    from kda_kernels.torch_chunk import TorchChunk
+
+    mode = {"now": 0}
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: mode["now"])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: mode.update(now=m))
+
+    def sync() -> None:
+        if mode["now"] == "warn":
+            warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+
+    class Syncs(TorchChunk):
+        name = "test_syncs_twice"
+
+        def run(self, inputs):
+            sync()
+            sync()
+            return super().run(inputs)
+
+    backend = Syncs()
+    inputs = materialize(Case(seq_lens=(5,), head_k_dim=16, head_v_dim=16), CPU)
+
+    def call() -> None:
+        sync()  # the suite's, before the call
+        run_backend_call(backend, inputs)
+        sync()  # and after it
+
+    assert count_syncs(call, backend) == 2 and mode["now"] == 0

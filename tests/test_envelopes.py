@@ -138,6 +138,8 @@ def test_checks_run_moves_the_case_into_the_envelope_for_every_check(
     rows = [line.split("|") for line in table.read_text().splitlines() if line.startswith("| narrow_correct")]
     budget = {cells[4].strip() for cells in rows if cells[2].strip() == "budget"}
     assert budget == {"pass"}, rows
+    [syncs] = [cells for cells in rows if cells[2].strip() == "host_syncs"]
+    assert syncs[4].strip() == "skip" and "runs on cuda only" in syncs[6], syncs
 
 
 def test_the_envelopes_page_is_the_codes() -> None:

@@ -45,7 +45,7 @@ def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
 
 
 def requires(backend: Backend) -> str | None:
-    return None if backend.host_metadata_names else f"{backend.name}'s API takes no host metadata"
+    return None if backend.envelope.host_metadata else f"{backend.name}'s API takes no host metadata"
 
 
 def _bits_equal(a: BackendOutput, b: BackendOutput) -> bool:
@@ -60,7 +60,7 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> lis
     judge = judge_for(NAME, case, backend.name, inputs.device, params)
     metadata = backend.host_metadata(inputs.device, torch.tensor(case.offsets))
     if not metadata:
-        return [judge.outcome("skip", f"this {backend.name} takes none of {', '.join(backend.host_metadata_names)}")]
+        return [judge.outcome("skip", f"this {backend.name} takes none of {', '.join(backend.envelope.host_metadata)}")]
     names = ", ".join(metadata)
     derived = call_backend(backend, inputs)
     passed = call_backend(backend, dataclasses.replace(inputs, host_metadata=metadata))
