@@ -83,7 +83,9 @@ def test_a_findings_test_fails_on_the_kernel_passes_on_a_correct_backend_and_ski
     assert main([*argv, "--write-tests", str(tests), "--device", "cpu"]) == 0
     text = page.read_text()
     finding_id = "new-planted_nan_at_one_position-budget-past-the-limit"
-    assert f"| [{finding_id}](#{finding_id}) | new |" in text and "(fails today on cpu)" in text, text
+    said = "(fails today on cpu; the suite's budget check fails here)"
+    assert f"| [{finding_id}](#{finding_id}) | new |" in text and said in text, text
+    assert list((tests / "runs").glob("*.parquet")), "the rerun's records go beside the tests"
     written = tests / f"test_{finding_id.replace('-', '_')}.py"
     assert written.exists() and written.with_suffix(".pt").exists()
 
@@ -91,7 +93,7 @@ def test_a_findings_test_fails_on_the_kernel_passes_on_a_correct_backend_and_ski
     finding = next(f for f in upstream_findings(pd.read_parquet(next((tmp_path / "store" / "runs").glob("*.parquet"))),
                                                 ()) if f.id == finding_id)  # fmt: skip
     fixed = write_finding_test(dataclasses.replace(finding, backends="torch_chunk"), torch.device("cpu"), tmp_path)
-    assert "PASSES today" in fixed.test, fixed.test
+    assert "PASSES today" in fixed.test and "budget check passes here" in fixed.test, fixed.test
 
     # Without the module that registers the kernel it skips, saying why.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

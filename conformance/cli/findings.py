@@ -12,6 +12,8 @@ from kda_cases.devices import resolve_device
 from kda_conformance.cli.common import add_device, say
 from kda_conformance.judging.known import LEDGER, load_ledger
 from kda_conformance.repro.upstream import upstream_findings, write_finding_test, write_findings_page
+from kda_conformance.running.config import RunConfig
+from kda_conformance.running.session import Run
 from kda_kernels import registry
 from kda_kernels.registry import PluginError
 from kda_reports.precision import precision_lines
@@ -59,7 +61,10 @@ def execute(args: argparse.Namespace, console: Console) -> int:
             say(console, str(exc), "error:", "red")
             return 2
         args.write_tests.mkdir(parents=True, exist_ok=True)
-        findings = [write_finding_test(f, device, args.write_tests) for f in findings]
+        # Each finding's check is rerun through the executor; its records go beside the tests, not the store.
+        run = Run(RunConfig(device=device, backends=(), out=args.write_tests, command=args.command_line))
+        findings = [write_finding_test(f, device, args.write_tests, run) for f in findings]
+        run.finish()
     runs = store.records.drop_duplicates("run_id")
     where = ", ".join(sorted({f"{r.env_device_type} {r.env_device_name}" for r in runs.itertuples()}))
     source = f"runs {', '.join(sorted(runs['run_id'].astype(str)))} ({where})"

@@ -24,8 +24,10 @@ import torch
 
 from kda_cases.case import Case
 from kda_cases.files import atomic_write_text
+from kda_conformance.checks import CHECKS, run_check
 from kda_conformance.judging.known import KnownIssue
 from kda_conformance.repro.standalone import write_standalone
+from kda_conformance.running.session import Run
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault
 from kda_reports.findings import FAILED
@@ -153,9 +155,13 @@ def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> 
     return rows
 
 
-def write_finding_test(finding: UpstreamFinding, device: torch.device, folder: Path) -> UpstreamFinding:
+def write_finding_test(
+    finding: UpstreamFinding, device: torch.device, folder: Path, run: Run | None = None
+) -> UpstreamFinding:
     """Write ``folder/test_<id>.py`` (and its data) for a finding whose case runs here, run it once to say
-    whether it fails today, and return the finding with ``test`` saying where it is or why there is none."""
+    whether it fails today, and return the finding with ``test`` saying where it is or why there is none.
+    The finding's check is first rerun on its case through ``run``'s executor (the sweep's rules: journal,
+    quarantine, memory retry, ledger), which says whether the suite itself still sees it here."""
     if finding.status not in ("open", "new") or not finding.case_json:
         return replace(finding, test="-")
     checks = {c.strip() for c in finding.check.split(",")}
@@ -177,6 +183,10 @@ def write_finding_test(finding: UpstreamFinding, device: torch.device, folder: P
         return replace(finding, test=f"not written: {backend_name} faulted here ({fault})")
     if not support:
         return replace(finding, test=f"not written on {device}: {support.reason}")
+    rerun = run_check(CHECKS["budget"], case, backend, device, run=run)
+    if run is not None:
+        run.record(rerun)
+    seen = "fails" if any(f.failed or f.verdict == "known" for f in rerun) else "passes"
     path = Path(folder) / f"test_{finding.id.replace('-', '_')}.py"
     write_standalone(case, backend, device, "nan", path)
     done = subprocess.run(
@@ -188,7 +198,7 @@ def write_finding_test(finding: UpstreamFinding, device: torch.device, folder: P
     state = {0: "PASSES today (not a repro)", 1: "fails today"}.get(done.returncode, f"exit {done.returncode}")
     if done.returncode == 0 and " skipped" in done.stdout:
         state = "skips here"
-    return replace(finding, test=f"{path.name} ({state} on {device})")
+    return replace(finding, test=f"{path.name} ({state} on {device}; the suite's budget check {seen} here)")
 
 
 def findings_markdown(findings: list[UpstreamFinding], source: str, precisions: list[str] | None = None) -> str:
