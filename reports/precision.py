@@ -20,7 +20,7 @@ def precision_costs(records: pd.DataFrame) -> pd.DataFrame:
     declaration is unnecessary)."""
     if records.empty or "precision" not in records or "strict_ratio" not in records:
         return pd.DataFrame(columns=COLUMNS)
-    declared = records[records["precision"].fillna("").astype(str) != ""]
+    declared = records[records["precision"].astype(object).fillna("").astype(str) != ""]
     rows = []
     for (backend, precision), part in declared.groupby(["backend", "precision"], sort=True):
         strict = pd.to_numeric(part["strict_ratio"], errors="coerce").dropna()

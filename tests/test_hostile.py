@@ -225,7 +225,7 @@ SAID = ["check", "case_id", "backend", "tensor", "verdict", "reason", "observed"
 def _budget_rows(out: Path, case: Case) -> list[dict]:
     records = load_store(out).records
     rows = records[(records["check"] == "budget") & (records["case_id"] == case.id)]
-    return rows[SAID].fillna("").astype(str).sort_values("tensor").to_dict("records")
+    return rows[SAID].astype(object).fillna("").astype(str).sort_values("tensor").to_dict("records")
 
 
 @pytest.mark.parametrize(
