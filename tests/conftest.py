@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,3 +31,18 @@ FIRST = ("test_planted_bugs.py",)
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.path.name not in FIRST)  # stable: every other test keeps its order
+
+
+def _as_after_a_terminal_fork() -> None:
+    # A shell without job control starts a background command with SIGINT ignored, and an ignored signal
+    # stays ignored across exec: the suite started that way (`.ci/run &`) would hand its children a Ctrl-C
+    # they cannot hear. A terminal's child hears it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+@pytest.fixture
+def interruptible() -> dict[str, Any]:
+    """Popen arguments for a child that a test interrupts as a terminal's Ctrl-C would: its own process
+    group (os.killpg reaches its workers too) hearing SIGINT however this pytest was started."""
+    return {"start_new_session": True, "preexec_fn": _as_after_a_terminal_fork}

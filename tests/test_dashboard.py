@@ -230,7 +230,7 @@ def test_nightly_command_adds_a_run_and_rebuilds_the_dashboard(tmp_path: Path) -
     assert "The night's wall time (minutes)" in page
 
 
-def test_an_interrupted_nightly_keeps_what_ran_and_shows_it(tmp_path: Path) -> None:
+def test_an_interrupted_nightly_keeps_what_ran_and_shows_it(tmp_path: Path, interruptible: dict) -> None:
     """Ctrl-C (or a CI job's time limit) in the middle of a night: no traceback, exit 130, the part of the
     night that ran is in the store and on the dashboard. A hanging backend keeps the night from ending."""
     command = [sys.executable, "-m", "kda_conformance.cli", "nightly", "--store", str(tmp_path), "--device", "cpu"]
@@ -238,7 +238,7 @@ def test_an_interrupted_nightly_keeps_what_ran_and_shows_it(tmp_path: Path) -> N
     command += ["--backend", "torch_chunk", "--backend", "planted_hang"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
     night = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                             start_new_session=True)  # fmt: skip
+                             **interruptible)  # fmt: skip
     try:
         deadline = time.monotonic() + 300
         while not any((tmp_path / "runs").glob("*.partial.jsonl")) and time.monotonic() < deadline:

@@ -350,7 +350,7 @@ def test_a_hung_case_in_a_worker_costs_that_case_only(tmp_path: Path) -> None:
     assert set(records[records["backend"] == "torch_chunk"]["verdict"]) == {"pass"}
 
 
-def test_an_interrupted_night_keeps_its_workers_stage_times(tmp_path: Path) -> None:
+def test_an_interrupted_night_keeps_its_workers_stage_times(tmp_path: Path, interruptible: dict) -> None:
     """Ctrl-C (or a CI job's time limit) on pytest -n: the merged run still says where the workers' time
     went (on the H200 an interrupted night's timing.json held zeros)."""
     # One worker: torch_chunk's case, then the planted hang on the same case (tests go case by case, in the
@@ -360,7 +360,7 @@ def test_an_interrupted_night_keeps_its_workers_stage_times(tmp_path: Path) -> N
     command += ["--kda-backend", "torch_chunk", "--kda-backend", "planted_hang", "--kda-run-id", "cut-short"]
     command += ["--kda-out", str(tmp_path)]
     process = subprocess.Popen(
-        command, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        command, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **interruptible
     )
     try:
         deadline = time.monotonic() + 300
