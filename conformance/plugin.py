@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -21,6 +22,7 @@ from kda_conformance.plugin_summary import pytest_terminal_summary as pytest_ter
 from kda_conformance.running.check import Check, Drawn
 from kda_conformance.running.config import ConfigError, Grid, baseline_warning, build_config
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost
+from kda_conformance.running.interrupts import sigterm_as_interrupt
 from kda_conformance.running.memory import chosen_gpus, visible_device
 from kda_conformance.running.options import add_pytest_options
 from kda_conformance.running.search import (
@@ -38,6 +40,7 @@ from kda_reports.console import RECORD_LINE_HEADER, record_line
 from kda_reports.findings import Finding, stale_known_issues
 
 HEADER_SHOWN = pytest.StashKey[bool]()  # -v: the record lines' header, once per session
+SIGTERM_BEFORE = pytest.StashKey[object]()  # the SIGTERM handler this session replaced
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -88,6 +91,8 @@ def _run_config(config: pytest.Config):
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kda_device_dependent: runs on the device chosen by --kda-device")
     _share_cores()
+    # A CI job's time limit (SIGTERM to every process) stops the controller and each worker as Ctrl-C does.
+    config.stash[SIGTERM_BEFORE] = sigterm_as_interrupt()
     worker = getattr(config, "workerinput", {}).get("workerid")
     gpu = getattr(config, "workerinput", {}).get("kda_gpu")
     if gpu is not None:  # before anything asks CUDA (or HIP) for its devices
@@ -108,6 +113,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    if SIGTERM_BEFORE in config.stash:
+        signal.signal(signal.SIGTERM, config.stash[SIGTERM_BEFORE])
     if RUN in config.stash:
         stop_observing(config.stash[RUN].examples)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import shlex
-import signal
 import sys
 from types import ModuleType
 
@@ -27,6 +26,7 @@ from kda_conformance.cli import (
     run,
 )
 from kda_conformance.cli.exits import INTERRUPTED
+from kda_conformance.running.interrupts import sigterm_interrupts
 from kda_reports.environment import suite_commit
 
 COMMANDS: tuple[ModuleType, ...] = (
@@ -75,19 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     # Long lines stay whole in a CI log, never cut at 80 columns; text is printed as it is, never read as
     # rich markup (a tag or a reason holding "[/]" would otherwise end the command).
     console = Console(soft_wrap=True, markup=False)
-    # A time limit's SIGTERM stops a sweep like Ctrl-C does, so the records so far are kept.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return {command.NAME: command for command in COMMANDS}[args.command].execute(args, console)
+        with sigterm_interrupts():  # a time limit stops a sweep like Ctrl-C does: the records so far are kept
+            return {command.NAME: command for command in COMMANDS}[args.command].execute(args, console)
     except KeyboardInterrupt:
         console.print("interrupted", highlight=False)
         return INTERRUPTED
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def _without_output_paths(argv: list[str]) -> list[str]:

@@ -1,0 +1,33 @@
+"""A time limit's SIGTERM (CI's job limit, ``timeout``) stops a run as Ctrl-C does.
+
+Left at its default, SIGTERM ends a process at once: a pytest-xdist worker killed inside a backend's call
+leaves the journal's row for that call (running/journal.py), so a night cut by its time limit charged every
+call in flight to its kernel as "the process ended during the call". As a KeyboardInterrupt it unwinds
+through the executor, which settles the call (nothing of it is recorded), and the records so far are kept.
+A process stuck where Python never runs again (a hung kernel) still dies inside its call, as it should.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def sigterm_as_interrupt() -> object:
+    """Make SIGTERM raise KeyboardInterrupt in this process; returns the handler it replaced."""
+    return signal.signal(signal.SIGTERM, _interrupt)
+
+
+@contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt inside the block; the previous handler is restored after it."""
+    previous = sigterm_as_interrupt()
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
