@@ -21,6 +21,7 @@ from kda_cases.materialize import materialize
 from kda_conformance.checks import get_check, run_check
 from kda_conformance.cli import main
 from kda_conformance.repro.standalone import where_it_runs_source
+from kda_conformance.running.truth import case_truth
 from kda_kernels import registry
 from kda_kernels.serving import (
     NULL_SLOT,
@@ -165,6 +166,42 @@ def test_repro_command_localizes_and_writes_a_failing_standalone_test(
     )
     assert without_plugin.returncode == 0 and "1 skipped" in without_plugin.stdout, without_plugin.stdout[-2000:]
     assert "needs kda_planted_bugs (the module that registers planted_padding_writes_slot0)" in without_plugin.stdout
+
+
+def test_a_standalone_test_holds_every_limit_the_suite_judged_and_names_its_check(tmp_path: Path) -> None:
+    """Max-abs and rel-RMS of the output, the final states and the checkpoint states, each the suite's own
+    limit; named for the finding's check. A rel-RMS-only failure (1.24x its limit) once wrote a file that
+    passed, named for its poison."""
+    case = CASE.replace(initial_state="random", checkpoints=((0, 8), (2, 12)))
+    test_file = tmp_path / "test_limits.py"
+    argv = ["repro", "--backend", "torch_chunk", "--device", "cpu", "--check", "budget", "--case", case.to_json()]
+    assert main([*argv, "--write-test", str(test_file)]) == 0
+    text = test_file.read_text()
+    assert f"def test_{case.id.replace('-', '_')}_torch_chunk_budget():" in text and "check budget" in text
+    data_path = test_file.with_suffix(".pt")
+    data = torch.load(data_path, weights_only=True)
+    truth = case_truth(case.replace(packed=True), torch.device("cpu"))
+    assert data["limits"] == {
+        name: {"max_abs": budget.max_abs.value, "rel_rms": budget.rel_rms.value}
+        for name, budget in truth.budgets.items()
+    }
+    assert set(data["limits"]) == {"o", "final_state", "checkpoint_states"}
+
+    def standalone() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
+                              capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
+
+    assert standalone().returncode == 0, "the correct backend's file passes"
+    for tensor, metric, words in (
+        ("o", "rel_rms", "output: rel-RMS"),
+        ("checkpoint_states", "max_abs", "checkpoint states: max-abs"),
+        ("final_state", "rel_rms", "final states: rel-RMS"),
+    ):
+        limits = {name: dict(limit) for name, limit in data["limits"].items()}
+        limits[tensor][metric] = 1e-30  # below what the correct run measures: only this limit is passed
+        torch.save({**data, "limits": limits}, data_path)
+        done = standalone()
+        assert done.returncode == 1 and words in done.stdout, (tensor, metric, done.stdout[-1500:])
 
 
 class _Tampered:

@@ -100,3 +100,19 @@ def test_a_findings_test_fails_on_the_kernel_passes_on_a_correct_backend_and_ski
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(written)],
                           capture_output=True, text=True, cwd=tmp_path, env=env)  # fmt: skip
     assert done.returncode == 0 and "needs kda_planted_bugs" in done.stdout, done.stdout[-2000:]
+
+
+def test_the_findings_page_goes_under_the_output_folder_unless_given_a_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Never into the tracked docs/findings.md by default."""
+    monkeypatch.chdir(tmp_path)
+    store = tmp_path / "store"
+    assert main(["run", "--backend", "torch_chunk", "--device", "cpu", "--lengths", "37", "--dtypes", "bf16",
+                 "--out", str(store), "--no-dashboard"]) == 0  # fmt: skip
+    assert main(["findings", "--store", str(store)]) == 0
+    assert "# Findings ready for upstream" in (store / "findings.md").read_text()
+    assert main(["findings", "--store", str(store), "--out", str(tmp_path / "pages")]) == 0
+    assert (tmp_path / "pages" / "findings.md").exists()
+    assert main(["findings", "--store", str(store), "--page", str(tmp_path / "one.md")]) == 0
+    assert (tmp_path / "one.md").exists() and not (tmp_path / "docs").exists()

@@ -21,12 +21,18 @@ from kda_reports.store import load_store
 
 NAME = "findings"
 HELP = "tabulate the findings ready for upstream (ledger entries and new failures) and write their standalone tests"
-EXAMPLE = "kda-conformance findings --store nightly-store --page docs/findings.md --write-tests findings --device cuda"
+EXAMPLE = "kda-conformance findings --store nightly-store --write-tests findings --device cuda"
+PAGE = "findings.md"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", type=Path, required=True, metavar="DIR", help="the store (or run folder) to read")
-    parser.add_argument("--page", type=Path, default=Path("docs/findings.md"), metavar="FILE", help="the page to write")
+    parser.add_argument(
+        "--out", type=Path, default=None, metavar="DIR", help="the folder the page is written to (default: the store)"
+    )
+    parser.add_argument(
+        "--page", type=Path, default=None, metavar="FILE", help=f"the page to write (default: OUT/{PAGE})"
+    )
     parser.add_argument("--ledger", type=Path, default=LEDGER, metavar="FILE", help="the ledger of known issues")
     parser.add_argument(
         "--write-tests",
@@ -68,7 +74,10 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     runs = store.records.drop_duplicates("run_id")
     where = ", ".join(sorted({f"{r.env_device_type} {r.env_device_name}" for r in runs.itertuples()}))
     source = f"runs {', '.join(sorted(runs['run_id'].astype(str)))} ({where})"
-    page = write_findings_page(findings, source, args.page, precision_lines(store.records))
+    folder = args.out or (args.store if args.store.is_dir() else args.store.parent)
+    page_path = args.page or folder / PAGE
+    page_path.parent.mkdir(parents=True, exist_ok=True)
+    page = write_findings_page(findings, source, page_path, precision_lines(store.records))
     for f in findings:
         console.print(f"{f.status:8} {f.id}: {f.backends}; {f.worst}; {f.test or ''}", highlight=False, soft_wrap=True)
     console.print(f"page: {page}", highlight=False)

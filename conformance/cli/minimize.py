@@ -150,6 +150,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     console.print(f"case: {small.to_json()}", highlight=False, markup=False)
     console.print(f"repro: {repro_line(check.name, small, backend.name, device, params)}", highlight=False)
     if args.write_test is not None:
-        test, data = write_standalone(small, backend, device, str(params.get("poison") or "nan"), args.write_test)
+        poison = str(params.get("poison") or "nan")
+        test, data = write_standalone(small, backend, device, poison, args.write_test, check.name)
         console.print(f"standalone test: {test} (data {data}); run it with: pytest {test}")
     return code  # the minimal case's verdict: 1 when it fails, 3 when it raises

@@ -119,6 +119,6 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         say(console, f"check {check.name} did not run on this case (see the skip above)", "nothing ran:", "yellow")
     if args.write_test is not None:
         poison = args.poison or DEFAULT_POISON
-        test, data = write_standalone(args.case, backend, device, poison, args.write_test)
+        test, data = write_standalone(args.case, backend, device, poison, args.write_test, check.name)
         console.print(f"standalone test: {test} (data {data}); run it with: pytest {test}")
     return code

@@ -22,6 +22,8 @@ from kda_kernels import registry
 from kda_kernels.protocol import Backend
 from kda_kernels.serving import NULL_SLOT, plan_pool, run_serving
 
+WORDS = {"o": "the output", "final_state": "the final states", "checkpoint_states": "the checkpoint states"}
+
 
 def plan_lines(case: Case) -> list[str]:
     plan = plan_pool(case)
@@ -118,10 +120,14 @@ def where_it_runs_source(backend: Backend, device: torch.device) -> str:
     )
 
 
-def write_standalone(case: Case, backend: Backend, device: torch.device, poison: str, path: Path) -> tuple[Path, Path]:
-    """Write ``path`` (a pytest file) and its data beside it: the poisoned served run of ``case``."""
+def write_standalone(
+    case: Case, backend: Backend, device: torch.device, poison: str, path: Path, check: str = "budget"
+) -> tuple[Path, Path]:
+    """Write ``path`` (a pytest file) and its data beside it: the poisoned served run of ``case``, named for
+    ``check`` (the finding's check), holding every limit the suite judges on it: max-abs and rel-RMS of the
+    output, the final states and the checkpoint states, at the backend's declared working precision."""
     served = serving_case(case, backend)
-    truth = case_truth(served, device)
+    truth = case_truth(served, device, precision=backend.working_precision)
     plan = plan_pool(served)
     run = run_serving(backend, truth.inputs, plan, poison)  # only for the pool and buffer it starts from
     x = truth.inputs
@@ -140,12 +146,14 @@ def write_standalone(case: Case, backend: Backend, device: torch.device, poison:
         "tokens": T,
         "seq_slots": list(plan.seq_slots),
         "unnamed_slots": plan.unnamed_slots,
+        "checkpoint_slots": list(plan.checkpoint_slots),
         "pool_before": run.pool_before.cpu(),
         "out_before": run.out_before.cpu(),
-        "truth_o": truth.reference.o.cpu(),
-        "truth_final": truth.reference.final_state.cpu(),
-        "limit_o": truth.budgets["o"].max_abs.value,
-        "limit_final": truth.budgets["final_state"].max_abs.value,
+        "truth": {name: getattr(truth.reference, name).cpu() for name in truth.budgets},
+        "limits": {
+            name: {"max_abs": budget.max_abs.value, "rel_rms": budget.rel_rms.value}
+            for name, budget in truth.budgets.items()
+        },
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -169,7 +177,8 @@ def write_standalone(case: Case, backend: Backend, device: torch.device, poison:
                 inputs = materialize(case, pool.device)
                 slots, padding = tuple(d["seq_slots"]), len(d["state_indices"]) - d["num_seqs"]
                 has_h0 = tuple(bool(x) for x in d["has_initial_state"][: d["num_seqs"]])
-                serve(registry.get({backend.name!r}), inputs, pool, slots, has_h0, out, padding=padding)
+                checkpoints = tuple(d["checkpoint_slots"])
+                serve(registry.get({backend.name!r}), inputs, pool, slots, has_h0, out, checkpoints, padding=padding)
                 """
                 ),
                 "    ",
@@ -201,11 +210,16 @@ def write_standalone(case: Case, backend: Backend, device: torch.device, poison:
         INTS = {{1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}}
 
 
+        TINY = torch.finfo(torch.float64).tiny
+        WORDS = {{"o": "output", "final_state": "final states", "checkpoint_states": "checkpoint states"}}
+        METRICS = {{"max_abs": "max-abs", "rel_rms": "rel-RMS"}}
+
+
         def bits(x):
             return x.contiguous().view(INTS[x.element_size()])
 
 
-        def test_{case.id.replace("-", "_")}_{backend.name}_{poison}():
+        def test_{case.id.replace("-", "_")}_{backend.name}_{check}():
             device = where_it_runs()
             d = torch.load(DATA, weights_only=True)  # tensors and plain values only: a tampered file runs no code
             d = {{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in d.items()}}
@@ -218,23 +232,40 @@ def write_standalone(case: Case, backend: Backend, device: torch.device, poison:
                     problems.append(f"slot {{slot}} written: no sequence names it (slot 0 is the null block)")
             if not torch.equal(bits(out[:, T:]), bits(d["out_before"][:, T:])):
                 problems.append("output rows past the last token written")
-            for name, got, want, limit in (
-                ("output", out[:, :T], d["truth_o"], d["limit_o"]),
-                ("final states", pool[d["seq_slots"]], d["truth_final"], d["limit_final"]),
-            ):
-                err = (got.double() - want).abs()
-                worst = float(err.max()) if bool(err.isfinite().all()) else float("inf")
-                if not worst <= limit:
-                    where = tuple((err > limit).logical_or(~err.isfinite()).nonzero()[0].tolist())
-                    problems.append(f"{{name}}: max-abs {{worst:.3e}} > limit {{limit:.3e}}, first at {{where}}")
+            got = {{"o": out[:, :T], "final_state": pool[d["seq_slots"]]}}
+            got["checkpoint_states"] = pool[d["checkpoint_slots"]]
+            for name, limits in d["limits"].items():
+                want = d["truth"][name]
+                err = (got[name].double() - want).abs()
+                finite = bool(err.isfinite().all())
+                measured = {{
+                    "max_abs": float(err.max()) if finite else math.inf,
+                    "rel_rms": float(err.pow(2).mean().sqrt() / want.pow(2).mean().sqrt().clamp_min(TINY))
+                    if finite
+                    else math.inf,
+                }}
+                for metric, limit in limits.items():
+                    if not measured[metric] <= limit:
+                        problem = f"{{WORDS[name]}}: {{METRICS[metric]}} {{measured[metric]:.3e}} > limit {{limit:.3e}}"
+                        problem += f" ({{measured[metric] / limit:.3g}}x)" if limit > 0 else ""
+                        if metric == "max_abs":
+                            where = (err > limits["max_abs"]).logical_or(~err.isfinite()).nonzero()[0].tolist()
+                            problem += f", first at {{tuple(where)}}"
+                        problems.append(problem)
             assert not problems, "\\n".join(problems)
         """
     )
+    declared = backend.working_precision
+    precision = f" at its declared working precision ({declared.label})" if declared is not None else ""
     header = (
-        f'"""Standalone repro written by `kda-conformance repro`: case {served.id} on {backend.name}, poison '
-        f"{poison}.\n\nCase: {served.to_json()}\nData: {data_path.name} (inputs, the poisoned pool and output "
-        "buffer, the float64 truth, the limits).\nIt skips, saying why, where its library or the device it needs "
-        'is missing.\n"""\n\nimport importlib\nimport os\nfrom pathlib import Path\n\nimport pytest\nimport torch\n'
+        f'"""Standalone repro written by `kda-conformance`: check {check}, case {served.id}, on {backend.name}.\n\n'
+        f"The case is served as a server serves it (packed, states in a pool poisoned with {poison}, the output "
+        "written into a poisoned buffer) and held to every limit the suite judges on it: max-abs and rel-RMS of "
+        f"{', '.join(WORDS[name] for name in truth.budgets)}{precision}; memory no sequence names must come "
+        f"back bitwise unchanged.\n\nCase: {served.to_json()}\nData: {data_path.name} (inputs, the poisoned pool "
+        "and output buffer, the float64 truth, the limits).\nIt skips, saying why, where its library or the "
+        'device it needs is missing.\n"""\n\nimport importlib\nimport math\nimport os\nfrom pathlib import Path\n\n'
+        "import pytest\nimport torch\n"
     )
     text = header + needs_source(backend) + source + "\n" + where_it_runs_source(backend, device) + body
     atomic_write_text(path, text)
