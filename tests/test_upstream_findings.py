@@ -116,3 +116,25 @@ def test_the_findings_page_goes_under_the_output_folder_unless_given_a_path(
     assert (tmp_path / "pages" / "findings.md").exists()
     assert main(["findings", "--store", str(store), "--page", str(tmp_path / "one.md")]) == 0
     assert (tmp_path / "one.md").exists() and not (tmp_path / "docs").exists()
+
+
+def test_a_findings_rerun_that_loses_the_device_goes_last_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sticky device error in one finding's rerun (FLA's misaligned address on the H200) ends what the
+    process may run: it is rerun after the others, which keep their files."""
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")])))
+    store, case = tmp_path / "store", Case(seq_lens=(40,), num_heads=1, num_v_heads=1, head_k_dim=32, head_v_dim=32)
+    for plugin, backend in (("kda_planted_crashes", "planted_sticky_fault"),
+                            ("kda_planted_bugs", "planted_nan_at_one_position")):  # fmt: skip
+        argv = ["run", "--plugin", plugin, "--backend", backend, "--device", "cpu", "--case", case.to_json()]
+        assert main([*argv, "--out", str(store), "--no-dashboard"]) in (1, 3)
+    argv = ["findings", "--store", str(store), "--plugin", "kda_planted_crashes", "--plugin", "kda_planted_bugs"]
+    assert main([*argv, "--write-tests", str(tmp_path / "tests"), "--device", "cpu"]) == 0
+    page = (store / "findings.md").read_text()
+    rows = {line.split(" | ")[0]: line for line in page.splitlines() if line.startswith("| [new-")}
+    [sticky] = [row for name, row in rows.items() if "planted_sticky_fault" in name]
+    [nan] = [row for name, row in rows.items() if "planted_nan_at_one_position" in name]
+    assert "not written: its rerun lost the device here" in sticky, sticky
+    assert "fails today on cpu" in nan, nan

@@ -4,15 +4,18 @@ ledger of known issues, and a standalone test for each one that runs here (confo
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
+import torch
 from rich.console import Console
 
 from kda_cases.devices import resolve_device
 from kda_conformance.cli.common import add_device, say
 from kda_conformance.judging.known import LEDGER, load_ledger
-from kda_conformance.repro.upstream import upstream_findings, write_finding_test, write_findings_page
+from kda_conformance.repro.upstream import UpstreamFinding, upstream_findings, write_finding_test, write_findings_page
 from kda_conformance.running.config import RunConfig
+from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.session import Run
 from kda_kernels import registry
 from kda_kernels.registry import PluginError
@@ -69,7 +72,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         args.write_tests.mkdir(parents=True, exist_ok=True)
         # Each finding's check is rerun through the executor; its records go beside the tests, not the store.
         run = Run(RunConfig(device=device, backends=(), out=args.write_tests, command=args.command_line))
-        findings = [write_finding_test(f, device, args.write_tests, run) for f in findings]
+        findings = _write_tests(findings, device, args.write_tests, run)
         run.finish()
     runs = store.records.drop_duplicates("run_id")
     where = ", ".join(sorted({f"{r.env_device_type} {r.env_device_name}" for r in runs.itertuples()}))
@@ -82,3 +85,25 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         console.print(f"{f.status:8} {f.id}: {f.backends}; {f.worst}; {f.test or ''}", highlight=False, soft_wrap=True)
     console.print(f"page: {page}", highlight=False)
     return 0
+
+
+def _write_tests(
+    findings: list[UpstreamFinding], device: torch.device, folder: Path, run: Run
+) -> list[UpstreamFinding]:
+    """Each finding's test, the crashes' last: a rerun that leaves a sticky device error ends what this
+    process may run on the device, so the findings after it say so instead of failing in a dead context."""
+    written: dict[str, UpstreamFinding] = {}
+    lost = ""
+    for finding in sorted(findings, key=lambda f: f.worst.startswith("error")):
+        if lost:
+            written[finding.id] = replace(finding, test=f"not written: the device was lost in {lost}'s rerun")
+            continue
+        try:
+            written[finding.id] = write_finding_test(finding, device, folder, run)
+        except DeviceLost as exc:
+            run.record(exc.findings)
+            lost = finding.id
+            written[finding.id] = replace(
+                finding, test=f"not written: its rerun lost the device here ({exc}); its repro line reruns it"
+            )
+    return [written[f.id] for f in findings]
