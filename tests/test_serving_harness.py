@@ -20,7 +20,7 @@ from kda_cases.case import Case
 from kda_cases.materialize import materialize
 from kda_conformance.checks import get_check, run_check
 from kda_conformance.cli import main
-from kda_conformance.repro.standalone import where_it_runs_source
+from kda_conformance.repro.standalone import suite_imports, needs_source, where_it_runs_source
 from kda_conformance.running.truth import case_truth
 from kda_kernels import registry
 from kda_kernels.serving import (
@@ -287,3 +287,21 @@ def test_cuda_allocator_hands_out_poisoned_blocks() -> None:
         torch.utils.deterministic.fill_uninitialized_memory = False  # look at the allocator's blocks alone
         small, large = torch.empty(1024, device=device), torch.empty(2**22, device=device)
         assert (small == 1e30).all() and (large == 1e30).all()
+
+
+def test_a_standalone_file_runs_a_library_from_the_source_tree_its_variable_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """AITER runs from a source tree (KDA_AITER_SRC), not an installed package: its findings' files skipped
+    "needs AITER" on the H200 with the tree named. They skip only where neither is there."""
+    aiter = registry.get("aiter_default")
+    [library] = [lib for lib in aiter.libraries if lib.source_variable]
+    namespace: dict = {}
+    exec("import importlib, os, pytest" + needs_source(aiter), namespace)
+    call = f"needs({library.module!r}, {library.source_variable!r})"
+    assert call in suite_imports(aiter)
+    monkeypatch.setenv(library.source_variable, "/a/tree")
+    assert eval(call, namespace) is None
+    monkeypatch.delenv(library.source_variable)
+    with pytest.raises(pytest.skip.Exception, match=f"needs {library.name}"):
+        eval(call, namespace)

@@ -40,14 +40,20 @@ def plan_lines(case: Case) -> list[str]:
     return lines
 
 
-def _suite_imports(backend: Backend) -> str:
+def suite_imports(backend: Backend) -> str:
     """The imports of a file that runs ``backend`` through this suite, inside its test: it skips where the
     suite (or the plugin module that registers the backend, or a library it declares) is not importable."""
     lines = ['needs("kda_kernels")']
     module = registry.plugin_of(backend.name)
     if module:  # a plugin's backend: importing its module registers it
         lines.append(f"needs({module!r})")
-    lines += [f"needs({library.module!r})" for library in backend.libraries if library.module]
+    lines += [
+        f"needs({library.module!r}, {library.source_variable!r})"
+        if library.source_variable
+        else f"needs({library.module!r})"
+        for library in backend.libraries
+        if library.module
+    ]
     return "".join(f"    {line}\n" for line in lines)
 
 
@@ -66,7 +72,9 @@ def needs_source(backend: Backend) -> str:
         LIBRARIES = {known!r}
 
 
-        def needs(module):
+        def needs(module, source_variable=None):
+            if source_variable and os.environ.get(source_variable):
+                return None  # the suite loads it from the source tree that variable names
             try:
                 return importlib.import_module(module)
             except ImportError as exc:
@@ -164,7 +172,7 @@ def write_standalone(
         source = (
             f"\n# {backend.name} gives no standalone call: this runs it through the kda-conformance suite.\n"
             "def serve_batch(d, pool, out):\n"
-            + _suite_imports(backend)
+            + suite_imports(backend)
             + textwrap.indent(
                 textwrap.dedent(
                     f"""\
@@ -224,6 +232,7 @@ def write_standalone(
             d = torch.load(DATA, weights_only=True)  # tensors and plain values only: a tampered file runs no code
             d = {{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in d.items()}}
             d["kwargs"] = {{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in d["kwargs"].items()}}
+            d["truth"] = {{k: v.to(device) for k, v in d["truth"].items()}}
             pool, out, T = d["pool_before"].clone(), d["out_before"].clone(), d["tokens"]
             serve_batch(d, pool, out)
             problems = []

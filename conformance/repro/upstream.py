@@ -190,7 +190,7 @@ def write_finding_test(
     path = Path(folder) / f"test_{finding.id.replace('-', '_')}.py"
     write_standalone(case, backend, device, "nan", path)
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", str(path)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", str(path.resolve())],
         capture_output=True,
         text=True,
         cwd=path.parent,
