@@ -20,7 +20,7 @@ from kda_cases.case import Case
 from kda_cases.materialize import materialize
 from kda_conformance.checks import get_check, run_check
 from kda_conformance.cli import main
-from kda_conformance.repro.standalone import suite_imports, needs_source, where_it_runs_source
+from kda_conformance.repro.standalone import needs_source, suite_imports, where_it_runs_source
 from kda_conformance.running.truth import case_truth
 from kda_kernels import registry
 from kda_kernels.serving import (
