@@ -138,3 +138,21 @@ def test_a_findings_rerun_that_loses_the_device_goes_last_and_says_so(
     [nan] = [row for name, row in rows.items() if "planted_nan_at_one_position" in name]
     assert "not written: its rerun lost the device here" in sticky, sticky
     assert "fails today on cpu" in nan, nan
+
+
+FINDINGS = Path(__file__).resolve().parent.parent / "findings"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the findings' files run (and fail: findings/README.md)")
+def test_the_committed_findings_files_skip_on_a_cpu_saying_why() -> None:
+    """Written on the H200 by `findings --write-tests`, they need its GPU: here each is a skip naming it."""
+    files = sorted(FINDINGS.glob("test_*.py"))
+    assert len(files) >= 5 and all(f.with_suffix(".pt").exists() for f in files)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:randomly",
+                           *map(str, files)], capture_output=True, text=True, cwd=FINDINGS)  # fmt: skip
+    assert done.returncode == 0 and f"{len(files)} skipped" in done.stdout, done.stdout[-2000:]
+    skips = [line for line in done.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert len(skips) == len(files) and all("needs a GPU (it was written on cuda" in s for s in skips), skips
+    for f in files:
+        readme = (FINDINGS / "README.md").read_text()
+        assert f.name in readme, f"findings/README.md does not say what {f.name} is"
