@@ -30,6 +30,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import math
 import os
 import sys
 import types
@@ -94,9 +95,7 @@ VLLM = Tree(
 VLLM_KIMI_AMD = Tree("vLLM", "KDA_VLLM_SRC", "vllm", ("vllm.models.kimi_k3.amd.ops.third_party.kda",), VLLM_FLA)
 # GLM-5.3-Flash (vllm/models/glm5next): its layer imports chunk_kda_with_fused_gate from the NVIDIA copy's
 # kernels module on CUDA and from the AMD copy's on ROCm (glm5next/common/kda.py).
-VLLM_GLM5 = Tree(
-    "vLLM", "KDA_VLLM_SRC", "vllm", ("vllm.models.glm5next.nvidia.ops.third_party.kda.kernels",), VLLM_FLA
-)
+VLLM_GLM5 = Tree("vLLM", "KDA_VLLM_SRC", "vllm", ("vllm.models.glm5next.nvidia.ops.third_party.kda.kernels",), VLLM_FLA)
 VLLM_GLM5_AMD = Tree(
     "vLLM", "KDA_VLLM_SRC", "vllm", ("vllm.models.glm5next.amd.ops.third_party.kda.kernels",), VLLM_FLA
 )
@@ -496,6 +495,31 @@ def forget(tree: Tree) -> None:
     load.cache_clear()
 
 
+# Rows of the layer's output buffer on each side of the slice a kernel is handed with ``out=``: the other
+# tokens' rows of a mixed batch (speculative decode beside the prefill).
+OUT_MARGIN = 3
+
+
+def layer_output_slice(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kimi K3's layer hands its prefill kernel ``out=core_attn_out[:, non_spec_slice]``: a slice, at an
+    offset, of the layer's buffer, which is ``torch.empty`` (stale memory). Here that buffer is NaN, so a
+    row the kernel leaves unwritten shows in its output; returns (the buffer, the slice)."""
+    B, T = v.shape[:2]
+    buffer = torch.full((B, T + 2 * OUT_MARGIN, *v.shape[2:]), math.nan, dtype=v.dtype, device=v.device)
+    return buffer, buffer[:, OUT_MARGIN : OUT_MARGIN + T]
+
+
+def check_outside_the_slice(buffer: torch.Tensor, tokens: int) -> None:
+    """The rows around the slice belong to other tokens: a kernel that writes them breaks its call."""
+    outside = torch.cat([buffer[:, :OUT_MARGIN], buffer[:, OUT_MARGIN + tokens :]], dim=1)
+    written = int((~outside.isnan()).any(dim=tuple(range(2, outside.dim()))).sum())
+    if written:
+        raise RuntimeError(
+            f"wrote {written} rows of the layer's output buffer outside the out= slice it was handed (other "
+            f"tokens' rows of a mixed batch; {OUT_MARGIN} on each side)"
+        )
+
+
 class VllmChunk(VendoredBackend):
     name = "vllm_chunk"
     description = "vLLM's vendored KDA chunk kernels (KDA_VLLM_SRC), called as vLLM's KDA layer calls them"
@@ -552,7 +576,14 @@ class VllmChunk(VendoredBackend):
                 extra["beta"], A_log = beta, inputs.A_log.float().view(1, 1, -1, 1)
             if case.gate == "lower_bound":
                 extra["lower_bound"] = case.lower_bound
-            return fused(q=q, k=k, v=v, raw_g=inputs.g, A_log=A_log, g_bias=inputs.dt_bias.float(), **extra, **common)
+            gate = dict(raw_g=inputs.g, A_log=A_log, g_bias=inputs.dt_bias.float())
+            if "out" not in takes:
+                return fused(q=q, k=k, v=v, **gate, **extra, **common)
+            # The layer reads its buffer, not what the call returns.
+            buffer, extra["out"] = layer_output_slice(v)
+            _, final = fused(q=q, k=k, v=v, **gate, **extra, **common)
+            check_outside_the_slice(buffer, q.shape[1])
+            return buffer[:, OUT_MARGIN : OUT_MARGIN + q.shape[1]], final
         if case.gate_in_kernel:
             if not hasattr(kda, "fused_kda_gate"):
                 raise Unsupported("this vLLM tree has neither chunk_kda_with_fused_gate nor fused_kda_gate")

@@ -4,6 +4,7 @@ layer does, the layout probe, and the reasons given when a tree is missing or ne
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from kda_cases.case import Case
+from kda_cases.materialize import materialize
 from kda_conformance.cli import main
 from kda_kernels import registry, vendored
 from kda_kernels.vendored import SGLANG, VLLM
@@ -209,3 +211,32 @@ def test_a_stub_the_kernels_need_and_the_loader_lacks_is_the_suites_gap_not_the_
     stub = vendored._Stub("vllm.utils.math_utils")
     with pytest.raises(vendored.StubGap, match=r"stub of vllm\.utils\.math_utils has no round_up"):
         stub.round_up  # noqa: B018
+
+
+def test_kimi_k3s_output_goes_into_the_slice_of_the_layers_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kimi K3's layer passes out=core_attn_out[:, non_spec_slice]: the adapter hands the kernel such a slice
+    (an offset view of a NaN buffer), reads the buffer as the layer does, and a kernel writing the rows around
+    the slice (other tokens' output) breaks its call."""
+    monkeypatch.setenv(VLLM.variable, str(DOUBLES / "vllm033_tree"))
+    case = Case(seq_lens=(50, 20), packed=True, head_k_dim=32, head_v_dim=32, initial_state="random")
+    assert _run("vllm_chunk", case, tmp_path / "right") == 0
+    outs = [c["out"] for c in _calls() if c["entry"] == "chunk_kda_with_fused_gate"]
+    assert outs and all(o is not None and o.storage_offset() > 0 for o in outs), [
+        o is None or o.storage_offset() for o in outs
+    ]
+    module = vendored.load(VLLM)
+    right = module.chunk_kda_with_fused_gate
+
+    @functools.wraps(right)  # its signature: what the adapter reads the API from
+    def spills(*args, out=None, **kwargs):
+        o, final = right(*args, out=out, **kwargs)
+        past = out.as_strided((out.shape[0], out.shape[1] + 1, *out.shape[2:]), out.stride(), out.storage_offset())
+        past[:, -1] = 0  # the row after its slice: another token's
+        return o, final
+
+    monkeypatch.setattr(module, "chunk_kda_with_fused_gate", spills)
+    backend = registry.get("vllm_chunk")
+    with pytest.raises(RuntimeError, match="1 rows of the layer's output buffer outside the out= slice"):
+        backend.run(materialize(case, torch.device("cpu")))

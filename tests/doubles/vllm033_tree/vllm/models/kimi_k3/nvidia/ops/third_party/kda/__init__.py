@@ -25,7 +25,7 @@ def chunk_kda_with_fused_gate(
     **kwargs,
 ):
     CALLS.append({"entry": "chunk_kda_with_fused_gate", "A_log": tuple(A_log.shape), "raw_beta": raw_beta,
-                  "lower_bound": lower_bound, "initial_state": initial_state})  # fmt: skip
+                  "lower_bound": lower_bound, "initial_state": initial_state, "out": out})  # fmt: skip
     assert A_log.dim() == 1, "vLLM 0.33's layer holds A_log as [H]"
     g = (
         softplus_gate(raw_g, A_log, g_bias)
@@ -33,7 +33,11 @@ def chunk_kda_with_fused_gate(
         else lower_bound_gate(raw_g, A_log, g_bias, lower_bound)
     )
     beta = raw_beta.float().sigmoid()
-    return kda(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, v_first=True)
+    o, final = kda(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, v_first=True)
+    if out is None:
+        return o, final
+    out.copy_(o)  # as vLLM 0.33's: the output written into the buffer the layer hands it
+    return out, final
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
