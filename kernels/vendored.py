@@ -591,11 +591,49 @@ class VllmChunk(VendoredBackend):
         return kda.chunk_kda(q=q, k=k, v=v, g=inputs.g.float(), beta=beta, **common)
 
 
+# The chunk tables SGLang 0.5.23's CUDA-graph prefill builds on the host before every replay
+# (sglang/srt/layers/attention/linear/kda_prefill_graph.py) and passes to chunk_kda.
+GRAPH_CHUNK_METADATA = ("chunk_indices", "chunk_offsets")
+GRAPH_PAD_CHUNK = 1 << 20  # a padded row's chunk: past the end of any sequence, so every kernel returns on it
+
+
+def graph_chunk_tables(cu_seqlens_cpu: torch.Tensor, device: torch.device, chunk: int = 64) -> dict[str, torch.Tensor]:
+    """``KDAPrefillGraphMetadata._write_host_tables`` for a bucket holding exactly this batch: (sequence,
+    chunk) rows sequence by sequence, then ``cdiv(T, 64) + sequences`` rows in all, the rest padded with
+    (0, 2^20); ``chunk_offsets`` each sequence's first row. One int32 buffer, copied to the device from
+    pinned memory as SGLang copies it (no device-to-host sync), its two views returned."""
+    lens = (cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).long()
+    counts = (lens + chunk - 1) // chunk
+    n, real = len(lens), int(counts.sum())
+    rows = -(-int(cu_seqlens_cpu[-1]) // chunk) + n
+    table = torch.tensor([0, GRAPH_PAD_CHUNK], dtype=torch.int64).repeat(rows, 1)
+    table[:real, 0] = torch.repeat_interleave(torch.arange(n), counts)
+    table[:real, 1] = torch.arange(real) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    host = torch.cat([table.flatten(), offsets]).to(torch.int32)
+    packed = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    return {"chunk_indices": packed[: 2 * rows].view(rows, 2), "chunk_offsets": packed[2 * rows :]}
+
+
 class SglangChunk(VendoredBackend):
     name = "sglang_chunk"
     description = "SGLang's vendored KDA chunk kernels (KDA_SGLANG_SRC), called as SGLang's TritonKDAKernel calls them"
     tree = SGLANG
     libraries = (libs.SGLANG,)
+
+    def _takes_graph_tables(self) -> bool:
+        try:
+            return set(GRAPH_CHUNK_METADATA) <= _parameters(self.kda().chunk_kda)
+        except VendoredMissing:
+            return False
+
+    @property
+    def envelope(self) -> Envelope:  # type: ignore[override]
+        envelope = super().envelope
+        return envelope.narrowed(host_metadata=GRAPH_CHUNK_METADATA) if self._takes_graph_tables() else envelope
+
+    def host_metadata(self, device: torch.device, cu_seqlens_cpu: torch.Tensor) -> dict[str, torch.Tensor]:
+        return graph_chunk_tables(cu_seqlens_cpu, device) if self._takes_graph_tables() else {}
 
     def refused_gates(self) -> dict[str, str]:
         kda = self.kda()
@@ -623,6 +661,7 @@ class SglangChunk(VendoredBackend):
         q, k, v = inputs.q, inputs.k, inputs.v.clone()  # SGLang's kernels write the output into v's buffer
         cu = _server_cu_seqlens(inputs)
         common = dict(scale=case.scale, use_qk_l2norm_in_kernel=case.l2norm_in_kernel, cu_seqlens=cu, **gate)
+        common.update(inputs.host_metadata or {})  # the graph prefill's host-built chunk tables
         if case.beta_sigmoid_in_kernel and "beta_is_raw" in takes:
             # SGLang's KDA backend passes the raw projection and beta_is_raw=True where chunk_kda takes it
             beta, common["beta_is_raw"] = inputs.beta, True

@@ -240,3 +240,24 @@ def test_kimi_k3s_output_goes_into_the_slice_of_the_layers_buffer(
     backend = registry.get("vllm_chunk")
     with pytest.raises(RuntimeError, match="1 rows of the layer's output buffer outside the out= slice"):
         backend.run(materialize(case, torch.device("cpu")))
+
+
+def test_sglang_graph_prefill_tables_built_on_the_host_as_sglang_builds_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang 0.5.23's CUDA-graph prefill passes chunk_indices / chunk_offsets it builds on the host, padded
+    to the bucket's bound with rows past every sequence: the host-metadata check holds the result bitwise
+    to the derived one (the double checks the tables row by row), a zero-length member included."""
+    monkeypatch.setenv(SGLANG.variable, str(DOUBLES / "sglang_tree"))
+    backend = registry.get("sglang_chunk")
+    assert backend.envelope.host_metadata == ("chunk_indices", "chunk_offsets")
+    tables = backend.host_metadata(torch.device("cpu"), torch.tensor([0, 130, 130, 147]))
+    # cdiv(147, 64) + 3 sequences = 6 rows, 4 of them real
+    assert tables["chunk_indices"].tolist() == [[0, 0], [0, 1], [0, 2], [2, 0], [0, 1 << 20], [0, 1 << 20]]
+    assert tables["chunk_offsets"].tolist() == [0, 3, 3, 4] and tables["chunk_offsets"].dtype == torch.int32
+    assert tables["chunk_indices"].untyped_storage().data_ptr() == tables["chunk_offsets"].untyped_storage().data_ptr()
+    case = Case(seq_lens=(130, 0, 17), packed=True, head_k_dim=32, head_v_dim=32, initial_state="random")
+    argv = ["repro", "--backend", "sglang_chunk", "--device", "cpu", "--check", "host_metadata"]
+    assert main([*argv, "--case", case.to_json(), "--out", str(tmp_path)]) == 0
+    passed = [c for c in _calls() if c["chunk_indices"] is not None]
+    assert passed and all(c["chunk_indices"].shape[0] > int(c["chunk_offsets"][-1]) for c in passed)
