@@ -350,12 +350,12 @@ def test_a_hung_case_in_a_worker_costs_that_case_only(tmp_path: Path) -> None:
     assert set(records[records["backend"] == "torch_chunk"]["verdict"]) == {"pass"}
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "time-limit"])
-def test_an_interrupted_night_keeps_its_workers_stage_times(tmp_path: Path, interruptible: dict, signum: int) -> None:
-    """Ctrl-C, or a CI job's time limit (SIGTERM to every process, as `timeout` sends it), on pytest -n: the
-    merged run still says where the workers' time went (on the H200 an interrupted night's timing.json held
-    zeros), and the call the interrupt cut short is nobody's error (a night cut by `timeout` on the H200 had
-    charged 12 calls in flight to their kernels as "the process ended during the call")."""
+def test_an_interrupted_night_keeps_its_workers_stage_times(tmp_path: Path, interruptible: dict) -> None:
+    """A CI job's time limit (SIGTERM to every process, as `timeout` sends it; Ctrl-C's SIGINT is the
+    dashboard's interrupted-night test) on pytest -n: the merged run still says where the workers' time went
+    (on the H200 an interrupted night's timing.json held zeros), and the call the interrupt cut short is
+    nobody's error (a night cut by `timeout` on the H200 charged 12 calls in flight to their kernels as "the
+    process ended during the call")."""
     # One worker: torch_chunk's case, then the planted hang on the same case (tests go case by case, in the
     # order the backends are given), which holds the worker until the interrupt.
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "--kda-device", "cpu", "-n", "1"]
@@ -372,7 +372,7 @@ def test_an_interrupted_night_keeps_its_workers_stage_times(tmp_path: Path, inte
             assert process.poll() is None and time.monotonic() < deadline, "no worker recorded a case"
             time.sleep(0.5)
         time.sleep(1)  # the worker is in the planted hang's call now
-        os.killpg(process.pid, signum)
+        os.killpg(process.pid, signal.SIGTERM)
         output, _ = process.communicate(timeout=120)
     finally:
         if process.poll() is None:
