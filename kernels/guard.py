@@ -30,6 +30,7 @@ from kda_cases.case import Case
 from kda_cases.dtypes import bits
 from kda_cases.envelope import Envelope
 from kda_cases.materialize import KDAInputs
+from kda_kernels import autotune_replay
 from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported
 
 TOKEN_INPUTS = ("q", "k", "v", "g", "beta")  # [B, T, heads, ...]
@@ -313,6 +314,7 @@ def check_output(backend: Backend, result: object, inputs: KDAInputs) -> Backend
 
 def run_backend_call(backend: Backend, inputs: KDAInputs) -> BackendOutput:
     """``backend.run(inputs)`` under the contract (see the module's docstring)."""
+    autotune_replay.activate(inputs.device)  # before the first launch: a cold machine replays, not tunes
     snapshot = Snapshot.of(input_tensors(inputs))
     try:
         with _in_call(backend):
@@ -335,6 +337,7 @@ def run_paged_call(
 ) -> None:
     """``backend.run_paged(...)`` under the contract: the batch's tensors and the call's metadata unchanged,
     and of the pool only the slots the call names (its sequences' and its checkpoints') written."""
+    autotune_replay.activate(batch.device)
     metadata = {"state_indices": state_indices, "has_initial_state": has_initial_state}
     metadata["checkpoint_slots"] = checkpoint_slots
     snapshot = Snapshot.of({**input_tensors(batch), **metadata, "pool": pool})

@@ -11,6 +11,7 @@ from types import ModuleType
 from rich.console import Console
 
 from kda_conformance.cli import (
+    autotune,
     backends,
     benchmark,
     calibrate,
@@ -43,6 +44,7 @@ COMMANDS: tuple[ModuleType, ...] = (
     backends,
     diff,
     benchmark,
+    autotune,
 )
 
 

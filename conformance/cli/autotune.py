@@ -1,0 +1,55 @@
+"""``kda-conformance autotune``: the choices autotune made in a warm run, as this GPU model's replay file
+(kernels/autotune_replay.py says how replay works)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+
+from kda_conformance.cli.common import say
+from kda_conformance.cli.exits import PASSED, USAGE
+from kda_kernels import autotune_replay
+
+NAME = "autotune"
+HELP = "merge the autotune choices a warm run recorded (KDA_AUTOTUNE_RECORD=DIR) into a GPU model's replay file"
+EXAMPLE = (
+    "KDA_AUTOTUNE_RECORD=tuned kda-conformance nightly --store S --device cuda && kda-conformance autotune --from tuned"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--from", dest="parts", type=Path, required=True, metavar="DIR",
+        help="the folder a run recorded into (KDA_AUTOTUNE_RECORD=DIR: one autotune-<pid>.json per process)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--out", type=Path, default=None, metavar="FILE",
+        help="the replay file (default: kernels/autotune/<gpu>.json, which the suite replays on that GPU model)",
+    )  # fmt: skip
+
+
+def execute(args: argparse.Namespace, console: Console) -> int:
+    parts = sorted(args.parts.glob("autotune-*.json")) if args.parts.is_dir() else []
+    if not parts:
+        say(
+            console,
+            f"--from {args.parts}: no autotune-*.json parts (record with KDA_AUTOTUNE_RECORD=DIR)",
+            "error:",
+            "red",
+        )
+        return USAGE
+    try:
+        device, triton, choices = autotune_replay.merge(parts)
+    except (ValueError, KeyError) as exc:
+        say(console, f"--from {args.parts}: {exc}", "error:", "red")
+        return USAGE
+    path = args.out or autotune_replay.file_for(device)
+    autotune_replay.write(path, device, triton, choices, args.command_line)
+    keys = sum(len(v) for v in choices.values())
+    console.print(
+        f"{keys} choices of {len(choices)} kernels ({device}, Triton {triton}) from {len(parts)} processes: {path}",
+        highlight=False,
+    )
+    return PASSED

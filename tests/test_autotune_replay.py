@@ -1,0 +1,138 @@
+"""Replay of autotune's choices (kernels/autotune_replay.py), on a test double of a JIT kernel under Triton's
+own ``triton.autotune``: the recorded config is launched with no benchmark, an unknown key tunes and says so."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from kda_kernels import autotune_replay as replay  # noqa: E402
+
+TIMES = {16: 3.0, 32: 1.0, 64: 2.0}  # BLOCK -> the benchmark's time: autotune picks 32
+
+
+def kernel_body(x, n, BLOCK):
+    """The Python function under the JIT (its module and name name the kernel in the file)."""
+
+
+class FakeJit:
+    """What triton.autotune wraps: the argument names, the function, and ``run``, which launches (records the
+    config it is given)."""
+
+    arg_names = ("x", "n", "BLOCK")
+    fn = staticmethod(kernel_body)
+
+    def __init__(self) -> None:
+        self.launched: list[int] = []
+
+    def run(self, *args, **kwargs) -> None:
+        self.launched.append(kwargs["BLOCK"])
+
+
+def autotuned() -> tuple[FakeJit, object, list[int]]:
+    jit, benched = FakeJit(), []
+
+    def bench(kernel_call, quantiles=None, **kwargs):
+        kernel_call()
+        benched.append(jit.launched[-1])
+        return [TIMES[jit.launched[-1]]] * 3
+
+    configs = [triton.Config({"BLOCK": block}, num_warps=4) for block in TIMES]
+    return jit, triton.autotune(configs=configs, key=["n"], do_bench=bench)(jit), benched
+
+
+@pytest.fixture
+def clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    from triton.runtime.autotuner import Autotuner
+
+    # Triton's own autotuning: the CPU interpreter's workaround (which launches the first config) set aside.
+    monkeypatch.setattr(Autotuner, "run", getattr(Autotuner.run, "__wrapped__", Autotuner.run))
+    monkeypatch.delenv(replay.RECORD_VARIABLE, raising=False)
+    monkeypatch.delenv(replay.REPLAY_VARIABLE, raising=False)
+    yield
+    replay.uninstall()
+
+
+def test_a_warm_run_records_and_a_cold_one_replays_without_benchmarking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(replay.RECORD_VARIABLE, str(tmp_path / "parts"))
+    replay.install({})
+    jit, tuner, benched = autotuned()
+    tuner.run(None, 128)
+    assert benched == [16, 32, 64] and jit.launched[-1] == 32, "the warm run tunes"
+    [part] = (tmp_path / "parts").glob("autotune-*.json")
+    device, version, choices = replay.merge([part])
+    name = f"{__name__}.kernel_body"
+    assert choices == {name: {replay.key_text((128,)): replay.config_dict(triton.Config({"BLOCK": 32}, num_warps=4))}}
+    replay.write(tmp_path / "h200.json", device, version, choices, "test")
+    saved = json.loads((tmp_path / "h200.json").read_text())
+    assert saved["keys"] == 1 and saved["recorded"] and saved["triton"] == version
+
+    replay.uninstall()
+    monkeypatch.delenv(replay.RECORD_VARIABLE)
+    replay.install(replay.load(tmp_path / "h200.json"), "h200.json")
+    jit, tuner, benched = autotuned()  # a cold machine: a fresh autotuner, nothing in its cache
+    tuner.run(None, 128)
+    assert benched == [] and jit.launched == [32] and replay.replayed() == 1, "replayed: no benchmark"
+    tuner.run(None, 256)  # a key the file does not hold: it tunes, and says so once
+    tuner.run(None, 512)
+    assert benched == [16, 32, 64] * 2 and jit.launched[-1] == 32
+    err = capsys.readouterr().err
+    assert err.count("autotune replay") == 1 and "no recorded choice; tuning" in err, err
+
+
+def test_a_recorded_config_no_longer_in_the_kernels_list_tunes(clean: None) -> None:
+    _, probe, _ = autotuned()
+    name = replay.kernel_name(probe)
+    gone = {"kwargs": {"BLOCK": 128}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
+    replay.install({name: {replay.key_text((128,)): gone}})
+    _, tuner, benched = autotuned()
+    tuner.run(None, 128)
+    assert benched == [16, 32, 64] and replay.replayed() == 0
+
+
+def test_parts_of_two_gpu_models_are_not_merged(tmp_path: Path) -> None:
+    for n, device in enumerate(("NVIDIA H200", "NVIDIA H100")):
+        (tmp_path / f"autotune-{n}.json").write_text(json.dumps({"device": device, "triton": "3.6.0", "choices": {}}))
+    with pytest.raises(ValueError, match="one of each"):
+        replay.merge(sorted(tmp_path.glob("*.json")))
+
+
+def test_replay_is_off_on_a_cpu_and_by_its_switch(monkeypatch: pytest.MonkeyPatch, clean: None) -> None:
+    assert replay.activate(torch.device("cpu")) == "" and not replay._state["installed"]
+    monkeypatch.setenv(replay.REPLAY_VARIABLE, "0")
+    assert replay.activate(torch.device("cuda")) == "off" and not replay._state["installed"]
+    assert replay.file_for("NVIDIA H200").name == "nvidia-h200.json"
+
+
+def test_the_autotune_command_writes_the_gpu_models_file_and_names_a_bad_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kda_conformance.cli import main
+
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    choice = {"kwargs": {"BLOCK": 32}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
+    for pid, key in ((1, "[128]"), (2, "[256]")):  # two processes, one key each
+        part = {"device": "NVIDIA H200", "triton": "3.6.0", "choices": {"m.kernel": {key: choice}}}
+        (parts / f"autotune-{pid}.json").write_text(json.dumps(part))
+    assert main(["autotune", "--from", str(parts), "--out", str(tmp_path / "h200.json")]) == 0
+    saved = json.loads((tmp_path / "h200.json").read_text())
+    assert (
+        saved["device"] == "NVIDIA H200"
+        and saved["keys"] == 2
+        and set(saved["choices"]["m.kernel"])
+        == {
+            "[128]",
+            "[256]",
+        }
+    )
+    assert main(["autotune", "--from", str(tmp_path / "nothing")]) == 2
+    assert "no autotune-*.json parts" in capsys.readouterr().out
