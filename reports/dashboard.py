@@ -197,6 +197,8 @@ def night_time(records: pd.DataFrame, nights: pd.DataFrame, quarantines: pd.Data
         reasons = part.loc[skip].drop_duplicates("case_id")["reason"].fillna("").str.slice(0, 90).value_counts()
         compiled = sum(float(by.get(backend, 0.0)) for by in nights["compile_by_backend"]) if len(nights) else 0.0
         mine = quarantines[quarantines["backend"] == backend] if len(quarantines) else quarantines
+        if "verdict" in mine:  # the compile stage's cuts are skips (their reason says "not compiled"), not crashes
+            mine = mine[mine["verdict"].fillna("error") == "error"]
         quarantined_cases = part["reason"].fillna("").str.startswith("quarantined after")
         rows.append(
             {

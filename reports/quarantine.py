@@ -20,9 +20,13 @@ class Quarantined:
     case_id: str
     check: str
     message: str
+    # "error": it crashed the device; "skip": the compile stage's time budget left it uncompiled (no crash)
+    verdict: str = "error"
 
     @property
     def reason(self) -> str:
+        if self.verdict == "skip":
+            return f"not compiled: {self.message} ({self.config}); not launched"
         return (
             f"quarantined after {self.case_id} ({self.check}) crashed this kernel configuration ({self.config}): "
             f"{self.message}; not launched"

@@ -566,3 +566,59 @@ def test_a_shard_compiles_the_configurations_of_its_own_tests() -> None:
         ("fla_recurrent", "bf16", 2, 32),
     }
     assert len(jobs) == 5 and all(job.case.max_len == 70 for job in jobs)  # short cases of each configuration
+
+
+def test_a_compile_stage_cut_by_its_budget_skips_what_it_did_not_compile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--compile-budget: past it the stage stops; the jobs it did not finish (one hanging mid-job) are "not
+    compiled", not crashes; their cases skip saying so, the compiled ones run. Progress is said as it goes."""
+    from rich.console import Console
+
+    from kda_conformance.cli.nightly import _quarantine_crashes, _skip_uncompiled
+    from kda_conformance.running.compile import CUT, Progress, compile_jobs, run_jobs
+
+    monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])
+    case = Case(seq_lens=(37,))
+    jobs = compile_jobs(["torch_chunk", "planted_hang"], [case])
+    lines: list[str] = []
+    results = run_jobs(jobs, 1, "cpu", ["kda_planted_crashes"], tmp_path / "compile", timeout_s=25,
+                       progress=Progress(lines.append, every=0))  # fmt: skip
+    assert {r["backend"]: r["outcome"] for r in results} == {"torch_chunk": "compiled", "planted_hang": CUT}
+    assert "the compile stage was cut at 25 s" in results[1]["message"]
+    assert lines[0].startswith("compile stage: 0/2 jobs") and any("1/2 jobs" in line for line in lines), lines
+    assert any("torch_chunk 1" in line and "slowest torch_chunk" in line and "s left" in line for line in lines)
+
+    config = build_config(device="cpu", backends=["torch_chunk", "planted_hang"], out=tmp_path)
+    console = Console(record=True, width=200)
+    _quarantine_crashes(config, jobs, results, console)
+    _skip_uncompiled(config, jobs, results, console)
+    said = console.export_text()
+    assert "quarantined" not in said and "1 (backend, configuration) jobs not compiled" in said, said
+    run = Run(config)
+    [skip] = run.checked(get_check("budget"), Drawn(case.replace(seed=3)), registry.get("planted_hang"))
+    assert skip.verdict == "skip" and skip.reason.startswith("not compiled: the compile stage was cut at 25 s")
+    assert {f.verdict for f in run.checked(get_check("budget"), Drawn(case), registry.get("torch_chunk"))} == {"pass"}
+
+
+def test_an_interrupted_compile_stage_says_and_keeps_what_it_compiled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On the H200 a shard interrupted in its compile stage at 556 s said only "interrupted" and kept nothing."""
+    from kda_conformance.cli import nightly
+    from kda_conformance.running.compile import StageInterrupted
+
+    done = [{"backend": "torch_chunk", "config": "c", "outcome": "compiled", "seconds": 2.0, "message": ""}]
+
+    def interrupted(*args, **kwargs):
+        raise StageInterrupted(done)
+
+    monkeypatch.setattr(nightly, "run_jobs", interrupted)
+    argv = ["nightly", "--store", str(tmp_path), "--device", "cpu", "--profile", "smoke", "--compile", "on"]
+    assert main([*argv, "--backend", "torch_chunk", "--run-id", "cut"]) == 130
+    said = capsys.readouterr().out
+    assert "compile stage interrupted: 1 of" in said, said
+    night = json.loads((tmp_path / "runs" / "cut.night.json").read_text())
+    assert (
+        night["interrupted"] and night["compile"]["results"] == done and night["compile"]["outcomes"] == {"compiled": 1}
+    )

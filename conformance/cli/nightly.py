@@ -26,7 +26,15 @@ from kda_cases.case import Case
 from kda_cases.files import atomic_write
 from kda_conformance.cli.common import add_out, add_regressions, say
 from kda_conformance.cli.dashboard import after_run
-from kda_conformance.running.compile import compile_jobs, run_jobs, shard_jobs, summary
+from kda_conformance.running.compile import (
+    CUT,
+    Progress,
+    StageInterrupted,
+    compile_jobs,
+    run_jobs,
+    shard_jobs,
+    summary,
+)
 from kda_conformance.running.config import DEFAULT_CASE_TIMEOUT, ConfigError, build_config
 from kda_conformance.running.faults import is_sticky
 from kda_conformance.running.memory import WORKERS_VARIABLE, WorkerPlan, chosen_gpus, device_gib, plan_workers
@@ -79,6 +87,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "on", "off"),
         default="auto",
         help="compile every (backend, kernel configuration) up front, spread over the workers (auto: on a GPU)",
+    )
+    parser.add_argument(
+        "--compile-budget",
+        type=float,
+        default=None,
+        metavar="S",
+        help="the compile stage's time budget: past it the stage stops, and the cases of the kernel configurations "
+        'it did not compile are skipped ("not compiled") while the rest of the night runs (default: none)',
     )
     parser.add_argument(
         "--compile-cache",
@@ -219,11 +235,25 @@ def _compile_stage(
     say(console, f"compile stage: {which} = {len(jobs)} jobs over {processes} processes")
     began = time.monotonic()
     gpus = chosen_gpus(args.gpus) if config.device.type == "cuda" else []
-    with tempfile.TemporaryDirectory(prefix="kda-compile-") as folder:
-        # In the night's environment: the compile processes write the cache the night's workers read.
-        results = run_jobs(jobs, processes, str(config.device), config.plugins, Path(folder), gpus, env=env)
+    progress = Progress(lambda line: say(console, line))
+    try:
+        with tempfile.TemporaryDirectory(prefix="kda-compile-") as folder:
+            # In the night's environment: the compile processes write the cache the night's workers read.
+            results = run_jobs(
+                jobs, processes, str(config.device), config.plugins, Path(folder), gpus, args.compile_budget, env,
+                progress,
+            )  # fmt: skip
+    except StageInterrupted as stopped:  # what compiled is said and kept in the night file, then the night ends
+        done = {**summary(stopped.results, time.monotonic() - began), "results": stopped.results, "interrupted": True}
+        say(
+            console, f"compile stage interrupted: {len(stopped.results)} of {len(jobs)} jobs done", "warning:", "yellow"
+        )
+        partial = {"part": config.part or "", "wall_seconds": done["wall_seconds"], "interrupted": True}
+        _write_night(config, {**partial, "compile": done}, console)
+        raise
     done = {**summary(results, time.monotonic() - began), "results": results}
     _quarantine_crashes(config, jobs, results, console)
+    _skip_uncompiled(config, jobs, results, console)
     outcomes = ", ".join(f"{n} {outcome}" for outcome, n in done["outcomes"].items())
     say(console, f"compile stage: {outcomes} in {done['wall_seconds']:.0f} s ({done['seconds']:.0f} s over jobs)")
     for result in results:
@@ -231,6 +261,20 @@ def _compile_stage(
             message = result["message"].splitlines()[0]
             say(console, f"  {result['backend']} {result['config']}: {result['outcome']}: {message}")
     return done
+
+
+def _skip_uncompiled(config, jobs: list, results: list[dict], console: Console) -> None:
+    """The configurations the stage's budget left uncompiled: their cases are skipped ("not compiled"), not
+    compiled one by one in the workers while the rest of the night waits."""
+    cut = [result for result in results if result["outcome"] == CUT]
+    if not cut:
+        return
+    quarantine = Quarantine(run_file(config.out, config.run_id, config.part, "quarantine"))
+    by_key = {job.key: job for job in jobs}
+    for result in cut:
+        job = by_key[f"{result['backend']} {result['config']}"]
+        quarantine.add(job.backend, job.case, "compile", result["message"], verdict="skip")
+    say(console, f"compile stage cut: {len(cut)} (backend, configuration) jobs not compiled; their cases skip")
 
 
 def _quarantine_crashes(config, jobs: list, results: list[dict], console: Console) -> None:

@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from kda_cases.case import Case
@@ -87,6 +87,9 @@ def shard_jobs(nodeids: Sequence[str], planned: Sequence[Case], drawn_from: Sequ
     return [CompileJob(backend, warm_up_case(wanted[(backend, config)])) for backend, config in keys]
 
 
+CUT = "not compiled"  # the outcome of a job the stage's time budget left undone (or cut mid-job)
+
+
 def run_jobs(
     jobs: Sequence[CompileJob],
     processes: int,
@@ -96,15 +99,19 @@ def run_jobs(
     gpus: Sequence[str] = (),
     timeout_s: float | None = None,
     env: Mapping[str, str] | None = None,
+    progress: Callable[[list[dict], int, float], None] | None = None,
 ) -> list[dict]:
     """Run ``jobs`` over ``processes`` processes (round-robin over ``gpus``, as the night's workers are; in
     ``env``, default this process's environment); one result per job: backend, config, outcome (compiled,
-    skipped, failed, died, not run), seconds, message."""
+    skipped, failed, died, not run, not compiled), seconds, message. ``progress(results so far, jobs,
+    seconds)`` is called about once a second while they run. Past ``timeout_s`` the processes are stopped:
+    the jobs they had not finished are ``not compiled`` (a cut, not a crash)."""
     folder.mkdir(parents=True, exist_ok=True)
     shares = [list(jobs[i::processes]) for i in range(max(1, processes))]
     running: list[tuple[subprocess.Popen, list[CompileJob], Path, int, int]] = []
     results: dict[str, dict] = {}
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    began = time.monotonic()
+    deadline = None if timeout_s is None else began + timeout_s
 
     def start(index: int, share: list[CompileJob], restarts: int) -> None:
         jobs_file = folder / f"compile-{index}-{restarts}.jobs.json"
@@ -118,32 +125,94 @@ def run_jobs(
         process = subprocess.Popen(command, env=process_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         running.append((process, share, results_file, restarts, index))
 
-    for index, share in enumerate(shares):
-        if share:
-            start(index, share, 0)
-    while running:
-        process, share, results_file, restarts, index = running.pop(0)
-        try:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            process.wait(timeout=left)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    def settle(entry: tuple, cut: bool) -> None:
+        process, share, results_file, restarts, index = entry
         done, in_flight = _read_results(results_file)
         results.update(done)
         rest = [job for job in share if job.key not in results]
+        if cut:
+            for job in rest:
+                results[job.key] = _result(job, CUT, 0.0, f"the compile stage was cut at {timeout_s:g} s")
+            return
         if in_flight is not None and in_flight in {job.key for job in rest}:
             message = f"its process ended during the job (exit code {process.returncode})"
             job = next(j for j in rest if j.key == in_flight)
             results[in_flight] = _result(job, "died", 0.0, message)
             rest = [j for j in rest if j.key != in_flight]
-        timed_out = deadline is not None and time.monotonic() >= deadline
-        if rest and restarts < RESTARTS and not timed_out:
+        if rest and restarts < RESTARTS:
             start(index, rest, restarts + 1)
         else:
             for job in rest:
-                results[job.key] = _result(job, "not run", 0.0, "the compile stage's time or restarts ran out")
+                results[job.key] = _result(job, "not run", 0.0, "its process was replaced too often")
+
+    for index, share in enumerate(shares):
+        if share:
+            start(index, share, 0)
+    try:
+        while running:
+            if deadline is not None and time.monotonic() >= deadline:
+                for entry in running:
+                    entry[0].kill()
+                    entry[0].wait()
+                for entry in list(running):
+                    running.remove(entry)
+                    settle(entry, cut=True)
+                break
+            finished = [entry for entry in running if entry[0].poll() is not None]
+            for entry in finished:
+                running.remove(entry)
+                settle(entry, cut=False)
+            if progress is not None:
+                partial = dict(results)
+                for entry in running:
+                    partial.update(_read_results(entry[2])[0])
+                progress(list(partial.values()), len(jobs), time.monotonic() - began)
+            if not finished:
+                time.sleep(POLL_S)
+    except KeyboardInterrupt:  # Ctrl-C or a time limit: the processes go with it; what they finished is said
+        for entry in running:
+            entry[0].kill()
+            entry[0].wait()
+            results.update(_read_results(entry[2])[0])
+        raise StageInterrupted([results[job.key] for job in jobs if job.key in results]) from None
     return [results[job.key] for job in jobs if job.key in results]
+
+
+POLL_S = 0.5
+
+
+class StageInterrupted(KeyboardInterrupt):
+    """The compile stage was interrupted; ``results``: the jobs finished before it."""
+
+    def __init__(self, results: list[dict]) -> None:
+        super().__init__("the compile stage was interrupted")
+        self.results = results
+
+
+class Progress:
+    """The stage's progress as lines for a terminal or a CI log, at most one per ``every`` seconds (and one when
+    the last job is done): jobs done of planned, by backend, the slowest so far, an estimate of what is left."""
+
+    def __init__(self, say: Callable[[str], None], every: float = 30.0) -> None:
+        self.say, self.every, self.last, self.done = say, every, 0.0, -1
+
+    def __call__(self, results: list[dict], planned: int, seconds: float) -> None:
+        done = len(results)
+        if done == self.done or (seconds - self.last < self.every and done < planned):
+            return
+        self.done, self.last = done, seconds
+        by_backend: dict[str, int] = {}
+        for result in results:
+            by_backend[result["backend"]] = by_backend.get(result["backend"], 0) + 1
+        slowest = max(results, key=lambda r: r["seconds"], default=None)
+        line = f"compile stage: {done}/{planned} jobs in {seconds:.0f} s"
+        if by_backend:
+            line += " (" + ", ".join(f"{b} {n}" for b, n in sorted(by_backend.items())) + ")"
+        if slowest is not None:
+            line += f"; slowest {slowest['backend']} {slowest['config']} {slowest['seconds']:.0f} s"
+        if 0 < done < planned:
+            line += f"; about {seconds / done * (planned - done):.0f} s left"
+        self.say(line)
 
 
 def _result(job: CompileJob, outcome: str, seconds: float, message: str = "") -> dict:

@@ -27,9 +27,11 @@ class Quarantine:
         self._entries: dict[tuple[str, str], Quarantined] = {}
         self._seen_size = -1
 
-    def add(self, backend: str, case: Case, check: str, message: str) -> Quarantined:
-        """Quarantine ``case``'s configuration on ``backend`` after its crash (kept if already there)."""
-        entry = Quarantined(backend, config_label(kernel_config(case)), case.id, check, message.splitlines()[0][:300])
+    def add(self, backend: str, case: Case, check: str, message: str, verdict: str = "error") -> Quarantined:
+        """Quarantine ``case``'s configuration on ``backend`` after its crash (kept if already there); with
+        ``verdict`` "skip", a configuration the compile stage did not reach: its cases are skipped, not run."""
+        label, first_line = config_label(kernel_config(case)), message.splitlines()[0][:300]
+        entry = Quarantined(backend, label, case.id, check, first_line, verdict)
         if self.find(backend, case) is None:
             append_quarantine(self.path, entry)
             self._entries.setdefault((backend, entry.config), entry)

@@ -106,8 +106,8 @@ class Run:
         try:
             if unanswered:
                 findings = [fault_finding(judge, unanswered)]
-            elif quarantined:  # its configuration crashed the device earlier tonight: not launched again
-                findings = [judge.outcome("error", quarantined.reason)]
+            elif quarantined:  # crashed the device earlier tonight, or was not compiled: not launched
+                findings = [judge.outcome(quarantined.verdict, quarantined.reason)]
             else:
                 precision = backend.working_precision
                 findings = self._attempts(judge, lambda truth: check.run(truth, backend, params), precision)
