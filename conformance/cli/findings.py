@@ -13,9 +13,14 @@ from rich.console import Console
 from kda_cases.devices import resolve_device
 from kda_conformance.cli.common import add_device, say
 from kda_conformance.judging.known import LEDGER, load_ledger
-from kda_conformance.repro.upstream import UpstreamFinding, upstream_findings, write_finding_test, write_findings_page
+from kda_conformance.repro.upstream import (
+    FindingLostDevice,
+    UpstreamFinding,
+    upstream_findings,
+    write_finding_test,
+    write_findings_page,
+)
 from kda_conformance.running.config import RunConfig
-from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.session import Run
 from kda_kernels import registry
 from kda_kernels.registry import PluginError
@@ -91,7 +96,8 @@ def _write_tests(
     findings: list[UpstreamFinding], device: torch.device, folder: Path, run: Run
 ) -> list[UpstreamFinding]:
     """Each finding's test, the crashes' last: a rerun that leaves a sticky device error ends what this
-    process may run on the device, so the findings after it say so instead of failing in a dead context."""
+    process may run on the device (its own file is written and run first, in a process of its own), so the
+    findings after it say so instead of failing in a dead context."""
     written: dict[str, UpstreamFinding] = {}
     lost = ""
     for finding in sorted(findings, key=lambda f: f.worst.startswith("error")):
@@ -100,10 +106,7 @@ def _write_tests(
             continue
         try:
             written[finding.id] = write_finding_test(finding, device, folder, run)
-        except DeviceLost as exc:
-            run.record(exc.findings)
+        except FindingLostDevice as exc:  # its file was written and run; the suite's rerun then lost the device
             lost = finding.id
-            written[finding.id] = replace(
-                finding, test=f"not written: its rerun lost the device here ({exc}); its repro line reruns it"
-            )
+            written[finding.id] = exc.finding
     return [written[f.id] for f in findings]

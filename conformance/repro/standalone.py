@@ -20,7 +20,7 @@ from kda_conformance.checking.served import serving_case
 from kda_conformance.running.truth import case_truth
 from kda_kernels import registry
 from kda_kernels.protocol import Backend
-from kda_kernels.serving import NULL_SLOT, plan_pool, run_serving
+from kda_kernels.serving import NULL_SLOT, build_pool, new_out, plan_pool
 
 WORDS = {"o": "the output", "final_state": "the final states", "checkpoint_states": "the checkpoint states"}
 
@@ -137,7 +137,10 @@ def write_standalone(
     served = serving_case(case, backend)
     truth = case_truth(served, device, precision=backend.working_precision)
     plan = plan_pool(served)
-    run = run_serving(backend, truth.inputs, plan, poison)  # only for the pool and buffer it starts from
+    # The pool and buffer the serving harness starts from, built without calling the backend: a kernel that
+    # crashes (a sticky device error) still gets its file.
+    pool_before = build_pool(truth.inputs, plan, poison)
+    out_before = new_out(served, plan, poison, truth.inputs.device)
     x = truth.inputs
     kwargs = {k: v for k, v in x.kernel_kwargs().items() if k not in ("initial_state", "cu_seqlens")}
     n, T = served.num_seqs, served.total_tokens
@@ -155,8 +158,8 @@ def write_standalone(
         "seq_slots": list(plan.seq_slots),
         "unnamed_slots": plan.unnamed_slots,
         "checkpoint_slots": list(plan.checkpoint_slots),
-        "pool_before": run.pool_before.cpu(),
-        "out_before": run.out_before.cpu(),
+        "pool_before": pool_before.cpu(),
+        "out_before": out_before.cpu(),
         "truth": {name: getattr(truth.reference, name).cpu() for name in truth.budgets},
         "limits": {
             name: {"max_abs": budget.max_abs.value, "rel_rms": budget.rel_rms.value}

@@ -27,6 +27,7 @@ from kda_cases.files import atomic_write_text
 from kda_conformance.checks import CHECKS, run_check
 from kda_conformance.judging.known import KnownIssue
 from kda_conformance.repro.standalone import write_standalone
+from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.session import Run
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault
@@ -183,10 +184,8 @@ def write_finding_test(
         return replace(finding, test=f"not written: {backend_name} faulted here ({fault})")
     if not support:
         return replace(finding, test=f"not written on {device}: {support.reason}")
-    rerun = run_check(CHECKS["budget"], case, backend, device, run=run)
-    if run is not None:
-        run.record(rerun)
-    seen = "fails" if any(f.failed or f.verdict == "known" for f in rerun) else "passes"
+    # The file first, run in a process of its own (a crash there costs this process nothing); the suite's
+    # own rerun last, since a sticky device error in it ends what this process may run.
     path = Path(folder) / f"test_{finding.id.replace('-', '_')}.py"
     write_standalone(case, backend, device, "nan", path)
     done = subprocess.run(
@@ -198,7 +197,26 @@ def write_finding_test(
     state = {0: "PASSES today (not a repro)", 1: "fails today"}.get(done.returncode, f"exit {done.returncode}")
     if done.returncode == 0 and " skipped" in done.stdout:
         state = "skips here"
+    try:
+        rerun = run_check(CHECKS["budget"], case, backend, device, run=run)
+    except DeviceLost as lost:
+        if run is not None:
+            run.record(lost.findings)
+        said = f"{path.name} ({state} on {device}; the suite's rerun lost the device here: {lost})"
+        raise FindingLostDevice(replace(finding, test=said), lost) from None
+    if run is not None:
+        run.record(rerun)
+    seen = "fails" if any(f.failed or f.verdict == "known" for f in rerun) else "passes"
     return replace(finding, test=f"{path.name} ({state} on {device}; the suite's budget check {seen} here)")
+
+
+class FindingLostDevice(DeviceLost):
+    """A finding's file was written and run, and then the suite's own rerun of it left a sticky device error:
+    nothing more may run on the device in this process. ``finding`` says so in its test column."""
+
+    def __init__(self, finding: UpstreamFinding, lost: DeviceLost) -> None:
+        super().__init__(lost.findings, str(lost))
+        self.finding = finding
 
 
 def findings_markdown(findings: list[UpstreamFinding], source: str, precisions: list[str] | None = None) -> str:
