@@ -84,7 +84,9 @@ class FlashKdaCuda(Backend):
 
         case = inputs.case
         n = case.num_seqs if inputs.cu_seqlens is not None else inputs.q.shape[0]
-        out = torch.empty_like(inputs.v)
+        # A server hands FlashKDA its layer's torch.empty buffer; NaN in it shows a row the kernel leaves
+        # unwritten (a padded tail's) the same way in every run, whatever the allocator gave before.
+        out = torch.full_like(inputs.v, float("nan"))
         final = torch.empty(n, case.num_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=inputs.device)
         cu = None if inputs.cu_seqlens is None else inputs.cu_seqlens.to(torch.int64)
         scale = case.scale if case.scale is not None else HEAD_DIM**-0.5
