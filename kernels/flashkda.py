@@ -28,7 +28,15 @@ from kda_cases.dtypes import stored
 from kda_cases.materialize import KDAInputs
 from kda_kernels.envelope import FLASH_KDA
 from kda_kernels.libraries import FLA, FLASHKDA
-from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported, WorkingPrecision, relayout
+from kda_kernels.protocol import (
+    CALLER_BUFFER_FILL,
+    Backend,
+    BackendOutput,
+    Support,
+    Unsupported,
+    WorkingPrecision,
+    relayout,
+)
 
 HEAD_DIM = 128
 # FlashKDA's own checks (csrc/flash_kda.cpp), on CUDA only.
@@ -84,9 +92,7 @@ class FlashKdaCuda(Backend):
 
         case = inputs.case
         n = case.num_seqs if inputs.cu_seqlens is not None else inputs.q.shape[0]
-        # A server hands FlashKDA its layer's torch.empty buffer; NaN in it shows a row the kernel leaves
-        # unwritten (a padded tail's) the same way in every run, whatever the allocator gave before.
-        out = torch.full_like(inputs.v, float("nan"))
+        out = torch.full_like(inputs.v, CALLER_BUFFER_FILL)  # the caller's buffer, as a server hands it
         final = torch.empty(n, case.num_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=inputs.device)
         cu = None if inputs.cu_seqlens is None else inputs.cu_seqlens.to(torch.int64)
         scale = case.scale if case.scale is not None else HEAD_DIM**-0.5
@@ -106,7 +112,8 @@ class FlashKdaCuda(Backend):
                 final_state=final,
                 cu_seqlens=cu,
             )
-        return BackendOutput(o=out, final_state=stored(case, "final_state", relayout(final, True, case.state_v_first)))
+        final = stored(case, "final_state", relayout(final, True, case.state_v_first))
+        return BackendOutput(o=out, final_state=final, o_in_caller_buffer=True)
 
 
 def _fla_flash_kda(device: torch.device) -> Any:

@@ -87,6 +87,14 @@ class BackendOutput:
     o: torch.Tensor
     final_state: torch.Tensor | None
     checkpoint_states: torch.Tensor | None = None
+    # True where ``o`` was read from a buffer the caller gave the kernel, filled with CALLER_BUFFER_FILL
+    # before the call: a row the kernel leaves unwritten is then the caller's, not the kernel's garbage.
+    o_in_caller_buffer: bool = False
+
+
+# What the suite fills an output buffer with that a backend's API writes into: a server hands its layer's
+# torch.empty buffer (stale memory), and NaN shows a row the kernel leaves unwritten the same way every run.
+CALLER_BUFFER_FILL = float("nan")
 
 
 class Unsupported(Exception):

@@ -27,10 +27,10 @@ with K != V. The commit of the tree is recorded in the run's environment (``env_
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import inspect
-import math
 import os
 import sys
 import types
@@ -47,7 +47,7 @@ from kda_cases.materialize import KDAInputs
 from kda_kernels import libraries as libs
 from kda_kernels import triton_interpret
 from kda_kernels.envelope import CHUNK_KDA
-from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported, relayout
+from kda_kernels.protocol import CALLER_BUFFER_FILL, Backend, BackendOutput, Support, Unsupported, relayout
 
 
 class VendoredMissing(RuntimeError):
@@ -502,10 +502,12 @@ OUT_MARGIN = 3
 
 def layer_output_slice(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Kimi K3's layer hands its prefill kernel ``out=core_attn_out[:, non_spec_slice]``: a slice, at an
-    offset, of the layer's buffer, which is ``torch.empty`` (stale memory). Here that buffer is NaN, so a
-    row the kernel leaves unwritten shows in its output; returns (the buffer, the slice)."""
+    offset, of the layer's buffer, which is ``torch.empty`` (stale memory). Here that buffer holds
+    CALLER_BUFFER_FILL, so a row the kernel leaves unwritten shows in its output; returns (the buffer, the
+    slice)."""
     B, T = v.shape[:2]
-    buffer = torch.full((B, T + 2 * OUT_MARGIN, *v.shape[2:]), math.nan, dtype=v.dtype, device=v.device)
+    shape = (B, T + 2 * OUT_MARGIN, *v.shape[2:])
+    buffer = torch.full(shape, CALLER_BUFFER_FILL, dtype=v.dtype, device=v.device)
     return buffer, buffer[:, OUT_MARGIN : OUT_MARGIN + T]
 
 
@@ -540,6 +542,12 @@ class VllmChunk(VendoredBackend):
         if case.gate_in_kernel and "raw_beta" in self._fused_parameters() and not case.beta_sigmoid_in_kernel:
             return Support.no("this vLLM tree's fused-gate KDA takes beta raw (its sigmoid inside the kernel)")
         return Support.yes()
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        result = super().run(inputs)
+        # The output is read from the layer's buffer where the fused entry takes out= (call, below).
+        in_buffer = inputs.case.gate_in_kernel and "out" in self._fused_parameters()
+        return dataclasses.replace(result, o_in_caller_buffer=in_buffer)
 
     def fit(self, case: Case) -> Case:
         fitted = super().fit(case)

@@ -136,3 +136,16 @@ def test_the_autotune_command_writes_the_gpu_models_file_and_names_a_bad_folder(
     )
     assert main(["autotune", "--from", str(tmp_path / "nothing")]) == 2
     assert "no autotune-*.json parts" in capsys.readouterr().out
+
+
+def test_the_committed_h200_file_is_one_gpu_models_choices_and_ships_with_the_package() -> None:
+    path = replay.file_for("NVIDIA H200")
+    data = json.loads(path.read_text())
+    assert (data["device"], data["kernels"]) == ("NVIDIA H200", len(data["choices"]))
+    assert data["keys"] == sum(len(keys) for keys in data["choices"].values())
+    for kernel, keys in replay.load(path).items():
+        assert "." in kernel and keys, kernel
+        for key, config in keys.items():
+            assert isinstance(json.loads(key), list) and set(config) >= {"kwargs", "num_warps", "num_stages"}
+    pyproject = Path(__file__).parents[1].joinpath("pyproject.toml").read_text()
+    assert 'kda_kernels = ["autotune/*.json"]' in pyproject

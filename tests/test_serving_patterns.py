@@ -69,11 +69,29 @@ def test_host_metadata_passed_in_is_bitwise_the_derived_and_stale_metadata_is_re
     assert "ValueError: cu_seqlens_cpu does not match cu_seqlens" in checked[1].reason
 
 
+def test_host_metadata_that_differs_says_which_result_is_wrong() -> None:
+    # Right with the host's bounds and wrong without them (SGLang's graph tables beside its own derivation
+    # on a zero-length member): a warning that names the derived result as the wrong one.
+    derived_wrong = check("host_metadata", "test_wrong_when_derived", PACKED)
+    differs = derived_wrong[0]
+    assert (differs.verdict, differs.observed) == ("warn", "differs: derived wrong")
+    assert "the derived one is off the truth by max-abs 5.0" in differs.reason
+    assert not any(f.failed for f in derived_wrong), "the passed-in result is within its limits"
+    # Wrong with the host's bounds: the difference fails, and so does the passed-in result against the truth.
+    passed_wrong = check("host_metadata", "test_wrong_when_passed", PACKED)
+    assert (passed_wrong[0].verdict, passed_wrong[0].observed) == ("fail", "differs")
+    judged = [f for f in passed_wrong if f.subject.startswith("the result with cu_seqlens_cpu passed in")]
+    assert {f.tensor for f in judged if f.failed} == {"o"}
+
+
 def test_padded_tails_are_classified_and_garbage_fails_only_when_strict() -> None:
     zero = check("padded_tail", "torch_chunk", PACKED)
     assert all(f.passed for f in zero) and observed(zero, "output rows past") == {"zero"}
     paged = check("padded_tail", "planted_padding_writes_slot0", PACKED)  # a paged API; its output rows are right
     assert observed(paged, "output rows past") == {"untouched"}  # the caller's buffer past the tokens
+    # Rows of the caller's buffer left as the caller filled them are the caller's, not garbage.
+    kept = check("padded_tail", "test_caller_buffer_tail", PACKED)
+    assert observed(kept, "output rows past") == {"untouched"} and all(f.passed for f in kept)
     garbage = check("padded_tail", "test_garbage_tail", PACKED)
     [tail] = [f for f in garbage if f.subject.startswith("output rows past")]
     assert tail.verdict == "warn" and tail.observed == "garbage" and "non-finite" in tail.reason

@@ -1,6 +1,9 @@
 """Host metadata passed through: a server builds a batch's sequence metadata on the host (FLA's
 ``cu_seqlens_cpu``; vLLM's ``chunk_indices`` and ``chunk_offsets``) and passes it in, so the kernel does not
-sync the device to derive it. The result with it passed in must be bitwise the result with it derived.
+sync the device to derive it. The result with it passed in must be bitwise the result with it derived;
+where it differs, the passed-in result is judged against the truth (its failure past the limits is this
+check's; a right passed-in result beside a wrong derived one is a warning, the derived one being the budget
+check's finding).
 Metadata of the previous batch (stale) must be refused with an error; a backend that takes it silently is
 reported with what it did (a warning, failed only under --kda-strict)."""
 
@@ -69,9 +72,23 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> lis
     if _bits_equal(passed, derived):
         findings.append(dataclasses.replace(judge.passed(subject), observed="equal"))
     else:
+        # Which of the two is wrong: the passed-in result is judged against the truth here (a failure past
+        # its limits is this check's); the derived one is the budget check's.
         change = measure("o", passed.o, derived.o.double()).errors.max_abs
         text = f"the result with {names} passed in differs from the result with it derived (max-abs {change:.3e})"
-        findings.append(dataclasses.replace(judge.problem(subject, text, tensor="o"), observed="differs"))
+        judged = judge.result(truth.reference, passed, truth.budgets, f"the result with {names} passed in")
+        derived_off = measure("o", derived.o, truth.reference.o.to(derived.o.device)).errors.max_abs
+        limit = truth.budgets["o"].max_abs.value
+        if any(f.failed for f in judged) or derived_off <= limit:
+            findings.append(dataclasses.replace(judge.problem(subject, text, tensor="o"), observed="differs"))
+        else:
+            why = (
+                f"{text}: the passed-in one is within its limits and the derived one is off the truth by max-abs "
+                f"{derived_off:.3e} ({derived_off / limit:.3g} of the limit; the budget check's finding)"
+            )
+            finding = judge.passed(subject, "o")
+            findings.append(dataclasses.replace(finding, verdict="warn", observed="differs: derived wrong", reason=why))
+        findings += judged
     bounds = stale_bounds(case, backend.chunk_tokens)
     if bounds is None:
         return findings

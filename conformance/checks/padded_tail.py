@@ -20,7 +20,7 @@ from kda_conformance.checking.served import draw_served, run_serving, served_res
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.running.runner import call_backend
 from kda_conformance.running.truth import CaseTruth
-from kda_kernels.protocol import Backend
+from kda_kernels.protocol import CALLER_BUFFER_FILL, Backend
 from kda_kernels.serving import plan_pool
 from kda_reports.findings import Finding
 
@@ -76,7 +76,9 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> lis
         result = served_result(served)
     else:
         result = call_backend(backend, batch)
-        o, tail, before = result.o[:, :T], result.o[:, T:], None
+        o, tail = result.o[:, :T], result.o[:, T:]
+        # An API that writes into the caller's buffer may leave the caller's rows as they were.
+        before = torch.full_like(tail, CALLER_BUFFER_FILL) if result.o_in_caller_buffer else None
         result = dataclasses.replace(result, o=o)
     findings = judge.result(truth.reference, result, truth.budgets, "the sequences of a padded batch")
     observed, words = classify(tail, before)

@@ -42,14 +42,49 @@ class ChecksHostBounds(TakesHostBounds):
         return super().run(inputs)
 
 
+class WrongWhenDerived(TakesHostBounds):
+    """Right with the host's bounds, off by 0.5 when it derives them itself (a zero-length member's chunk
+    numbering gone wrong, say)."""
+
+    name = "test_wrong_when_derived"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        if inputs.host_metadata is None:
+            out = dataclasses.replace(out, o=out.o + 0.5)
+        return out
+
+
+class WrongWhenPassed(TakesHostBounds):
+    """Right when it derives its bounds, off by 0.5 with the host's (a table read one row off, say)."""
+
+    name = "test_wrong_when_passed"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        if inputs.host_metadata is not None:
+            out = dataclasses.replace(out, o=out.o + 0.5)
+        return out
+
+
 class GarbageTail(TorchChunk):
     name = "test_garbage_tail"
 
     def run(self, inputs: KDAInputs) -> BackendOutput:
         out = super().run(inputs)
         o = out.o.clone()
-        o[:, inputs.case.total_tokens :] = float("nan")  # torch.empty's rows, as FlashKDA returns them
+        o[:, inputs.case.total_tokens :] = float("nan")  # torch.empty's rows, from an API that allocates o
         return dataclasses.replace(out, o=o)
+
+
+class CallerBufferTail(GarbageTail):
+    """Writes into the caller's buffer (filled with NaN by the suite) and leaves the rows past the tokens as
+    they were, as FlashKDA's ``out`` and vLLM's ``out=`` slice."""
+
+    name = "test_caller_buffer_tail"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        return dataclasses.replace(super().run(inputs), o_in_caller_buffer=True)
 
 
 class NotBatchInvariant(TorchChunk):
@@ -119,7 +154,10 @@ class DriftingError(TorchChunk):
 for backend in (
     TakesHostBounds,
     ChecksHostBounds,
+    WrongWhenDerived,
+    WrongWhenPassed,
     GarbageTail,
+    CallerBufferTail,
     NotBatchInvariant,
     TinyFarLeak,
     Nondeterministic,
