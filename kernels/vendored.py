@@ -47,6 +47,7 @@ from kda_cases.materialize import KDAInputs
 from kda_kernels import libraries as libs
 from kda_kernels import triton_interpret
 from kda_kernels.envelope import CHUNK_KDA
+from kda_kernels.guard import suite_work
 from kda_kernels.protocol import CALLER_BUFFER_FILL, Backend, BackendOutput, Support, Unsupported, relayout
 
 
@@ -501,20 +502,20 @@ OUT_MARGIN = 3
 
 
 def layer_output_slice(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kimi K3's layer hands its prefill kernel ``out=core_attn_out[:, non_spec_slice]``: a slice, at an
-    offset, of the layer's buffer, which is ``torch.empty`` (stale memory). Here that buffer holds
-    CALLER_BUFFER_FILL, so a row the kernel leaves unwritten shows in its output; returns (the buffer, the
-    slice)."""
+    """Kimi K3's layer hands its prefill kernel ``out=core_attn_out[:, non_spec_slice]``: a contiguous run of
+    rows, at an offset, of the layer's token buffer, which is ``torch.empty`` (stale memory). Here that buffer
+    holds CALLER_BUFFER_FILL, so a row the kernel leaves unwritten shows in its output; returns (the buffer,
+    the slice shaped as v). The layer's batch is one packed row; a batch of several rows gets one contiguous
+    slice of B x T rows (the layer passes no strided out=)."""
     B, T = v.shape[:2]
-    shape = (B, T + 2 * OUT_MARGIN, *v.shape[2:])
-    buffer = torch.full(shape, CALLER_BUFFER_FILL, dtype=v.dtype, device=v.device)
-    return buffer, buffer[:, OUT_MARGIN : OUT_MARGIN + T]
+    buffer = torch.full((B * T + 2 * OUT_MARGIN, *v.shape[2:]), CALLER_BUFFER_FILL, dtype=v.dtype, device=v.device)
+    return buffer, buffer[OUT_MARGIN : OUT_MARGIN + B * T].view(v.shape)
 
 
-def check_outside_the_slice(buffer: torch.Tensor, tokens: int) -> None:
+def check_outside_the_slice(buffer: torch.Tensor, rows: int) -> None:
     """The rows around the slice belong to other tokens: a kernel that writes them breaks its call."""
-    outside = torch.cat([buffer[:, :OUT_MARGIN], buffer[:, OUT_MARGIN + tokens :]], dim=1)
-    written = int((~outside.isnan()).any(dim=tuple(range(2, outside.dim()))).sum())
+    outside = torch.cat([buffer[:OUT_MARGIN], buffer[OUT_MARGIN + rows :]])
+    written = int((~outside.isnan()).any(dim=tuple(range(1, outside.dim()))).sum())
     if written:
         raise RuntimeError(
             f"wrote {written} rows of the layer's output buffer outside the out= slice it was handed (other "
@@ -590,8 +591,9 @@ class VllmChunk(VendoredBackend):
             # The layer reads its buffer, not what the call returns.
             buffer, extra["out"] = layer_output_slice(v)
             _, final = fused(q=q, k=k, v=v, **gate, **extra, **common)
-            check_outside_the_slice(buffer, q.shape[1])
-            return buffer[:, OUT_MARGIN : OUT_MARGIN + q.shape[1]], final
+            with suite_work(self):  # its read of the buffer is the suite's sync, not vLLM's
+                check_outside_the_slice(buffer, v.shape[0] * v.shape[1])
+            return buffer[OUT_MARGIN : OUT_MARGIN + v.shape[0] * v.shape[1]].view(v.shape), final
         if case.gate_in_kernel:
             if not hasattr(kda, "fused_kda_gate"):
                 raise Unsupported("this vLLM tree has neither chunk_kda_with_fused_gate nor fused_kda_gate")

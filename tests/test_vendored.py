@@ -15,7 +15,7 @@ import torch
 from kda_cases.case import Case
 from kda_cases.materialize import materialize
 from kda_conformance.cli import main
-from kda_kernels import registry, vendored
+from kda_kernels import guard, registry, vendored
 from kda_kernels.vendored import SGLANG, VLLM
 from kda_reports.runfile import read_run
 
@@ -226,6 +226,12 @@ def test_kimi_k3s_output_goes_into_the_slice_of_the_layers_buffer(
     assert outs and all(o is not None and o.storage_offset() > 0 for o in outs), [
         o is None or o.storage_offset() for o in outs
     ]
+    # A batch of rows gets one contiguous slice too: the layer passes no strided out= (on the H200, vLLM's
+    # kernel wrote around a strided one, 3 batched cases of 2026-12-02).
+    batched = Case(seq_lens=(24, 24), head_k_dim=32, head_v_dim=32, initial_state="random")
+    assert _run("vllm_chunk", batched, tmp_path / "batched") == 0
+    outs = [c["out"] for c in _calls() if c["entry"] == "chunk_kda_with_fused_gate" and c["out"].shape[0] == 2]
+    assert outs and all(o.is_contiguous() and o.storage_offset() > 0 for o in outs)
     module = vendored.load(VLLM)
     right = module.chunk_kda_with_fused_gate
 
@@ -236,8 +242,20 @@ def test_kimi_k3s_output_goes_into_the_slice_of_the_layers_buffer(
         past[:, -1] = 0  # the row after its slice: another token's
         return o, final
 
-    monkeypatch.setattr(module, "chunk_kda_with_fused_gate", spills)
     backend = registry.get("vllm_chunk")
+    # The buffer's check is the suite's work inside the call: listeners (the sync count) hear it as such.
+    heard: list[str] = []
+
+    def listen(event: str, called: object) -> None:
+        heard.append(event)
+
+    guard.add_listener(listen)
+    try:
+        result = guard.run_backend_call(backend, materialize(case, torch.device("cpu")))
+    finally:
+        guard.remove_listener(listen)
+    assert heard == ["call", "suite", "kernel", "returned"] and result.o_in_caller_buffer
+    monkeypatch.setattr(module, "chunk_kda_with_fused_gate", spills)
     with pytest.raises(RuntimeError, match="1 rows of the layer's output buffer outside the out= slice"):
         backend.run(materialize(case, torch.device("cpu")))
 

@@ -49,7 +49,7 @@ class CallJournal:
             [row] = self._rows([judge.outcome("error", reason)], call["test"])
             self._recorder().mark(CALL, call["id"], row)
             call["marked"] = True
-        elif call["marked"]:
+        elif call["marked"] and event in ("call", "returned"):  # the suite's work inside a call is the call's
             self._recorder().mark(CALL if event == "call" else RETURNED, call["id"])
 
     def settle(self) -> None:
