@@ -17,7 +17,7 @@ from kda_cases.coverage import axis_values
 from kda_conformance.checks import CHECKS, Check
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.running.runner import fault_finding
-from kda_conformance.running.session import Run
+from kda_conformance.running.session import NOT_LAUNCHED, Run
 from kda_kernels.guard import BackendFault
 from kda_kernels.protocol import Backend
 from kda_reports.findings import Finding, failure_report
@@ -27,8 +27,9 @@ def check_report(check: Check, findings: list[Finding], params: dict, fails: Cal
     """The failure message of one example of ``check`` (None when it passed): the findings the run counts
     as failures (``fails``). The backend took the case (the draw made sure), so a skip of the whole call here
     means it raised Unsupported anyway: a failure too. A skip of one tensor (checkpoint states a backend does
-    not return) is recorded, not failed."""
-    whole = [f for f in findings if f.verdict == "skip" and not f.tensor]
+    not return), and a case a quarantine kept from launching (its configuration not compiled tonight), are
+    recorded, not failed."""
+    whole = [f for f in findings if f.verdict == "skip" and not f.tensor and f.observed != NOT_LAUNCHED]
     bad = [f if f.verdict != "skip" else _as_failure(f) for f in findings if fails(f) or f in whole]
     if not bad:
         return None

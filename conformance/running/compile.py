@@ -43,33 +43,19 @@ class CompileJob:
 
 
 def compile_jobs(backends: Sequence[str], configs: Sequence[Case]) -> list[CompileJob]:
-    """One job per backend and configuration (each configuration given by one of its cases), ordered so
-    that the processes that take them round-robin compile different configurations at once."""
-    return [CompileJob(backend, warm_up_case(case)) for case in configs for backend in backends]
+    """One job per backend and configuration (each configuration given by one of its cases), each case moved
+    into the backend's envelope as the night's tests move it: a backend compiles the configurations it will
+    run, once each, and none that it skips."""
+    return _jobs([(backend, case) for case in configs for backend in backends])
 
 
 def shard_jobs(nodeids: Sequence[str], planned: Sequence[Case], drawn_from: Sequence[Case]) -> list[CompileJob]:
     """The jobs a shard of the night needs, from the node ids of its tests: a test of one planned case
     (``test_corpus_case[fla_chunk-T37_bf16_...-kda-7735f63ee3cc]``) needs that case's configuration on that
     backend; a test whose cases are drawn (``test_within_budget[fla_chunk]``) needs every configuration the
-    drawn cases take theirs from (``drawn_from``). Each case is moved into its backend's envelope first, as
-    the night's tests move it (a narrow backend compiles the configurations it will run, not the ones it
-    skips)."""
-    from kda_kernels import guard, registry
-    from kda_kernels.guard import BackendFault
-
+    drawn cases take theirs from (``drawn_from``)."""
     by_id = {case.id: case for case in planned}
-    wanted: dict[tuple[str, KernelConfig], Case] = {}
-    fitted: dict[tuple[str, str], Case] = {}
-
-    def fit(backend: str, case: Case) -> Case:
-        if (backend, case.id) not in fitted:
-            try:
-                fitted[(backend, case.id)] = guard.fit(registry.get(backend), case)
-            except (BackendFault, KeyError, registry.PluginError):  # its tests record that; compile it as given
-                fitted[(backend, case.id)] = case
-        return fitted[(backend, case.id)]
-
+    pairs = []
     for nodeid in nodeids:
         if not nodeid.endswith("]") or "[" not in nodeid:
             continue
@@ -77,13 +63,30 @@ def shard_jobs(nodeids: Sequence[str], planned: Sequence[Case], drawn_from: Sequ
         backend = param.split("-", 1)[0]
         case_id = "kda-" + param.rsplit("-kda-", 1)[1] if "-kda-" in param else None
         cases = [by_id[case_id]] if case_id in by_id else ([] if case_id else list(drawn_from))
-        for case in cases:
-            case = fit(backend, case)
-            wanted.setdefault((backend, kernel_config(case)), case)
-    # Configurations outermost, backends inside: the processes that take them round-robin compile different
-    # configurations at once.
+        pairs += [(backend, case) for case in cases]
+    return _jobs(pairs)
+
+
+def _jobs(pairs: Sequence[tuple[str, Case]]) -> list[CompileJob]:
+    """A job per distinct (backend, kernel configuration) of ``pairs``, each case moved into its backend's
+    envelope first; a case the backend does not take is no job (its tests skip it, naming the envelope).
+    Configurations outermost, backends inside: the processes that take them round-robin compile different
+    configurations at once."""
+    from kda_kernels import guard, registry
+    from kda_kernels.guard import BackendFault
+
+    wanted: dict[tuple[str, KernelConfig], Case] = {}
+    for backend_name, case in pairs:
+        try:
+            backend = registry.get(backend_name)
+            case = guard.fit(backend, case)
+            if not guard.supports(backend, case):
+                continue
+        except (BackendFault, KeyError, registry.PluginError):  # its tests record that; compile it as given
+            pass
+        wanted.setdefault((backend_name, kernel_config(case)), case)
     order = {config: i for i, config in enumerate(dict.fromkeys(config for _, config in wanted))}
-    keys = sorted(wanted, key=lambda key: (order[key[1]], key[0]))
+    keys = sorted(wanted, key=lambda key: order[key[1]])  # stable: backends in the order given
     return [CompileJob(backend, warm_up_case(wanted[(backend, config)])) for backend, config in keys]
 
 

@@ -39,6 +39,10 @@ from kda_reports.findings import Finding
 from kda_reports.runfile import RunRecorder, merge_parts, run_file, run_path, run_stem
 from kda_reports.schema import record_rows
 
+# The observation of a case a quarantine kept from launching (a crash of its configuration earlier tonight,
+# or a compile stage cut before it): nothing of the backend ran, so a drawn example's skip is no failure.
+NOT_LAUNCHED = "not launched"
+
 
 class Run:
     """A run's state: created by a front end from its :class:`RunConfig`."""
@@ -107,7 +111,9 @@ class Run:
             if unanswered:
                 findings = [fault_finding(judge, unanswered)]
             elif quarantined:  # crashed the device earlier tonight, or was not compiled: not launched
-                findings = [judge.outcome(quarantined.verdict, quarantined.reason)]
+                findings = [
+                    dataclasses.replace(judge.outcome(quarantined.verdict, quarantined.reason), observed=NOT_LAUNCHED)
+                ]
             else:
                 precision = backend.working_precision
                 findings = self._attempts(judge, lambda truth: check.run(truth, backend, params), precision)

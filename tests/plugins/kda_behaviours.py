@@ -44,27 +44,21 @@ class ChecksHostBounds(TakesHostBounds):
 
 class WrongWhenDerived(TakesHostBounds):
     """Right with the host's bounds, off by 0.5 when it derives them itself (a zero-length member's chunk
-    numbering gone wrong, say)."""
+    numbering gone wrong, say); ``wrong_with_host``: the other way round (a table read one row off)."""
 
     name = "test_wrong_when_derived"
+    wrong_with_host = False
 
     def run(self, inputs: KDAInputs) -> BackendOutput:
         out = super().run(inputs)
-        if inputs.host_metadata is None:
+        if (inputs.host_metadata is not None) == self.wrong_with_host:
             out = dataclasses.replace(out, o=out.o + 0.5)
         return out
 
 
-class WrongWhenPassed(TakesHostBounds):
-    """Right when it derives its bounds, off by 0.5 with the host's (a table read one row off, say)."""
-
+class WrongWhenPassed(WrongWhenDerived):
     name = "test_wrong_when_passed"
-
-    def run(self, inputs: KDAInputs) -> BackendOutput:
-        out = super().run(inputs)
-        if inputs.host_metadata is not None:
-            out = dataclasses.replace(out, o=out.o + 0.5)
-        return out
+    wrong_with_host = True
 
 
 class GarbageTail(TorchChunk):
