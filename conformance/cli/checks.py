@@ -5,12 +5,23 @@ docs/serving.md).
 The case is one served batch moved into each backend's envelope (``Backend.fit``): packed sequences with a
 zero-length member, an initial state, checkpoints; so each backend compiles one kernel configuration.
 Every parameter a check draws is fixed: the split point mid-sequence, each poison mode in turn.
+
+On a GPU the backends run side by side, each in a process of its own (``--workers``): most of a cold
+machine's time is each backend's Triton compile, which is CPU-bound and one backend's at a time in one
+process. Every process writes a part of one run, merged as a night's workers' parts are.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pandas as pd
@@ -22,6 +33,7 @@ from kda_conformance.checks import CHECKS, run_check
 from kda_conformance.cli.common import add_backends, add_device, add_out, config_from_args, parse_case, say, typed
 from kda_conformance.cli.exits import PASSED, verdict_exit
 from kda_conformance.judging.judge import judge_for
+from kda_conformance.running.config import RUN_ID_VARIABLE, RunConfig
 from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.runner import fault_finding
 from kda_conformance.running.session import Run
@@ -56,6 +68,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--case", type=typed(parse_case), default=None, metavar="JSON_OR_FILE", help="with --run: the case"
     )
+    parser.add_argument(
+        "--workers",
+        type=typed(_count),
+        default=None,
+        help="with --run: how many backends run side by side, each in a process of its own (default: every "
+        "backend at once, up to the cores, on a GPU; one after another in this process on a CPU)",
+    )
+    # A side-by-side process: the part of the run it writes, and the file its table rows go to.
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--rows", type=Path, default=None, help=argparse.SUPPRESS)
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"--workers {text!r}: a whole number of processes, 1 or more")
+    return int(text)
 
 
 def checks_markdown() -> str:
@@ -125,6 +153,50 @@ def run_table(run: Run, case: Case, console: Console) -> pd.DataFrame:
 COLUMNS = ["backend", "check", "what", "observed", "verdict", "note"]
 
 
+def side_by_side(
+    args: argparse.Namespace, config: RunConfig, workers: int, console: Console
+) -> tuple[pd.DataFrame, dict[str, Path]]:
+    """Each backend's checks in a process of its own, ``workers`` at once, each writing a part of this run
+    (merged into the run's files at the end); the table rows in the backends' order. A process that ends
+    without its rows (killed, crashed outside a check) is an error row naming its exit and its last words."""
+    folder = Path(tempfile.mkdtemp(prefix="kda-checks-"))
+    env = {**os.environ, RUN_ID_VARIABLE: config.run_id}
+    running: set[subprocess.Popen] = set()
+    say(console, f"checks of {len(config.backends)} backends side by side, {workers} processes at once")
+
+    def one(index: int, name: str) -> pd.DataFrame:
+        rows_file, log = folder / f"rows-{index}.json", folder / f"{name}.log"
+        command = [sys.executable, "-m", "kda_conformance.cli", "checks", "--run", "--device", str(config.device)]
+        command += ["--out", str(config.out), "--backend", name, "--worker", f"gw{index}", "--rows", str(rows_file)]
+        command += [arg for module in config.plugins for arg in ("--plugin", module)]
+        command += ["--case", args.case.to_json()] if args.case is not None else []
+        began = time.monotonic()
+        with log.open("w") as out:
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+            running.add(process)
+            code = process.wait()
+            running.discard(process)
+        say(console, f"checks of {name}: exit {code} in {time.monotonic() - began:.0f} s")
+        if rows_file.exists():
+            return pd.DataFrame(json.loads(rows_file.read_text()), columns=COLUMNS)
+        words = " ".join(log.read_text(errors="replace").split()[-40:])
+        return pd.DataFrame([_row(name, "", "", "", "error", f"its process ended with exit {code}: {words}")])
+
+    pool = ThreadPoolExecutor(workers)
+    complete = False
+    try:
+        tables = list(pool.map(one, range(len(config.backends)), config.backends))
+        complete = True
+    except BaseException:  # interrupted: the processes still running end too, and what the others wrote is kept
+        for process in list(running):
+            process.terminate()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        written = Run(config).merge_workers(complete=complete)
+    return pd.concat(tables, ignore_index=True), written
+
+
 def _rows(backend: str, check: str, shown: str, findings: list) -> list[dict[str, str]]:
     """One table row per finding of a check (``shown``: its parameters as options)."""
     rows = []
@@ -152,15 +224,21 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         text = checks_markdown()
     else:
         args.plugin = args.plugin or []
-        config = config_from_args(args, console, writes=True)
+        config = config_from_args(args, console, writes=args.worker is None)
         if config is None:
             return 2
         case = args.case or TABLE_CASE
-        run = Run(config)
-        try:
-            rows = run_table(run, case, console)
-        finally:
-            written = run.finish(complete=True)
+        workers = args.workers or (min(len(config.backends), os.cpu_count() or 1) if config.device.type != "cpu" else 1)
+        if args.worker is None and workers > 1 and len(config.backends) > 1:
+            rows, written = side_by_side(args, config, workers, console)
+        else:
+            run = Run(config, worker=args.worker)
+            try:
+                rows = run_table(run, case, console)
+            finally:
+                written = run.finish(complete=True)
+            if args.rows is not None:
+                atomic_write_text(args.rows, json.dumps(rows.to_dict(orient="records")))
         if "records" in written:
             console.print(f"records: {written['records']}", highlight=False)
         code = verdict_exit(rows["verdict"], config.strict)

@@ -16,8 +16,8 @@ from kda_conformance.running.options import options_markdown
 def _options(parser: argparse.ArgumentParser) -> list[str]:
     rows = ["| option | what it does |", "|---|---|"]
     for action in parser._actions:  # argparse keeps no public list of a parser's options
-        if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
-            continue
+        if isinstance(action, argparse._HelpAction | argparse._SubParsersAction) or action.help == argparse.SUPPRESS:
+            continue  # a suppressed option is the suite's own (a side-by-side process's), not the user's
         spelled = ", ".join(f"`{s}`" for s in action.option_strings) or f"`{action.dest}`"
         if action.metavar and action.option_strings:
             spelled += f" {action.metavar}"
