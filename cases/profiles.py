@@ -141,7 +141,7 @@ PROFILES: dict[str, Profile] = {
             long_dtypes=("bf16", "fp16", "fp32", "bf16"),
             sentinels=True,
             guaranteed=True,
-            max_kernel_configs=40,
+            max_kernel_configs=32,  # 39 until the guaranteed and long cases took fixed configurations
         ),
         Profile(
             "long",

@@ -492,7 +492,7 @@ def test_workers_per_gpu_come_from_its_memory_and_the_largest_case() -> None:
     assert USABLE * 48.0 - (small.workers_per_gpu + 1) * per_worker < expected_gib(long[0])
     assert small.workers == 2 * small.workers_per_gpu and "workers per GPU x 2 GPU(s)" in small.line()
     assert shares_for(long[0], 48.0, small.workers_per_gpu) <= SHARES
-    assert plan_workers(24.0, 1, long).workers_per_gpu == 1  # never none
+    assert plan_workers(expected_gib(long[0]) / 2, 1, long).workers_per_gpu == 1  # never none, even too small
 
 
 def test_the_compile_stage_runs_each_job_once_and_goes_on_after_a_crash(tmp_path: Path, monkeypatch) -> None:

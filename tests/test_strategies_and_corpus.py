@@ -166,7 +166,17 @@ def test_every_night_reaches_every_required_value_whatever_its_seed() -> None:
         assert pool == {kernel_config(c) for c in guaranteed_cases(seed)}, seed
         assert {kernel_config(c) for c in draw_cases(config.profile, 6, seed)} <= pool, seed
         assert len(config.kernel_configs()) <= nightly.max_kernel_configs, seed
+        # The same kernels every night: the seed varies the inputs, never a configuration.
+        assert set(config.kernel_configs()) == set(
+            build_config(device="cpu", profile="nightly", seed=99).kernel_configs()
+        )
     assert guaranteed_cases(3) == guaranteed_cases(3) != guaranteed_cases(4)
+    # The guaranteed K = V = 128 and the long cases add none: theirs are the sentinels' configurations.
+    from kda_cases.sentinels import load_sentinels
+
+    sentinels = {kernel_config(c) for c in load_sentinels()}
+    production = [c for c in guaranteed_cases(5) if c.head_k_dim == c.head_v_dim == 128]
+    assert len(production) == 3 and {kernel_config(c) for c in production + config.long_cases()} <= sentinels
 
 
 def test_a_night_says_how_many_kernel_configurations_it_compiles() -> None:
