@@ -56,30 +56,35 @@ def calibration_cases(
     ]
 
 
-# Each long case's kernel configuration, by dtype and its occurrence in the profile's list: (two packed
-# halves, an initial state), at the sentinels' 4-query / 8-value-head K = V = 128 configurations
-# (cases/sentinels.json), so that a night's long cases add no kernel configuration and compile nothing new.
-LONG_SHAPES = {"bf16": ((False, True), (True, True)), "fp16": ((False, False),), "fp32": ((True, True),)}
+# Each long case's kernel configuration, by dtype and its occurrence in the profile's list: (query heads,
+# value heads, two packed halves, an initial state), at K = V = 128 and the safe gate: configurations the
+# sentinels and the guaranteed cases have (cases/sentinels.json, cases/guarantee.py) or the corpus
+# (8 heads, packed halves from a state), so that a night's long cases compile nothing of their own.
+LONG_SHAPES = {
+    "bf16": ((4, 8, False, False), (8, 8, True, True)),
+    "fp16": ((4, 8, False, True),),
+    "fp32": ((4, 8, False, False),),
+}
 
 
 def long_cases(dtypes: Sequence[str], tokens: int, seed: int | None) -> list[Case]:
-    """A run's long cases: one of ``tokens`` tokens per entry of ``dtypes`` (4 query and 8 value heads,
-    K = V = 128, the safe gate; one sequence or two packed halves, with an initial state or none, as
-    ``LONG_SHAPES`` fixes them), their other axes (gate regime, keys, the initial state's kind, the inputs)
+    """A run's long cases: one of ``tokens`` tokens per entry of ``dtypes`` (K = V = 128, the safe gate;
+    the heads, one sequence or two packed halves, and an initial state or none as ``LONG_SHAPES`` fixes
+    them), their other axes (gate regime, keys, the initial state's kind, the inputs)
     drawn from ``seed``, so every night reaches long contexts in every dtype with new inputs and the same
     kernels."""
     rng = random.Random(seed)
     cases, seen = [], {}
     for dtype in dtypes:
         shapes = LONG_SHAPES[dtype]
-        halves, with_h0 = shapes[seen.get(dtype, 0) % len(shapes)]
+        heads, v_heads, halves, with_h0 = shapes[seen.get(dtype, 0) % len(shapes)]
         seen[dtype] = seen.get(dtype, 0) + 1
         cases.append(
             Case(
                 seq_lens=(tokens // 2, tokens - tokens // 2) if halves else (tokens,),
                 packed=halves,
-                num_heads=4,
-                num_v_heads=8,
+                num_heads=heads,
+                num_v_heads=v_heads,
                 head_k_dim=128,
                 head_v_dim=128,
                 dtype=dtype,

@@ -5,9 +5,10 @@ Each night draws new cases, so a kernel whose error grew 1.4 times, still within
 rel-RMS factor is 2), hides among them; on a sentinel the same inputs give the same error night after
 night, and growth past ``SENTINEL_GROWTH`` times its own median is flagged (reports/regressions.py).
 
-The set spans the dtypes, lengths up to 128K, gate and key regimes, initial states, packing with a
-zero-length member, grouped value heads, the V-first layout and checkpoints, at K = V = 128 and 4 query /
-8 value heads (FlashKDA's envelope for its bf16 cases), at most 2^34 of work.
+The set spans the dtypes, lengths up to 128K, gate and key regimes and checkpoints at K = V = 128 and 4
+query / 8 value heads, with initial states (bf16 and fp16), packing with a zero-length member, 8 query
+heads and the V-first layout in bf16, at most 2^34 of work: 8 kernel configurations, all but one of them
+the guaranteed cases' or the corpus's (docs/sweeps.md says which sentinels were re-pinned for that).
 """
 
 from __future__ import annotations

@@ -171,12 +171,13 @@ def test_every_night_reaches_every_required_value_whatever_its_seed() -> None:
             build_config(device="cpu", profile="nightly", seed=99).kernel_configs()
         )
     assert guaranteed_cases(3) == guaranteed_cases(3) != guaranteed_cases(4)
-    # The guaranteed K = V = 128 and the long cases add none: theirs are the sentinels' configurations.
+    # The sentinels and the long cases take the guaranteed cases' configurations or the corpus's, but one.
+    from kda_cases.corpus import load_corpus
     from kda_cases.sentinels import load_sentinels
 
-    sentinels = {kernel_config(c) for c in load_sentinels()}
-    production = [c for c in guaranteed_cases(5) if c.head_k_dim == c.head_v_dim == 128]
-    assert len(production) == 3 and {kernel_config(c) for c in production + config.long_cases()} <= sentinels
+    shared = {kernel_config(c) for c in guaranteed_cases(5)} | {kernel_config(e.case) for e in load_corpus()}
+    own = {kernel_config(c) for c in load_sentinels() + config.long_cases()} - shared
+    assert len(own) == 1 and len(config.kernel_configs()) == nightly.max_kernel_configs == 24, own
 
 
 def test_a_night_says_how_many_kernel_configurations_it_compiles() -> None:
