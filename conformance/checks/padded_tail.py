@@ -2,7 +2,9 @@
 (``cu_seqlens[-1]`` < the tensors' length). The sequences must still get their right answer, and the output
 rows past them must not hold garbage a later operation could read. Reported per backend: ``zero``,
 ``untouched`` (a caller's buffer left as it was), ``values`` (finite, small), or ``garbage`` (non-finite, or
-finite beyond 1e4: the count and the largest value); garbage is a warning, failed under --kda-strict."""
+finite beyond 1e4: the count and the largest value); garbage is a warning, failed under --kda-strict. An
+API that allocates its output is called with ``torch.empty`` returning NaN, so a row it leaves unwritten
+is garbage in every run, whatever the allocator held."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from kda_conformance.judging.judge import judge_for
 from kda_conformance.running.runner import call_backend
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels.protocol import CALLER_BUFFER_FILL, Backend
-from kda_kernels.serving import plan_pool
+from kda_kernels.serving import plan_pool, poisoned_scratch
 from kda_reports.findings import Finding
 
 NAME = "padded_tail"
@@ -75,7 +77,10 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> lis
         o, tail, before = served.o, served.out[:, T:], served.out_before[:, T:]
         result = served_result(served)
     else:
-        result = call_backend(backend, batch)
+        # Memory the API allocates and leaves unwritten reads as NaN (as the poison check makes it), so
+        # unwritten rows show in every run, not only when the allocator hands out stale memory.
+        with poisoned_scratch(inputs.device, "nan"):
+            result = call_backend(backend, batch)
         o, tail = result.o[:, :T], result.o[:, T:]
         # An API that writes into the caller's buffer may leave the caller's rows as they were.
         before = torch.full_like(tail, CALLER_BUFFER_FILL) if result.o_in_caller_buffer else None
