@@ -108,8 +108,8 @@ def cases(draw: st.DrawFn, profile: Profile, envelope: Envelope = ANY) -> Case:
     envelope the draws are the profile's own."""
     pool = envelope_pool(profile.kernel_pool, envelope) if envelope is not ANY else profile.kernel_pool
     config: dict = dict(draw(st.sampled_from(pool))) if pool else {}
-    budget = profile.max_total_tokens if envelope.max_tokens is None else min(
-        profile.max_total_tokens, envelope.max_tokens
+    budget = (
+        profile.max_total_tokens if envelope.max_tokens is None else min(profile.max_total_tokens, envelope.max_tokens)
     )
     if config:
         per_token = config["num_v_heads"] * config["head_k_dim"] * config["head_v_dim"]

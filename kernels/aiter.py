@@ -200,9 +200,7 @@ class AiterBackend(Backend):
 # FlashKDA as AITER's dispatcher admits calls (beyond it AITER runs the default pipeline): FlashKDA's own
 # envelope with the safe gate and its range (AITER's flash_kda_supported); cases with checkpoints are taken,
 # their states not returned.
-AITER_FLASH_KDA = FLASH_KDA.narrowed(
-    safe_gate=(True,), in_kernel_lower_bound=SAFE_LOWER_BOUND_RANGE, checkpoints=True
-)
+AITER_FLASH_KDA = FLASH_KDA.narrowed(safe_gate=(True,), in_kernel_lower_bound=SAFE_LOWER_BOUND_RANGE, checkpoints=True)
 
 
 class AiterFlashKDA(AiterBackend):

@@ -151,9 +151,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def environment(
-    device: torch.device, libraries: Mapping[str, tuple[str, str]] | None = None
-) -> dict[str, str | int]:
+def environment(device: torch.device, libraries: Mapping[str, tuple[str, str]] | None = None) -> dict[str, str | int]:
     """A flat description of the machine and libraries, stored beside every record: ``libraries`` are the
     run's backends' (``{name: (distribution, source_variable)}``), their versions recorded as JSON."""
     env: dict[str, str | int] = {
