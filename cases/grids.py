@@ -74,11 +74,10 @@ def long_cases(dtypes: Sequence[str], tokens: int, seed: int | None) -> list[Cas
     drawn from ``seed``, so every night reaches long contexts in every dtype with new inputs and the same
     kernels."""
     rng = random.Random(seed)
-    cases, seen = [], {}
-    for dtype in dtypes:
-        shapes = LONG_SHAPES[dtype]
-        heads, v_heads, halves, with_h0 = shapes[seen.get(dtype, 0) % len(shapes)]
-        seen[dtype] = seen.get(dtype, 0) + 1
+    cases = []
+    for i, dtype in enumerate(dtypes):
+        shapes = LONG_SHAPES[dtype]  # the dtype's shapes in turn, by its occurrence in the list
+        heads, v_heads, halves, with_h0 = shapes[dtypes[:i].count(dtype) % len(shapes)]
         cases.append(
             Case(
                 seq_lens=(tokens // 2, tokens - tokens // 2) if halves else (tokens,),

@@ -544,11 +544,14 @@ class VllmChunk(VendoredBackend):
             return Support.no("this vLLM tree's fused-gate KDA takes beta raw (its sigmoid inside the kernel)")
         return Support.yes()
 
+    def _into_layer_buffer(self, case: Case) -> bool:
+        """Whether the call hands the kernel a slice of the layer's output buffer (``out=``), as Kimi K3's
+        layer does where the fused-gate entry takes it: the output is then read from that buffer."""
+        return case.gate_in_kernel and "out" in self._fused_parameters()
+
     def run(self, inputs: KDAInputs) -> BackendOutput:
         result = super().run(inputs)
-        # The output is read from the layer's buffer where the fused entry takes out= (call, below).
-        in_buffer = inputs.case.gate_in_kernel and "out" in self._fused_parameters()
-        return dataclasses.replace(result, o_in_caller_buffer=in_buffer)
+        return dataclasses.replace(result, o_in_caller_buffer=self._into_layer_buffer(inputs.case))
 
     def fit(self, case: Case) -> Case:
         fitted = super().fit(case)
@@ -586,14 +589,14 @@ class VllmChunk(VendoredBackend):
             if case.gate == "lower_bound":
                 extra["lower_bound"] = case.lower_bound
             gate = dict(raw_g=inputs.g, A_log=A_log, g_bias=inputs.dt_bias.float())
-            if "out" not in takes:
+            if not self._into_layer_buffer(case):
                 return fused(q=q, k=k, v=v, **gate, **extra, **common)
             # The layer reads its buffer, not what the call returns.
-            buffer, extra["out"] = layer_output_slice(v)
-            _, final = fused(q=q, k=k, v=v, **gate, **extra, **common)
+            buffer, out = layer_output_slice(v)
+            _, final = fused(q=q, k=k, v=v, **gate, **extra, **common, out=out)
             with suite_work(self):  # its read of the buffer is the suite's sync, not vLLM's
-                check_outside_the_slice(buffer, v.shape[0] * v.shape[1])
-            return buffer[OUT_MARGIN : OUT_MARGIN + v.shape[0] * v.shape[1]].view(v.shape), final
+                check_outside_the_slice(buffer, out.shape[0] * out.shape[1])
+            return out, final
         if case.gate_in_kernel:
             if not hasattr(kda, "fused_kda_gate"):
                 raise Unsupported("this vLLM tree has neither chunk_kda_with_fused_gate nor fused_kda_gate")

@@ -33,7 +33,7 @@ from kda_conformance.checks import CHECKS, run_check
 from kda_conformance.cli.common import add_backends, add_device, add_out, config_from_args, parse_case, say, typed
 from kda_conformance.cli.exits import PASSED, verdict_exit
 from kda_conformance.judging.judge import judge_for
-from kda_conformance.running.config import RUN_ID_VARIABLE, RunConfig
+from kda_conformance.running.config import RUN_ID_VARIABLE, RunConfig, parse_count
 from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.runner import fault_finding
 from kda_conformance.running.session import Run
@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--workers",
-        type=typed(_count),
+        type=typed(lambda text: parse_count("--workers", text)),
         default=None,
         help="with --run: how many backends run side by side, each in a process of its own (default: every "
         "backend at once, up to the cores, on a GPU; one after another in this process on a CPU)",
@@ -78,12 +78,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # A side-by-side process: the part of the run it writes, and the file its table rows go to.
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rows", type=Path, default=None, help=argparse.SUPPRESS)
-
-
-def _count(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"--workers {text!r}: a whole number of processes, 1 or more")
-    return int(text)
 
 
 def checks_markdown() -> str:
@@ -159,7 +153,8 @@ def side_by_side(
     """Each backend's checks in a process of its own, ``workers`` at once, each writing a part of this run
     (merged into the run's files at the end); the table rows in the backends' order. A process that ends
     without its rows (killed, crashed outside a check) is an error row naming its exit and its last words."""
-    folder = Path(tempfile.mkdtemp(prefix="kda-checks-"))
+    scratch = tempfile.TemporaryDirectory(prefix="kda-checks-")  # each process's rows and log, gone at the end
+    folder = Path(scratch.name)
     env = {**os.environ, RUN_ID_VARIABLE: config.run_id}
     running: set[subprocess.Popen] = set()
     say(console, f"checks of {len(config.backends)} backends side by side, {workers} processes at once")
@@ -193,6 +188,7 @@ def side_by_side(
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        scratch.cleanup()
         written = Run(config).merge_workers(complete=complete)
     return pd.concat(tables, ignore_index=True), written
 
