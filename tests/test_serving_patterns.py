@@ -77,6 +77,14 @@ def test_host_metadata_that_differs_says_which_result_is_wrong() -> None:
     assert (differs.verdict, differs.observed) == ("warn", "differs: derived wrong")
     assert "the derived one is off the truth by max-abs 5.0" in differs.reason
     assert not any(f.failed for f in derived_wrong), "the passed-in result is within its limits"
+    # Off with the host's bounds too, but 100 times closer to the truth than the derived result (SGLang's
+    # graph tables in fp32 on the H200): the difference is still the derived one's; the passed-in result's
+    # own error fails in its own rows.
+    far = check("host_metadata", "test_far_wrong_when_derived", PACKED)
+    assert (far[0].verdict, far[0].observed) == ("warn", "differs: derived wrong")
+    assert "the passed-in one is outside its limits too (judged below; max-abs " in far[0].reason
+    judged = [f for f in far if f.subject.startswith("the result with cu_seqlens_cpu passed in")]
+    assert {f.tensor for f in judged if f.failed} == {"o"}
     # Wrong with the host's bounds: the difference fails, and so does the passed-in result against the truth.
     passed_wrong = check("host_metadata", "test_wrong_when_passed", PACKED)
     assert (passed_wrong[0].verdict, passed_wrong[0].observed) == ("fail", "differs")

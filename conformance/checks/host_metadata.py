@@ -2,8 +2,8 @@
 ``cu_seqlens_cpu``; vLLM's ``chunk_indices`` and ``chunk_offsets``) and passes it in, so the kernel does not
 sync the device to derive it. The result with it passed in must be bitwise the result with it derived;
 where it differs, the passed-in result is judged against the truth (its failure past the limits is this
-check's; a right passed-in result beside a wrong derived one is a warning, the derived one being the budget
-check's finding).
+check's). A derived result off the truth beside a passed-in one that is within its limits, or ten times
+closer to the truth, is a warning: the difference is the derived one's, the budget check's finding.
 Metadata of the previous batch (stale) must be refused with an error; a backend that takes it silently is
 reported with what it did (a warning, failed only under --kda-strict)."""
 
@@ -28,6 +28,7 @@ from kda_kernels.protocol import Backend, BackendOutput
 from kda_reports.findings import Finding
 
 NAME = "host_metadata"
+CLOSER = 10  # how much closer to the truth the passed-in result must be to leave the difference to the derived one
 
 
 def stale_bounds(case: Case, chunk: int) -> tuple[int, ...] | None:
@@ -72,18 +73,29 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> lis
     if _bits_equal(passed, derived):
         findings.append(dataclasses.replace(judge.passed(subject), observed="equal"))
     else:
-        # Which of the two is wrong: the passed-in result is judged against the truth here (a failure past
-        # its limits is this check's); the derived one is the budget check's.
         change = measure("o", passed.o, derived.o.double()).errors.max_abs
         text = f"the result with {names} passed in differs from the result with it derived (max-abs {change:.3e})"
         judged = judge.result(truth.reference, passed, truth.budgets, f"the result with {names} passed in")
-        derived_off = measure("o", derived.o, truth.reference.o.to(derived.o.device)).errors.max_abs
+        reference_o = truth.reference.o.to(derived.o.device)
+        derived_off = measure("o", derived.o, reference_o).errors.max_abs
+        passed_off = measure("o", passed.o, reference_o).errors.max_abs
         limit = truth.budgets["o"].max_abs.value
-        if any(f.failed for f in judged) or derived_off <= limit:
+        # The difference is the derived result's when that one is off the truth and the passed-in one has
+        # no failure, or is far closer (SGLang's graph tables beside its derivation on a zero-length member,
+        # in fp32: the passed-in result 18x its limit by TF32, the derived one 5.2 off); the passed-in
+        # result's own error is judged in its own rows either way.
+        passed_ok = not any(f.failed for f in judged)
+        if derived_off <= limit or not (passed_ok or passed_off * CLOSER < derived_off):
             findings.append(dataclasses.replace(judge.problem(subject, text, tensor="o"), observed="differs"))
         else:
+            own = (
+                "within its limits"
+                if passed_ok
+                else f"outside its limits too (judged below; max-abs {passed_off:.3e}, "
+                f"{passed_off / limit:.3g} of its limit)"
+            )
             why = (
-                f"{text}: the passed-in one is within its limits and the derived one is off the truth by max-abs "
+                f"{text}: the passed-in one is {own} and the derived one is off the truth by max-abs "
                 f"{derived_off:.3e} ({derived_off / limit:.3g} of the limit; the budget check's finding)"
             )
             finding = judge.passed(subject, "o")

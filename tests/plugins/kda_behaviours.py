@@ -56,6 +56,17 @@ class WrongWhenDerived(TakesHostBounds):
         return out
 
 
+class FarWrongWhenDerived(TakesHostBounds):
+    """Off by 5e-3 with the host's bounds (a precision loss of its own) and by 0.5 when it derives them: the
+    difference is still the derived result's."""
+
+    name = "test_far_wrong_when_derived"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        return dataclasses.replace(out, o=out.o + (5e-3 if inputs.host_metadata is not None else 0.5))
+
+
 class WrongWhenPassed(WrongWhenDerived):
     name = "test_wrong_when_passed"
     wrong_with_host = True
@@ -149,6 +160,7 @@ for backend in (
     TakesHostBounds,
     ChecksHostBounds,
     WrongWhenDerived,
+    FarWrongWhenDerived,
     WrongWhenPassed,
     GarbageTail,
     CallerBufferTail,
