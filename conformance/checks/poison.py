@@ -44,16 +44,22 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> lis
     findings = judge.result(truth.reference, served_result(clean), truth.budgets, "clean run")
     findings += integrity(judge, clean, "clean run")
     again = run_serving(backend, inputs, plan, "none")
+    varies = None
     if differences(judge, again, clean, ""):
-        # It varies by itself: a difference under poison would say nothing of what it read.
-        varies = nondeterminism(judge, served_result(clean), served_result(again), truth.budgets["o"].max_abs.value)
+        # It varies by itself: a bitwise difference under poison would say nothing of what it read, so the
+        # poisoned run is judged against the truth and its limits instead.
+        varies = nondeterminism(judge, served_result(clean), served_result(again), truth.budgets)
         subject, reason = "the same served batch, run twice", "two clean runs differ in their slots"
         varies = varies or dataclasses.replace(
             judge.passed(subject), verdict="warn", observed="nondeterministic", reason=reason
         )
-        return [*findings, dataclasses.replace(varies, reason=varies.reason + "; poison not judged")]
+        varies = dataclasses.replace(varies, reason=varies.reason + "; the poisoned run judged against the truth")
     with poisoned_scratch(inputs.device, poison):
         poisoned = run_serving(backend, inputs, plan, poison)
+    if varies is not None:
+        repeat = judge.result(truth.reference, served_result(again), truth.budgets, "second clean run")
+        judged = judge.result(truth.reference, served_result(poisoned), truth.budgets, f"{poison} poison")
+        return [*findings, varies, *repeat, *judged, *integrity(judge, poisoned, f"{poison} poison")]
     findings += integrity(judge, poisoned, f"{poison} poison")
     moved = differences(judge, poisoned, clean, f"with {poison} poison")
     if moved:

@@ -120,15 +120,51 @@ class TinyFarLeak(TorchChunk):
 
 
 class Nondeterministic(TorchChunk):
+    """Every other call moves one output by its last bit, like an atomic reduction's order: within the
+    budget."""
+
     name = "test_nondeterministic"
     calls = 0
 
     def run(self, inputs: KDAInputs) -> BackendOutput:
-        out = super().run(inputs)
+        return self.varied(super().run(inputs))
+
+    @staticmethod
+    def varied(out: BackendOutput) -> BackendOutput:
         Nondeterministic.calls += 1
+        o = out.o.clone()
+        same_size_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[o.element_size()]
+        o.view(same_size_int)[0, 0, 0, 0] ^= Nondeterministic.calls % 2
+        return dataclasses.replace(out, o=o)
+
+
+class NondeterministicLeak(TorchChunk):
+    """Varies by itself (as above) and lets later tokens reach earlier outputs far past the limit."""
+
+    name = "test_nondeterministic_leak"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
         o = out.o.float()
-        o[0, 0, 0, 0] += 1e-3 * Nondeterministic.calls  # like an atomic reduction's order
-        return dataclasses.replace(out, o=o.to(out.o.dtype))
+        o[:, :-64] += 0.05 * inputs.v[:, 64:].float()
+        return Nondeterministic.varied(dataclasses.replace(out, o=o.to(out.o.dtype)))
+
+
+class StateBetweenCalls(TorchChunk):
+    """Right on its first call; later calls add what the previous one left behind (a buffer it keeps and
+    never resets): each repeat far outside the budget."""
+
+    name = "test_state_between_calls"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left: float = 0.0
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        o = (out.o.float() + self.left).to(out.o.dtype)
+        self.left = 0.05
+        return dataclasses.replace(out, o=o)
 
 
 class DriftingError(TorchChunk):
@@ -167,6 +203,8 @@ for backend in (
     NotBatchInvariant,
     TinyFarLeak,
     Nondeterministic,
+    NondeterministicLeak,
+    StateBetweenCalls,
     DriftingError,
 ):
     register(backend.name, backend, replace=True)
