@@ -223,7 +223,11 @@ class Finding:
                         f"  limits of its declared working precision ({self.budget.precision}); against the strict "
                         f"baseline's: {self.strict_worst:.3g}x"
                     )
-                lines.append(f"  first bad: {self.first_bad or '-'} (first point past the max-abs limit)")
+                within = self.errors.max_abs <= self.budget.max_abs.value
+                if within and self.first_bad is not None:  # a failure of the rel-RMS limit alone
+                    lines.append(f"  largest error: {self.first_bad} (no point past the max-abs limit)")
+                else:
+                    lines.append(f"  first bad: {self.first_bad or '-'} (first point past the max-abs limit)")
             elif self.first_bad is not None:
                 lines.append(f"  first bad: {self.first_bad}")
         if repro and self.repro:

@@ -52,7 +52,8 @@ RECORD_COLUMNS: dict[str, str] = {
     "max_abs_over_ref_rms": "max-abs error over RMS of the truth",
     "nonfinite": "number of NaN or Inf values returned",
     "first_bad": "where it first went wrong: the first point past the max-abs limit, `seq S token T head H` "
-    "(outputs), `seq S head H` (states), `checkpoint N (seq S after T tokens) head H`; or the memory a check found "
+    "(outputs), `seq S head H` (states), `checkpoint N (seq S after T tokens) head H` (for a failure of the "
+    "rel-RMS limit alone, where the error is largest); or the memory a check found "
     "written, `slot N`, `row R token T head H`",
     "error_curve": "max-abs error per 64 tokens along the packed rows, comma-separated (outputs only)",
     "budget": "max-abs limit from the tolerance rule",

@@ -131,3 +131,18 @@ def test_failure_message_names_everything_a_bug_report_needs() -> None:
         "repro: kda-conformance run --case X",
     ):
         assert part in message, part
+
+
+def test_a_failure_of_the_rel_rms_limit_alone_names_where_the_error_is_largest() -> None:
+    # Every output a little off, none past the max-abs limit: a scale error, which "first bad: -" hid.
+    want = torch.ones(1, 4, 1, 2, dtype=F64)
+    got = want * 1.01
+    got[0, 2, 0, 1] = 1.03
+    finding = judge(got, want, fixed_budget(0.1, rel_rms=1e-3), torch.bfloat16)
+    assert finding.failed and finding.errors.max_abs < 0.1
+    assert str(finding.first_bad) == "seq 0 token 2 head 0"
+    assert "largest error: seq 0 token 2 head 0 (no point past the max-abs limit)" in finding.message()
+    # Past the max-abs limit the first bad point is still the first one past it, not the largest.
+    got[0, 1, 0, 0], got[0, 3, 0, 0] = 1.2, 1.5
+    finding = judge(got, want, fixed_budget(0.1, rel_rms=1e-3), torch.bfloat16)
+    assert str(finding.first_bad) == "seq 0 token 1 head 0" and "first bad: seq 0 token 1 head 0" in finding.message()

@@ -9,7 +9,7 @@ import torch
 
 from kda_cases.case import Case
 from kda_cases.dtypes import dtype_name, stored_dtype
-from kda_conformance.judging.metrics import Measurement, Tensors, locate, measure, measure_result
+from kda_conformance.judging.metrics import Measurement, Tensors, locate, locate_largest, measure, measure_result
 from kda_conformance.judging.repro import repro_line
 from kda_reports.findings import Budget, Finding, Location
 
@@ -48,6 +48,9 @@ class Judge:
     ) -> Finding:
         """The finding on one measured tensor held to ``budget``; ``extra`` fills the finding's other fields."""
         problems = problems_of(self.case, measurement, budget, dtype)
+        where = locate(self.case, measurement, budget.max_abs.value)
+        if where is None and problems:  # the rel-RMS limit alone: where the error is largest
+            where = locate_largest(self.case, measurement)
         return self._finding(
             "fail" if problems else "pass",
             tensor=measurement.tensor,
@@ -55,7 +58,7 @@ class Judge:
             errors=measurement.errors,
             budget=budget,
             problems=tuple(problems),
-            first_bad=locate(self.case, measurement, budget.max_abs.value),
+            first_bad=where,
             **extra,
         )
 

@@ -79,6 +79,20 @@ def measure_result(case: Case, truth: Tensors, result: Tensors) -> list[Measurem
     ]
 
 
+def locate_largest(case: Case, measurement: Measurement) -> Location | None:
+    """Where the error is largest (the first such point, in ``locate``'s order): the place to look for a
+    failure of the rel-RMS limit alone, which has no point past the max-abs limit; None without per-index
+    errors or with none above zero."""
+    if measurement.per_index is None or not measurement.per_index.numel():
+        return None
+    largest = float(measurement.per_index.nan_to_num(nan=math.inf).max())
+    if not largest > 0:
+        return None
+    # locate() takes the points past a limit: just under the largest error, that is the largest.
+    below = float(torch.nextafter(torch.tensor(largest, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)))
+    return locate(case, measurement, below)
+
+
 def locate(case: Case, measurement: Measurement, limit: float) -> Location | None:
     """Where the error first exceeds ``limit``: a token and head of a sequence (outputs) or a sequence and
     head (states); sequences in order, then tokens in order within a sequence; None when nothing does."""
