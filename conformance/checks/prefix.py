@@ -64,7 +64,8 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> lis
     after = call_backend(backend, changed_after(inputs, p)).o[:, :p]
     subject = f"outputs before token {p}"
     if varies is not None:
-        # Bits say nothing of a backend that varies by itself: a change past the o limit still leaks.
+        # Bits say nothing of a backend that varies by itself: a change past the o limit, and past what it
+        # varies by on its own there, still leaks.
         noise = largest_change(first.o[:, :p], again.o[:, :p])
         return [_judged_to_the_limit(judge, varies, subject, before, after, max(limit, 2 * noise))]
     if before.shape != after.shape:
