@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import subprocess
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -93,9 +94,18 @@ NOT_NUMERICS_SUFFIXES = ("_DIR", "_HOME", "_PATH", "_SRC", "_ARTIFACTS", "_CACHE
 # a plugin that registers another under that name changes every limit, so each run records which it used.
 SUITE_BASELINE = "kda_kernels.torch_chunk.TorchChunk"
 
-# A variable whose name says it holds a secret is recorded by its name, never its value.
-SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "AUTH", "CREDENTIAL")
+# A variable whose name says it holds a secret is recorded by its name, never its value: a word anywhere in
+# the name, or a whole part of it between underscores (PAT inside PATTERN or PATH says nothing).
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "PASSPHRASE", "AUTH", "CREDENTIAL", "BEARER", "COOKIE")
+SECRET_PARTS = ("PASS", "PAT", "PW", "PWD", "CRED", "CREDS")
 REDACTED = "<redacted>"
+# A URL's user and password in any recorded value (a proxy or a cache server named in a TRITON_* variable).
+URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+
+
+def looks_secret(name: str) -> bool:
+    upper = name.upper()
+    return any(word in upper for word in SECRET_WORDS) or any(part in SECRET_PARTS for part in upper.split("_"))
 
 
 def numerics_variables(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -107,7 +117,10 @@ def numerics_variables(environ: dict[str, str] | None = None) -> dict[str, str]:
         for name, value in sorted(environ.items())
         if (name.startswith(NUMERICS_PREFIXES) or name in NUMERICS_NAMES) and not name.endswith(NOT_NUMERICS_SUFFIXES)
     }
-    return {name: REDACTED if any(w in name.upper() for w in SECRET_WORDS) else v for name, v in chosen.items()}
+    return {
+        name: REDACTED if looks_secret(name) else URL_CREDENTIALS.sub(rf"\g<scheme>{REDACTED}@", value)
+        for name, value in chosen.items()
+    }
 
 
 def source_tree_commits(environ: dict[str, str] | None = None) -> dict[str, str]:

@@ -100,7 +100,8 @@ RECORD_COLUMNS: dict[str, str] = {
     "env_variables": "the environment variables set that can change a kernel's numbers or path, as JSON: every "
     "`TRITON_*`, `TORCH_*`, `CUDA_*`, `HIP_*`, `ROCM_*`, `HSA_*`, `AITER_*`, `FLA_*`, `KDA_*`, cuBLAS/hipBLASLt, "
     "oneDNN, thread counts, `MKL_CBWR`, `ATEN_CPU_CAPABILITY` (paths and caches left out; a value whose name "
-    "says credential, such as `*_TOKEN` or `*_KEY`, is `<redacted>`; reports/environment.py)",
+    "says credential, such as `*_TOKEN`, `*_KEY` or `*_PASS`, is `<redacted>`, and so is a URL's user and "
+    "password in any value; reports/environment.py)",
     "env_hostname": "machine name",
     "env_date": "UTC time the run started, ISO 8601",
     "env_run_id": "the run id again, as stored in the environment file",

@@ -124,6 +124,16 @@ def test_the_environment_records_what_moves_numbers(monkeypatch: pytest.MonkeyPa
     variables = json.loads(str(environment(CPU)["variables"]))
     assert variables["FLA_API_KEY"] == variables["KDA_SECRET_TOKEN"] == "<redacted>"
     assert variables["MKL_CBWR"] == "AVX2" and variables["ATEN_CPU_CAPABILITY"] == "avx2"
+    # Secrets by other names, and a URL's credentials in a value that is recorded.
+    for name in ("KDA_DB_PASS", "FLA_PAT", "KDA_BEARER", "CUDA_PASSPHRASE", "TRITON_CREDS"):
+        monkeypatch.setenv(name, "s3cret")
+    monkeypatch.setenv("TRITON_REMOTE_CACHE", "redis://admin:s3cret@cache.example:6379/0")
+    monkeypatch.setenv("TRITON_PATTERN_MATCH", "1")  # PAT inside a word: no secret
+    recorded = str(environment(CPU)["variables"])
+    assert "s3cret" not in recorded
+    variables = json.loads(recorded)
+    assert variables["TRITON_REMOTE_CACHE"] == "redis://<redacted>@cache.example:6379/0"
+    assert variables["TRITON_PATTERN_MATCH"] == "1" and variables["KDA_DB_PASS"] == "<redacted>"
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists() and "model name" in cpuinfo.read_text():
         assert env["device_name"] not in ("x86_64", "aarch64", ""), "the CPU's model, not its architecture"
