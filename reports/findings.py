@@ -111,6 +111,17 @@ class Location:
         return f"seq {self.sequence} head {self.head}"
 
 
+def writable(text: str) -> str:
+    """``text`` with whatever UTF-8 cannot encode (lone surrogates) written as backslash escapes."""
+    if not isinstance(text, str):
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def ratio(value: float, limit: float) -> float:
     """``value / limit``; a zero limit gives 0 for a zero value and infinity otherwise."""
     if limit > 0:
@@ -157,6 +168,12 @@ class Finding:
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
             raise ValueError(f"verdict {self.verdict!r} is not one of {', '.join(VERDICTS)}")
+        # Text from a backend (an exception's message, a file name os.fsdecode made) may hold lone surrogates,
+        # which no UTF-8 writer takes: the parquet, the journal read back, a terminal. Written out as escapes
+        # here, once, so that one string never loses a run.
+        for name in ("subject", "repro", "reason", "observed", "known_issue", "backend", "device", "check"):
+            object.__setattr__(self, name, writable(getattr(self, name)))
+        object.__setattr__(self, "problems", tuple(writable(problem) for problem in self.problems))
 
     @property
     def passed(self) -> bool:

@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kda_reports.findings import writable
+
 
 @dataclass(frozen=True)
 class Quarantined:
@@ -34,18 +36,22 @@ class Quarantined:
 
 
 def read_quarantine(path: Path) -> list[Quarantined]:
-    """The entries of a quarantine file (none where there is no file); a line cut by a killed writer, or one
-    that is not an entry, is left out and the others still hold."""
+    """The entries of a quarantine file (none where there is no file); a line cut by a killed writer, one
+    that is not UTF-8, or one that is not an entry (a field that is not text) is left out and the others
+    still hold."""
     try:
-        text = Path(path).read_text()
+        raw = Path(path).read_bytes()
     except FileNotFoundError:
         return []
     entries = []
-    for line in text.splitlines():
+    for line in raw.splitlines():
         try:
-            entries.append(Quarantined(**json.loads(line)))
-        except (ValueError, TypeError):
+            fields = json.loads(line.decode("utf-8"))
+            entry = Quarantined(**fields)
+        except (ValueError, TypeError):  # UnicodeDecodeError is a ValueError
             continue
+        if all(isinstance(value, str) for value in entry.__dict__.values()):
+            entries.append(Quarantined(**{k: writable(v) for k, v in entry.__dict__.items()}))
     return entries
 
 

@@ -20,7 +20,7 @@ import pandas as pd
 from kda_cases.case import Case
 from kda_cases.coverage import coverage, coverage_markdown
 from kda_cases.files import atomic_write
-from kda_reports.findings import SUITE_BACKEND, worst_ratio
+from kda_reports.findings import SUITE_BACKEND, worst_ratio, writable
 from kda_reports.schema import conform_records
 
 DEFAULT_OUT = Path("out")
@@ -200,7 +200,8 @@ def read_journal(path: Path, problems: list[str] | None = None) -> list[dict]:
                 undecodable += 1
                 continue
             try:
-                item = json.loads(line)
+                # An escaped lone surrogate ("\udcff") decodes to a string no writer takes: kept as its escape.
+                item = json.loads(line, object_hook=lambda pairs: {k: writable(v) for k, v in pairs.items()})
             except ValueError:
                 torn += 1
                 continue

@@ -78,6 +78,7 @@ WRITERS = [f"hostile_writes_{name}" for name in INPUTS]
         "hostile_returns_meta",
         "hostile_raises_in_supports",
         "hostile_raises_in_availability",
+        "hostile_raises_a_surrogate",
     ],
 )
 def test_a_hostile_backend_is_charged_and_every_other_verdict_stands(

@@ -84,6 +84,31 @@ def test_bytes_that_are_not_utf8_drop_their_line_only(rows: list[dict], tmp_path
     assert len(store.records) == 2 and any("1 line(s) skipped: not UTF-8" in p for p in store.problems)
 
 
+def test_an_escaped_lone_surrogate_keeps_its_journal_and_merges(rows: list[dict], tmp_path: Path) -> None:
+    # JSON's "\udcff" decodes to a lone surrogate, which no parquet writer takes: before, one such row lost
+    # every row of its journal when the parts were merged.
+    runs = tmp_path / "runs"
+    odd = json.dumps({**rows[0], "reason": "no such file: kernel-\udcff.bin"})
+    _journal(runs / "night.gw0.partial.jsonl", [json.dumps(r) for r in rows] + [odd])
+    frame, _ = merge_parts(tmp_path, "night", "night.gw", {"run_id": "night", "complete": False}, None)
+    assert len(frame) == len(rows) + 1
+    assert "no such file: kernel-\\udcff.bin" in set(frame["reason"])
+
+
+def test_a_damaged_quarantine_file_loses_its_bad_lines_only(rows: list[dict], tmp_path: Path) -> None:
+    # A byte that is not UTF-8, or a field that is a list, crashed the dashboard (exit 1) and made every
+    # later passing run into the store exit 3.
+    from kda_reports.quarantine import read_quarantine
+
+    entry = {"backend": "b", "config": "c", "case_id": "kda-1", "check": "budget", "message": "illegal address"}
+    path = tmp_path / "runs" / "20261201T000000Z-q.quarantine.jsonl"
+    _journal(path, [json.dumps(entry).encode()[:20] + b"\xff" + json.dumps(entry).encode()[20:],
+                    json.dumps({**entry, "backend": ["b"]}), json.dumps(entry)])  # fmt: skip
+    assert [q.backend for q in read_quarantine(path)] == ["b"]
+    assert main(["dashboard", "--store", str(tmp_path)]) == 0
+    assert main(["run", "--device", "cpu", "--backend", "torch_chunk", "--case", CASE, "--out", str(tmp_path)]) == 0
+
+
 def test_a_torn_worker_journal_merges_up_to_its_last_whole_line(rows: list[dict], tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     _journal(runs / "night.gw0.partial.jsonl", [json.dumps(r) for r in rows])

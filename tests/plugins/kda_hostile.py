@@ -112,6 +112,15 @@ class RaisesInAvailability(TorchChunk):
         raise RuntimeError("driver probe crashed")
 
 
+@hostile("hostile_raises_a_surrogate", "error", "no such file: kernel-\\udcff.bin")
+class RaisesASurrogate(TorchChunk):
+    """Raises with a name os.fsdecode made of bytes that are not UTF-8: a lone surrogate in the message."""
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        name = os.fsdecode(b"kernel-\xff.bin")
+        raise FileNotFoundError(f"no such file: {name}")
+
+
 @hostile("hostile_nan_state_at_step_one", "fail", "non-finite")
 class NanStateWhenFresh(TorchChunk):
     """Right but for a NaN final state of every call without an initial state: the first step of a
