@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -124,6 +125,28 @@ def end_process(code: int) -> None:
 
 _depth: dict[int, int] = {}  # guarded calls in progress per thread (a paged call may run a plain one inside)
 
+# Whether a signal (Ctrl-C, a time limit's SIGTERM) reached this process: a KeyboardInterrupt inside a call
+# without one is the backend's own doing, an error of its call, not the user stopping the run.
+_signalled = threading.Event()
+
+
+def note_signal() -> None:
+    """Say that a signal is about to raise KeyboardInterrupt in this process (the suite's handlers do)."""
+    _signalled.set()
+
+
+def _signal_handler(signum: int, frame: object) -> None:
+    note_signal()
+    signal.default_int_handler(signum, frame)
+
+
+def _watch_ctrl_c() -> None:
+    """Ctrl-C as Python's default handler takes it, noted first (where that handler is still the one set)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is (
+        signal.default_int_handler
+    ):
+        signal.signal(signal.SIGINT, _signal_handler)
+
 
 def _trapped_exit(code: int) -> None:
     if _depth.get(threading.get_ident()):
@@ -135,6 +158,7 @@ def _trapped_exit(code: int) -> None:
 def _in_call(backend: Backend) -> Iterator[None]:
     """The backend's call: listeners told, ``os._exit`` and ``SystemExit`` turned into a fault of the call,
     every exception marked as the backend's."""
+    _watch_ctrl_c()
     for listener in list(_listeners):
         listener("call", backend)
     thread = threading.get_ident()
@@ -148,6 +172,11 @@ def _in_call(backend: Backend) -> Iterator[None]:
         raise fault(backend, f"called os._exit({exc.code!r}) during its call: {NO_EXIT}") from None
     except SystemExit as exc:
         raise fault(backend, f"raised SystemExit({exc.code!r}) during its call: {NO_EXIT}") from None
+    except KeyboardInterrupt:
+        if _signalled.is_set():
+            raise
+        said = "raised KeyboardInterrupt during its call with no interrupt sent to the process"
+        raise fault(backend, f"{said}: {NO_EXIT}") from None
     except Exception as exc:
         _charge(exc, backend)
         raise

@@ -13,8 +13,11 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from kda_kernels import guard
+
 
 def _interrupt(signum: int, frame: object) -> None:
+    guard.note_signal()
     raise KeyboardInterrupt
 
 

@@ -112,6 +112,14 @@ class RaisesInAvailability(TorchChunk):
         raise RuntimeError("driver probe crashed")
 
 
+@hostile("hostile_raises_keyboard_interrupt", "error", "raised KeyboardInterrupt during its call with no interrupt")
+class RaisesKeyboardInterrupt(TorchChunk):
+    """Raises KeyboardInterrupt itself (a library's own handler re-raising it, say): no one pressed Ctrl-C."""
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        raise KeyboardInterrupt
+
+
 @hostile("hostile_raises_a_surrogate", "error", "no such file: kernel-\\udcff.bin")
 class RaisesASurrogate(TorchChunk):
     """Raises with a name os.fsdecode made of bytes that are not UTF-8: a lone surrogate in the message."""
