@@ -61,6 +61,15 @@ class BackendExit(BaseException):
         self.code = code
 
 
+def exception_text(exc: BaseException) -> str:
+    """``str(exc)``, which a backend's exception may make raise: then a sentence saying so, so that the
+    exception is still charged to whoever raised it."""
+    try:
+        return str(exc)
+    except Exception as inner:
+        return f"<its message could not be read: str() raised {type(inner).__name__}>"
+
+
 def raised_by(exc: BaseException) -> str | None:
     """The backend whose own code raised ``exc`` (None: raised by the suite's code)."""
     return getattr(exc, "kda_backend", None)
@@ -199,7 +208,7 @@ def _answer(backend: Backend, question: str, ask: Callable[[], object], case: Ca
         broken.case = case
         raise
     except Exception as exc:
-        said = f"raised {type(exc).__name__} in {question}: {exc} (it must answer, never raise)"
+        said = f"raised {type(exc).__name__} in {question}: {exception_text(exc)} (it must answer, never raise)"
         raise fault(backend, said, case) from exc
 
 

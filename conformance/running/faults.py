@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from kda_kernels.guard import exception_text
+
 # What CUDA and HIP say when a kernel leaves the device context unusable: every later call in the process
 # fails with the same error, whoever makes it.
 STICKY = (
@@ -48,20 +50,21 @@ DEVICE_LOST_EXIT = 75
 
 def is_sticky(text: str | BaseException) -> bool:
     """Whether an exception (or a finding's reason) is a sticky device error."""
-    lowered = str(text).lower()
+    lowered = (text if isinstance(text, str) else exception_text(text)).lower()
     return any(pattern in lowered for pattern in STICKY)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, torch.cuda.OutOfMemoryError | MemoryError):
         return True
-    return any(p in str(exc).lower() for p in OUT_OF_MEMORY)
+    return any(p in exception_text(exc).lower() for p in OUT_OF_MEMORY)
 
 
 def memory_report(exc: BaseException, device: torch.device) -> str:
     """What the allocation asked for and what the device had: the reason of a ``resource`` finding."""
-    asked = re.search(r"tried to allocate ([\d.]+ [KMGT]i?B)", str(exc), re.IGNORECASE)
-    parts = [f"needed {asked.group(1)} more" if asked else f"an allocation failed ({type(exc).__name__}: {exc})"]
+    text = exception_text(exc)
+    asked = re.search(r"tried to allocate ([\d.]+ [KMGT]i?B)", text, re.IGNORECASE)
+    parts = [f"needed {asked.group(1)} more" if asked else f"an allocation failed ({type(exc).__name__}: {text})"]
     if device.type == "cuda" and torch.cuda.is_available():
         try:  # a device that cannot even make a context fails these queries the same way
             free, total = torch.cuda.mem_get_info(device)

@@ -18,7 +18,7 @@ from kda_conformance.running.faults import is_out_of_memory, is_sticky, memory_r
 from kda_conformance.running.memory import release_quietly
 from kda_conformance.running.stages import CLOCK, stage_of
 from kda_kernels import guard
-from kda_kernels.guard import TOKEN_INPUTS, BackendFault, raised_by, run_backend_call
+from kda_kernels.guard import TOKEN_INPUTS, BackendFault, exception_text, raised_by, run_backend_call
 from kda_kernels.protocol import Backend, BackendOutput, Unsupported
 from kda_reports.findings import SUITE_BACKEND, Finding, Location
 
@@ -125,4 +125,4 @@ def breach_findings(judge: Judge, findings: list[Finding]) -> list[Finding]:
 def raised_at(exc: BaseException) -> str:
     """``Type: message (at file:line)``: an exception as a finding's reason, with the line that raised it."""
     last = traceback.extract_tb(exc.__traceback__)[-1]
-    return f"{type(exc).__name__}: {exc} (at {last.filename.rsplit('/', 1)[-1]}:{last.lineno})"
+    return f"{type(exc).__name__}: {exception_text(exc)} (at {last.filename.rsplit('/', 1)[-1]}:{last.lineno})"

@@ -112,6 +112,19 @@ class RaisesInAvailability(TorchChunk):
         raise RuntimeError("driver probe crashed")
 
 
+class Unprintable(RuntimeError):
+    def __str__(self) -> str:
+        raise ValueError("no message today")
+
+
+@hostile("hostile_raises_unprintable", "error", "Unprintable: <its message could not be read: str() raised ValueError>")
+class RaisesUnprintable(TorchChunk):
+    """Raises an exception whose str() raises in turn: it was charged to the suite, the backend got no row."""
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        raise Unprintable
+
+
 @hostile("hostile_raises_keyboard_interrupt", "error", "raised KeyboardInterrupt during its call with no interrupt")
 class RaisesKeyboardInterrupt(TorchChunk):
     """Raises KeyboardInterrupt itself (a library's own handler re-raising it, say): no one pressed Ctrl-C."""
