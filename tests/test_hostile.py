@@ -104,6 +104,16 @@ def test_a_hostile_backend_is_charged_and_every_other_verdict_stands(
         assert (out / "dashboard.html").stat().st_size > 0
 
 
+def test_one_exception_object_raised_by_two_backends_is_each_ones(tmp_path: Path) -> None:
+    # The second backend's rows were charged to the suite as "the baseline hostile_cached_error_a raised".
+    assert run_into(tmp_path, "hostile_cached_error_a", "hostile_cached_error_b", "torch_chunk") == ERRORED
+    records = load_store(tmp_path).records
+    assert SUITE_BACKEND not in set(records["backend"]), records[["backend", "reason"]]
+    for name in ("hostile_cached_error_a", "hostile_cached_error_b"):
+        mine = records[records["backend"] == name]
+        assert len(mine) >= len(CASES) and set(mine["verdict"]) == {"error"}, mine
+
+
 def test_a_write_into_an_input_names_its_first_changed_element(tmp_path: Path) -> None:
     assert run_into(tmp_path, "hostile_writes_q") == FAILED
     records = load_store(tmp_path).records

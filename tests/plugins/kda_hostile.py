@@ -112,6 +112,21 @@ class RaisesInAvailability(TorchChunk):
         raise RuntimeError("driver probe crashed")
 
 
+# One exception object raised again on every call, by two backends (an adapter that caches its import error).
+CACHED_IMPORT_ERROR = ImportError("no module named kernel_ext (cached at import)")
+
+
+@hostile("hostile_cached_error_a", "error", "ImportError: no module named kernel_ext")
+class CachedErrorA(TorchChunk):
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        raise CACHED_IMPORT_ERROR
+
+
+@hostile("hostile_cached_error_b", "error", "ImportError: no module named kernel_ext")
+class CachedErrorB(CachedErrorA):
+    pass
+
+
 class Unprintable(RuntimeError):
     def __str__(self) -> str:
         raise ValueError("no message today")
