@@ -62,11 +62,17 @@ def unregister(name: str) -> None:
 
 
 def load_plugin(module: str) -> None:
-    """Import ``module``, which registers its backends when imported."""
+    """Import ``module``, which registers its backends when imported; whatever goes wrong there (it cannot
+    be found, it raises, it registers a name that is taken, it calls sys.exit) is a PluginError naming it."""
+    _load()  # the built-in backends first, so that a plugin taking one of their names is told at once
     try:
         importlib.import_module(module)
     except ImportError as exc:
         raise PluginError(f"plugin module {module!r} cannot be imported: {exc}") from exc
+    except SystemExit as exc:
+        raise PluginError(f"plugin module {module!r} called sys.exit({exc.code!r}) at import") from None
+    except Exception as exc:
+        raise PluginError(f"plugin module {module!r} raised at import: {type(exc).__name__}: {exc}") from exc
 
 
 def names() -> list[str]:

@@ -235,3 +235,31 @@ def test_record_lines_keep_whole_numbers_under_a_header() -> None:
     line = record_line(row)
     assert "4.35e-03" in line and "aiter_flashkda_unsegmented" in line and "…" not in line
     assert len(line) == len(RECORD_LINE_HEADER) and "limit" in RECORD_LINE_HEADER and "rms_ratio" in RECORD_LINE_HEADER
+
+
+@pytest.mark.parametrize(
+    ("source", "said"),
+    [
+        ("raise RuntimeError('no GPU here')", "raised at import: RuntimeError: no GPU here"),
+        ("def broken(:\n    pass", "raised at import: SyntaxError"),
+        ("import sys\nsys.exit(0)", "called sys.exit(0) at import"),
+        (
+            "from kda_kernels.registry import register\nfrom kda_kernels.torch_chunk import TorchChunk\n"
+            "register('fla_chunk', TorchChunk)",
+            "ValueError: a backend named 'fla_chunk' is already registered",
+        ),
+    ],
+    ids=["raises", "syntax", "sys-exit", "takes-a-builtin-name"],
+)
+def test_a_plugin_that_breaks_at_import_is_one_line_and_exit_2(
+    source: str, said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Each was a traceback and exit 1 (the code for "a check failed"), or exit 0 with nothing run.
+    name = f"kda_broken_{abs(hash(source)) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(source + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["run", "--device", "cpu", "--plugin", name, "--out", str(tmp_path / "out")])
+    output = capsys.readouterr()
+    assert code == 2, output
+    assert said in output.out + output.err and "Traceback" not in output.out + output.err
+    assert registry.get("fla_chunk").name == "fla_chunk", "the built-in keeps its name"
