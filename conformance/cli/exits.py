@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 PASSED = 0  # everything that ran passed (known issues and warnings included, but under --kda-strict)
 FAILED = 1  # a kernel failed a check: a tensor out of its limits, memory it must not write, a strict warning
-USAGE = 2  # a bad option or input, an output folder that cannot be written, a run id that exists
+USAGE = 2  # a bad option or input, a plugin that cannot load, an unwritable output folder, a run id that exists
 ERRORED = 3  # nothing failed, but something raised, crashed or hung: a backend (its rows) or the suite's own code
 NOTHING_RAN = 5  # no case ran on any selected backend (every one skipped or out of memory), as pytest's 5
 INTERRUPTED = 130  # Ctrl-C or a time limit's SIGTERM; what ran is kept
@@ -20,7 +20,8 @@ MEANINGS = {
     PASSED: "passed: everything that ran passed (known issues and warnings do not fail, but under strict mode)",
     FAILED: "failed: a kernel failed a check (a tensor out of its limits, a broken call contract, a warning "
     "under strict mode, a ledger entry that no longer reproduces under strict mode)",
-    USAGE: "usage: a bad option or input, an output folder that cannot be written, a run id that exists",
+    USAGE: "usage: a bad option or input, a plugin that cannot load, an output folder that cannot be written, "
+    "a run id that exists",
     ERRORED: "errored: nothing failed, but a backend raised, crashed or hung, or the suite's own code raised "
     "(the records' backend column names who)",
     NOTHING_RAN: "nothing ran: every selected backend skipped every case (unsupported, unavailable, out of memory)",
