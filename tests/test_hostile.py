@@ -81,6 +81,7 @@ WRITERS = [f"hostile_writes_{name}" for name in INPUTS]
         "hostile_raises_a_surrogate",
         "hostile_raises_keyboard_interrupt",
         "hostile_raises_unprintable",
+        "hostile_returns_a_lying_subclass",
     ],
 )
 def test_a_hostile_backend_is_charged_and_every_other_verdict_stands(

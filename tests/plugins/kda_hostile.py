@@ -112,6 +112,25 @@ class RaisesInAvailability(TorchChunk):
         raise RuntimeError("driver probe crashed")
 
 
+class Lying(torch.Tensor):
+    """A tensor whose subtraction says there is no difference."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.sub, torch.Tensor.__sub__, torch.sub):
+            return torch.zeros_like(torch.Tensor.as_subclass(args[0], torch.Tensor)).double()
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@hostile("hostile_returns_a_lying_subclass", "fail", "max_abs")
+class ReturnsALyingSubclass(TorchChunk):
+    """Wrong by 1 everywhere, in a tensor subclass whose subtraction returns zeros (max-abs 0 before)."""
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        return dataclasses.replace(out, o=(out.o + 1).as_subclass(Lying))
+
+
 # One exception object raised again on every call, by two backends (an adapter that caches its import error).
 CACHED_IMPORT_ERROR = ImportError("no module named kernel_ext (cached at import)")
 
