@@ -135,6 +135,46 @@ def end_process(code: int) -> None:
 
 _depth: dict[int, int] = {}  # guarded calls in progress per thread (a paged call may run a plain one inside)
 
+# What a call may not change, because it changes other backends' verdicts or the suite's own work: a name, its
+# getter and its setter. A change is put back after the call and is the backend's failure, naming it.
+WORLD: tuple[tuple[str, Callable[[], object], Callable[[object], None]], ...] = (
+    ("torch's default dtype", torch.get_default_dtype, torch.set_default_dtype),
+    ("torch's default device", torch.get_default_device, torch.set_default_device),
+    ("torch's float32 matmul precision", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+    ("torch's deterministic mode", torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms),
+    ("torch's thread count", torch.get_num_threads, torch.set_num_threads),
+)
+SUITE_VARIABLES = "KDA_"  # the suite's own settings (the truth's form, the profile, strict mode, ...)
+
+
+def _world() -> dict[str, object]:
+    state: dict[str, object] = {name: get() for name, get, _ in WORLD}
+    state.update({f"${key}": value for key, value in os.environ.items() if key.startswith(SUITE_VARIABLES)})
+    return state
+
+
+def _put_world_back(backend: Backend, before: dict[str, object]) -> None:
+    """Restore what the call changed of the world, and note each change as the backend's failure."""
+    after = _world()
+    changed = [key for key in before.keys() | after.keys() if before.get(key) != after.get(key)]
+    if not changed:
+        return
+    setters = {name: put for name, _, put in WORLD}
+    for key in sorted(changed):
+        if key in setters:
+            setters[key](before[key])
+            what = f"changed {key} from {before[key]!r} to {after[key]!r} (put back)"
+        elif key[1:] in os.environ and key not in before:
+            del os.environ[key[1:]]
+            what = f"set the suite's variable {key[1:]}={after[key]!r} (removed)"
+        else:
+            os.environ[key[1:]] = str(before[key])
+            what = f"changed the suite's variable {key[1:]} from {before[key]!r} to {after.get(key)!r} (put back)"
+        broken = fault(backend, what)
+        broken.verdict = "fail"
+        _breaches.append(broken)
+
+
 # Whether a signal (Ctrl-C, a time limit's SIGTERM) reached this process: a KeyboardInterrupt inside a call
 # without one is the backend's own doing, an error of its call, not the user stopping the run.
 _signalled = threading.Event()
@@ -172,6 +212,7 @@ def _in_call(backend: Backend) -> Iterator[None]:
     for listener in list(_listeners):
         listener("call", backend)
     thread = threading.get_ident()
+    world = _world() if not _depth.get(thread) else None  # the outermost call of this thread takes it
     _depth[thread] = _depth.get(thread, 0) + 1
     os._exit = _trapped_exit
     try:
@@ -196,6 +237,8 @@ def _in_call(backend: Backend) -> Iterator[None]:
             del _depth[thread]
         if not _depth:
             os._exit = _real_exit
+        if world is not None:
+            _put_world_back(backend, world)
         for listener in list(_listeners):
             listener("returned", backend)
 

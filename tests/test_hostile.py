@@ -82,6 +82,8 @@ WRITERS = [f"hostile_writes_{name}" for name in INPUTS]
         "hostile_raises_keyboard_interrupt",
         "hostile_raises_unprintable",
         "hostile_returns_a_lying_subclass",
+        "hostile_sets_default_dtype",
+        "hostile_sets_suite_variable",
     ],
 )
 def test_a_hostile_backend_is_charged_and_every_other_verdict_stands(

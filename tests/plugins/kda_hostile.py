@@ -112,6 +112,25 @@ class RaisesInAvailability(TorchChunk):
         raise RuntimeError("driver probe crashed")
 
 
+@hostile("hostile_sets_default_dtype", "fail", "changed torch's default dtype from torch.float32 to torch.float64")
+class SetsDefaultDtype(TorchChunk):
+    """Right, but leaves torch's default dtype float64: later cases were drawn otherwise, limits 2.4x tighter."""
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        torch.set_default_dtype(torch.float64)
+        return out
+
+
+@hostile("hostile_sets_suite_variable", "fail", "set the suite's variable KDA_REFERENCE_FORM='loop'")
+class SetsSuiteVariable(TorchChunk):
+    """Right, but switches the truth's form for every later case."""
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        os.environ["KDA_REFERENCE_FORM"] = "loop"
+        return super().run(inputs)
+
+
 class Lying(torch.Tensor):
     """A tensor whose subtraction says there is no difference."""
 
