@@ -164,12 +164,16 @@ def _put_world_back(backend: Backend, before: dict[str, object]) -> None:
         if key in setters:
             setters[key](before[key])
             what = f"changed {key} from {before[key]!r} to {after[key]!r} (put back)"
-        elif key[1:] in os.environ and key not in before:
+        elif key not in before:
             del os.environ[key[1:]]
             what = f"set the suite's variable {key[1:]}={after[key]!r} (removed)"
         else:
             os.environ[key[1:]] = str(before[key])
-            what = f"changed the suite's variable {key[1:]} from {before[key]!r} to {after.get(key)!r} (put back)"
+            what = (
+                f"changed the suite's variable {key[1:]} from {before[key]!r} to {after[key]!r} (put back)"
+                if key in after
+                else f"removed the suite's variable {key[1:]}={before[key]!r} (put back)"
+            )
         broken = fault(backend, what)
         broken.verdict = "fail"
         _breaches.append(broken)
