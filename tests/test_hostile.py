@@ -107,6 +107,13 @@ def test_a_hostile_backend_is_charged_and_every_other_verdict_stands(
         assert (out / "dashboard.html").stat().st_size > 0
 
 
+def test_a_reused_output_buffer_with_fresh_noise_is_nondeterministic() -> None:
+    # Both calls returned the same tensor: the determinism check compared it with itself ("deterministic").
+    backend = registry.get("hostile_reuses_its_output_buffer")
+    [varies, *_] = run_check(get_check("determinism"), CASES[0], backend, torch.device("cpu"))
+    assert (varies.verdict, varies.observed) == ("warn", "nondeterministic"), varies
+
+
 def test_one_exception_object_raised_by_two_backends_is_each_ones(tmp_path: Path) -> None:
     # The second backend's rows were charged to the suite as "the baseline hostile_cached_error_a raised".
     assert run_into(tmp_path, "hostile_cached_error_a", "hostile_cached_error_b", "torch_chunk") == ERRORED

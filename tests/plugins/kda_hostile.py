@@ -131,6 +131,31 @@ class SetsSuiteVariable(TorchChunk):
         return super().run(inputs)
 
 
+class ReusesItsOutputBuffer(TorchChunk):
+    """Returns one buffer it keeps, written afresh on every call with the answer and a last-bit noise: two
+    calls' outputs are the same tensor, so a repeat compared with the first saw no difference."""
+
+    name = "hostile_reuses_its_output_buffer"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffer: torch.Tensor | None = None
+        self.calls = 0
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        if self.buffer is None or self.buffer.shape != out.o.shape:
+            self.buffer = torch.empty_like(out.o)
+        self.calls += 1
+        self.buffer.copy_(out.o)
+        same_size_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[out.o.element_size()]
+        self.buffer.view(same_size_int)[0, 0, 0, 0] ^= self.calls % 2
+        return dataclasses.replace(out, o=self.buffer)
+
+
+register(ReusesItsOutputBuffer.name, ReusesItsOutputBuffer, replace=True)
+
+
 class Lying(torch.Tensor):
     """A tensor whose subtraction says there is no difference."""
 
