@@ -9,6 +9,7 @@ import dataclasses
 
 import torch
 
+from kda_cases.dtypes import INT_OF_SIZE
 from kda_cases.envelope import Envelope
 from kda_cases.materialize import KDAInputs
 from kda_kernels.protocol import BackendOutput
@@ -133,8 +134,7 @@ class Nondeterministic(TorchChunk):
     def varied(out: BackendOutput) -> BackendOutput:
         Nondeterministic.calls += 1
         o = out.o.clone()
-        same_size_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[o.element_size()]
-        o.view(same_size_int)[0, 0, 0, 0] ^= Nondeterministic.calls % 2
+        o.view(INT_OF_SIZE[o.element_size()])[0, 0, 0, 0] ^= Nondeterministic.calls % 2
         return dataclasses.replace(out, o=o)
 
 

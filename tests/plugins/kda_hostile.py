@@ -12,6 +12,7 @@ import os
 import torch
 
 from kda_cases.case import Case
+from kda_cases.dtypes import INT_OF_SIZE
 from kda_cases.materialize import KDAInputs
 from kda_kernels.protocol import BackendOutput, Support
 from kda_kernels.registry import register
@@ -148,8 +149,7 @@ class ReusesItsOutputBuffer(TorchChunk):
             self.buffer = torch.empty_like(out.o)
         self.calls += 1
         self.buffer.copy_(out.o)
-        same_size_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[out.o.element_size()]
-        self.buffer.view(same_size_int)[0, 0, 0, 0] ^= self.calls % 2
+        self.buffer.view(INT_OF_SIZE[out.o.element_size()])[0, 0, 0, 0] ^= self.calls % 2
         return dataclasses.replace(out, o=self.buffer)
 
 
