@@ -638,3 +638,28 @@ def test_an_interrupted_compile_stage_says_and_keeps_what_it_compiled(
     assert (
         night["interrupted"] and night["compile"]["results"] == done and night["compile"]["outcomes"] == {"compiled": 1}
     )
+
+
+def test_hypothesis_replaying_a_failure_that_does_not_repeat_gets_the_same_failure(tmp_path: Path) -> None:
+    """Hypothesis reruns a failing example once more at the end; a kernel whose wrong answer does not repeat
+    (SGLang's garbage after a zero-length member on the H200) made that rerun pass, and the test ended in
+    hypothesis's FlakyFailure instead of the suite's report. The rerun now gets the first verdict."""
+    done = pytest_run(
+        "conformance/test_properties.py",
+        "-k",
+        "test_within_budget",
+        "--kda-profile",
+        "ci",
+        "--kda-examples",
+        "3",
+        "--kda-plugin",
+        "kda_behaviours",
+        "--kda-backend",
+        "test_wrong_once",
+        "--kda-out",
+        str(tmp_path),
+    )
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert "Flaky" not in done.stdout, done.stdout[-3000:]
+    assert "budget: kda-" in done.stdout and "backend test_wrong_once" in done.stdout, done.stdout[-3000:]
+    assert "repro: kda-conformance run" in done.stdout

@@ -167,6 +167,22 @@ class StateBetweenCalls(TorchChunk):
         return dataclasses.replace(out, o=o)
 
 
+class WrongOnce(TorchChunk):
+    """Off by 0.5 on its first call in a process, right from then on (garbage in a buffer its first launch
+    reads, as a kernel whose wrong answer does not repeat): Hypothesis's replay of the failing example passes."""
+
+    name = "test_wrong_once"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        self.calls += 1
+        return dataclasses.replace(out, o=out.o + 0.5) if self.calls == 1 else out
+
+
 class DriftingError(TorchChunk):
     """The baseline's error times ``KDA_TEST_ERROR_SCALE`` (default 1): a kernel whose error grew 1.4 times
     still passes the budget rule (its factors are 4 and 2), which only the sentinels' trends see."""
@@ -205,6 +221,7 @@ for backend in (
     Nondeterministic,
     NondeterministicLeak,
     StateBetweenCalls,
+    WrongOnce,
     DriftingError,
 ):
     register(backend.name, backend, replace=True)
