@@ -32,6 +32,9 @@ def _record(run: str, backend: str, verdict: str, known: str = "", **more: objec
     return row | more
 
 
+_ENDED = "the process ended during {}'s call in check {} (os._exit, a signal, an abort or a kill)"
+
+
 def _issue(id_: str, backends: tuple[str, ...]) -> KnownIssue:
     return KnownIssue(id=id_, backends=backends, description=f"{id_} text", upstream="", added="", worst=10.0)
 
@@ -48,13 +51,24 @@ def test_each_ledger_entry_gets_its_status_from_the_newest_run_that_matched_it()
             _record("r2", "fla_chunk32", "error", reason="RuntimeError: CUDA error: misaligned address (at x.py:3)"),
             _record("r2", "fla_chunk32", "error", check="prefix", reason="CUDA error: misaligned address"),
             _record("r2", "(suite)", "error", reason="the float64 truth is not finite"),
+            # the cases a quarantine kept from launching after that crash are the crash's, not a finding
+            _record("r2", "fla_chunk32", "error", tokens=1, observed="not launched", reason="quarantined after x"),
+            # one abort met by two checks is one finding, whatever the backend and check its message names
+            *(
+                _record(
+                    "r2", "fla_chunk", "error", tokens=tokens, check=check, reason=_ENDED.format("fla_chunk", check)
+                )
+                for tokens, check in ((2, "packing"), (400, "prefix"))
+            ),
             _record("r1", "fla_recurrent", "fail", ratio=3.0),  # its newest run passes
             _record("r2", "fla_recurrent", "pass"),
         ]
     )
     ledger = (_issue("still-bad", ("fla_chunk",)), _issue("fixed-now", ("aiter_default",)), _issue("gone", ("x",)))
     found = {f.id: f for f in upstream_findings(records, ledger)}
-    assert set(found) == {"still-bad", "fixed-now", "gone", "new-fla_chunk32-cuda-error-misaligned-address"}
+    ended = "new-fla_chunk-the-process-ended-during-the-backend-s-call-os-e"
+    assert set(found) == {"still-bad", "fixed-now", "gone", "new-fla_chunk32-cuda-error-misaligned-address", ended}
+    assert found[ended].check == "packing, prefix" and found[ended].case_id == Case(seq_lens=(2,)).id
     bad = found["still-bad"]
     assert (bad.status, bad.run, bad.cases, bad.worst, bad.kernel) == (
         "open",
@@ -68,6 +82,14 @@ def test_each_ledger_entry_gets_its_status_from_the_newest_run_that_matched_it()
     assert found["gone"].status == "not seen"
     crash = found["new-fla_chunk32-cuda-error-misaligned-address"]
     assert crash.status == "new" and crash.check == "budget, prefix" and "misaligned address" in crash.worst
+    assert crash.case_id == Case(seq_lens=(40,)).id  # the crash's own case, not a quarantined one
+
+
+def test_new_findings_whose_kinds_share_a_truncated_id_keep_ids_of_their_own() -> None:
+    long = "a failure whose first line is longer than an id keeps of it, ending in "
+    records = pd.DataFrame([_record("r1", "fla_chunk", "error", reason=long + end) for end in ("one", "two")])
+    ids = [f.id for f in upstream_findings(records, ())]
+    assert len(ids) == 2 and len(set(ids)) == 2 and ids[1] == ids[0] + "-2", ids
 
 
 def test_a_findings_test_fails_on_the_kernel_passes_on_a_correct_backend_and_skips_without_it(

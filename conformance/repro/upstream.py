@@ -28,7 +28,7 @@ from kda_conformance.checks import CHECKS, run_check
 from kda_conformance.judging.known import KnownIssue
 from kda_conformance.repro.standalone import write_standalone
 from kda_conformance.running.faults import DeviceLost
-from kda_conformance.running.session import Run
+from kda_conformance.running.session import NOT_LAUNCHED, Run
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault
 from kda_reports.findings import FAILED
@@ -85,10 +85,19 @@ def _worst(rows: pd.DataFrame) -> str:
 
 
 def _message_kind(reason: str) -> str:
-    """What kind of failure a reason is, without its numbers and paths: the key that groups new findings."""
+    """What kind of failure a reason is, without its numbers, paths, backend and check: the key that groups
+    new findings (one abort met by two checks is one finding)."""
     found = re.search(r"(CUDA|HIP) error: ([^\n;(]+)", reason)
     text = found.group(0) if found else reason.splitlines()[0] if reason else ""
+    text = re.sub(r"during \S+'s call in check \S+", "during the backend's call", text)
     return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", text).strip()[:100]
+
+
+def _quarantined(rows: pd.DataFrame) -> pd.Series:
+    """The records of cases a quarantine kept from launching after another case crashed their kernel
+    configuration: the crash's consequence, recorded with its own case, not a finding of their own."""
+    observed = rows.get("observed", pd.Series("", index=rows.index)).fillna("").astype(str)
+    return observed == NOT_LAUNCHED
 
 
 def _smallest(rows: pd.DataFrame) -> pd.Series:
@@ -138,6 +147,7 @@ def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> 
         records["verdict"].isin(FAILED)
         & (matched == "" if not matched.empty else True)
         & ~records["backend"].astype(str).isin(NOT_A_KERNEL)
+        & ~_quarantined(records)
     ]
     if fresh.empty:
         return rows
@@ -148,8 +158,13 @@ def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> 
     errors = fresh["verdict"] == "error"
     kinds = fresh["reason"].fillna("").astype(str).map(_message_kind)
     fresh = fresh.assign(group=kinds.where(errors, fresh["check"].astype(str) + " past the limit"), raised=errors)
+    taken = {row.id for row in rows}
     for (backend, group), part in fresh.groupby(["backend", "group"], sort=True):
         id_ = f"new-{backend}-" + re.sub(r"[^a-z0-9]+", "-", group.lower()).strip("-")[:48]
+        base, n = id_, 2
+        while id_ in taken:  # two kinds that share the truncated text: ids stay unique (anchors, file names)
+            id_, n = f"{base}-{n}", n + 1
+        taken.add(id_)
         checks = ", ".join(sorted(part["check"].astype(str).unique()))
         what = f"not in the ledger: {'raised ' + group if part['raised'].iloc[0] else group} ({checks})"
         rows.append(_row(id_, part, "new", str(part["run_id"].max()), description=what))
