@@ -4,7 +4,8 @@ Most of a cold compile is autotuning: ``triton.autotune`` compiles and times eve
 each new key, although this suite measures accuracy, not speed. A warm run with ``KDA_AUTOTUNE_RECORD=DIR``
 writes, from each of its processes, the config every autotuned kernel chose for every key it met
 (``DIR/autotune-<pid>.json``); ``kda-conformance autotune --from DIR`` merges them into this GPU model's
-file, ``kernels/autotune/<gpu>.json`` (a few KB, kept in the repo, dated). On any machine of that model
+file, ``kernels/autotune/<gpu>.json`` (kept in the repo, dated; each key by a 12-digit hash of its text,
+grouped under the config chosen for it, so 800 keys take about 20 KB). On any machine of that model
 the suite then hands each kernel the recorded config before its first launch of a known key, so autotune
 benchmarks nothing: the config a warm machine picks, so the same verdicts. A key the file does not hold
 tunes as before and says so, once per kernel. ``KDA_AUTOTUNE_REPLAY=0`` switches replay off.
@@ -18,6 +19,7 @@ from the kernel's own list (a file whose config is no longer in the list tunes, 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import re
@@ -32,7 +34,7 @@ FOLDER = Path(__file__).with_name("autotune")
 REPLAY_VARIABLE = "KDA_AUTOTUNE_REPLAY"  # "0": tune as Triton does; a path: replay that file
 RECORD_VARIABLE = "KDA_AUTOTUNE_RECORD"  # a folder: each process writes the choices it met there
 
-Choices = dict[str, dict[str, dict]]  # kernel -> key -> config
+Choices = dict[str, dict[str, dict]]  # kernel -> key id (``key_id``) -> config
 
 _state: dict = {"installed": False, "choices": {}, "source": "", "replayed": 0, "told": set()}
 _seen: weakref.WeakSet = weakref.WeakSet()  # the autotuners this process ran, for recording
@@ -64,6 +66,15 @@ def key_text(key: tuple) -> str:
     return json.dumps([k if isinstance(k, bool | int | float | str) or k is None else str(k) for k in key])
 
 
+def key_id(text: str) -> str:
+    """A key's name in the file: the first 12 hex digits of the SHA-1 of its ``key_text``. A key's text
+    repeats every argument's dtype (20 names for FLA's kernels); hashed, 800 keys take 20 KB, not 240.
+    An id is already its own id, so files and parts that hold texts (before 2026-12-03) still load."""
+    if len(text) == 12 and all(c in "0123456789abcdef" for c in text):
+        return text
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
 def config_dict(config: object) -> dict:
     return {
         "kwargs": dict(getattr(config, "kwargs", {})),
@@ -88,7 +99,7 @@ class ReplayCache(dict):
         if autotuner is None or not isinstance(key, tuple):
             return False
         name = kernel_name(autotuner)
-        recorded = _state["choices"].get(name, {}).get(key_text(key))
+        recorded = _state["choices"].get(name, {}).get(key_id(key_text(key)))
         config = None
         if recorded is not None:
             config = next((c for c in autotuner.configs if config_dict(c) == recorded), None)
@@ -125,7 +136,7 @@ def recorded_choices() -> Choices:
     choices: Choices = {}
     for autotuner in list(_seen):
         for key, config in dict(getattr(autotuner, "cache", {})).items():
-            choices.setdefault(kernel_name(autotuner), {})[key_text(key)] = config_dict(config)
+            choices.setdefault(kernel_name(autotuner), {})[key_id(key_text(key))] = config_dict(config)
     return choices
 
 
@@ -193,8 +204,19 @@ def activate(device: torch.device) -> str:
 
 
 def load(path: Path) -> Choices:
-    data = json.loads(Path(path).read_text())
-    return {kernel: dict(keys) for kernel, keys in data.get("choices", {}).items()}
+    return _choices(json.loads(Path(path).read_text()).get("choices", {}))
+
+
+def _choices(stored: dict) -> Choices:
+    """A file's or a part's choices, kernel -> key id -> config: from the file's groups (``[config, [ids]]``
+    per config chosen) or a mapping of keys (parts, and files before 2026-12-03)."""
+    choices: Choices = {}
+    for kernel, entries in stored.items():
+        if isinstance(entries, list):
+            choices[kernel] = {key_id(key): config for config, keys in entries for key in keys}
+        else:
+            choices[kernel] = {key_id(key): config for key, config in entries.items()}
+    return choices
 
 
 def merge(parts: Iterable[Path]) -> tuple[str, str, Choices]:
@@ -205,7 +227,7 @@ def merge(parts: Iterable[Path]) -> tuple[str, str, Choices]:
         data = json.loads(Path(part).read_text())
         devices.add(data["device"])
         versions.add(data["triton"])
-        for kernel, keys in data["choices"].items():
+        for kernel, keys in _choices(data["choices"]).items():
             choices.setdefault(kernel, {}).update(keys)
     if len(devices) != 1 or len(versions) != 1:
         raise ValueError(f"the parts were recorded on {sorted(devices)} with Triton {sorted(versions)}: one of each")
@@ -213,17 +235,28 @@ def merge(parts: Iterable[Path]) -> tuple[str, str, Choices]:
 
 
 def write(path: Path, device: str, triton: str, choices: Choices, command: str = "") -> Path:
-    data = {
+    """The GPU model's file: a header, then per kernel one line per config chosen with the ids of its keys
+    (a line per group keeps a re-recording's diff readable)."""
+    head = {
         "device": device,
         "triton": triton,
         "recorded": datetime.date.today().isoformat(),
         "command": command,
         "kernels": len(choices),
         "keys": sum(len(v) for v in choices.values()),
-        "choices": choices,
     }
+    kernels = []
+    for kernel, keys in sorted(choices.items()):
+        groups: dict[str, list[str]] = {}
+        for key, config in keys.items():
+            groups.setdefault(json.dumps(config, sort_keys=True), []).append(key)
+        rows = sorted(([json.loads(c), sorted(ids)] for c, ids in groups.items()), key=lambda g: (-len(g[1]), g[1]))
+        lines = ",\n".join("   " + json.dumps(row, separators=(",", ":"), sort_keys=True) for row in rows)
+        kernels.append(f"  {json.dumps(kernel)}: [\n{lines}\n  ]")
+    body = ",\n".join(kernels)
+    text = json.dumps(head, indent=1)[: -len("\n}")] + f',\n "choices": {{\n{body}\n }}\n}}\n'
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    path.write_text(text)
     return path
 
 

@@ -70,7 +70,8 @@ def test_a_warm_run_records_and_a_cold_one_replays_without_benchmarking(
     [part] = (tmp_path / "parts").glob("autotune-*.json")
     device, version, choices = replay.merge([part])
     name = f"{__name__}.kernel_body"
-    assert choices == {name: {replay.key_text((128,)): replay.config_dict(triton.Config({"BLOCK": 32}, num_warps=4))}}
+    chosen = replay.config_dict(triton.Config({"BLOCK": 32}, num_warps=4))
+    assert choices == {name: {replay.key_id(replay.key_text((128,))): chosen}}
     replay.write(tmp_path / "h200.json", device, version, choices, "test")
     saved = json.loads((tmp_path / "h200.json").read_text())
     assert saved["keys"] == 1 and saved["recorded"] and saved["triton"] == version
@@ -92,7 +93,7 @@ def test_a_recorded_config_no_longer_in_the_kernels_list_tunes(clean: None) -> N
     _, probe, _ = autotuned()
     name = replay.kernel_name(probe)
     gone = {"kwargs": {"BLOCK": 128}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
-    replay.install({name: {replay.key_text((128,)): gone}})
+    replay.install({name: {replay.key_id(replay.key_text((128,))): gone}})
     _, tuner, benched = autotuned()
     tuner.run(None, 128)
     assert benched == [16, 32, 64] and replay.replayed() == 0
@@ -123,16 +124,12 @@ def test_the_autotune_command_writes_the_gpu_models_file_and_names_a_bad_folder(
     for pid, key in ((1, "[128]"), (2, "[256]")):  # two processes, one key each
         part = {"device": "NVIDIA H200", "triton": "3.6.0", "choices": {"m.kernel": {key: choice}}}
         (parts / f"autotune-{pid}.json").write_text(json.dumps(part))
-    assert main(["autotune", "--from", str(parts), "--out", str(tmp_path / "h200.json")]) == 0
+    note = "KDA_AUTOTUNE_RECORD=DIR kda-conformance nightly on a fresh H200"
+    assert main(["autotune", "--from", str(parts), "--out", str(tmp_path / "h200.json"), "--note", note]) == 0
     saved = json.loads((tmp_path / "h200.json").read_text())
-    assert (
-        saved["device"] == "NVIDIA H200"
-        and saved["keys"] == 2
-        and set(saved["choices"]["m.kernel"])
-        == {
-            "[128]",
-            "[256]",
-        }
+    assert saved["device"] == "NVIDIA H200" and saved["keys"] == 2 and saved["command"] == note
+    assert saved["choices"]["m.kernel"] == [[choice, sorted(replay.key_id(k) for k in ("[128]", "[256]"))]], (
+        "one line per config chosen, with its keys' ids"
     )
     assert main(["autotune", "--from", str(tmp_path / "nothing")]) == 2
     assert "no autotune-*.json parts" in capsys.readouterr().out
@@ -142,10 +139,28 @@ def test_the_committed_h200_file_is_one_gpu_models_choices_and_ships_with_the_pa
     path = replay.file_for("NVIDIA H200")
     data = json.loads(path.read_text())
     assert (data["device"], data["kernels"]) == ("NVIDIA H200", len(data["choices"]))
-    assert data["keys"] == sum(len(keys) for keys in data["choices"].values())
+    assert data["keys"] == sum(len(keys) for keys in replay.load(path).values())
     for kernel, keys in replay.load(path).items():
         assert "." in kernel and keys, kernel
         for key, config in keys.items():
-            assert isinstance(json.loads(key), list) and set(config) >= {"kwargs", "num_warps", "num_stages"}
+            assert replay.key_id(key) == key and set(config) >= {"kwargs", "num_warps", "num_stages"}
+    assert path.stat().st_size < 40 * sum(len(keys) for keys in replay.load(path).values()) + 20_000, (
+        "each key a 12-digit id under the config chosen for it, not its text"
+    )
     pyproject = Path(__file__).parents[1].joinpath("pyproject.toml").read_text()
     assert 'kda_kernels = ["autotune/*.json"]' in pyproject
+
+
+def test_a_file_of_key_texts_as_written_before_still_replays(tmp_path: Path, clean: None) -> None:
+    """Files and parts before 2026-12-03 held each key's text: they load, merge and replay under its id."""
+    _, probe, _ = autotuned()
+    name = replay.kernel_name(probe)
+    chosen = replay.config_dict(triton.Config({"BLOCK": 64}, num_warps=4))
+    old = {"device": "NVIDIA H200", "triton": "3.6.0", "choices": {name: {replay.key_text((128,)): chosen}}}
+    (tmp_path / "autotune-old.json").write_text(json.dumps(old))
+    _, _, merged = replay.merge([tmp_path / "autotune-old.json"])
+    replay.write(tmp_path / "h200.json", "NVIDIA H200", "3.6.0", merged)
+    replay.install(replay.load(tmp_path / "h200.json"))
+    jit, tuner, benched = autotuned()
+    tuner.run(None, 128)
+    assert benched == [] and jit.launched == [64], "the old file's choice, by the key's id"

@@ -28,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", type=Path, default=None, metavar="FILE",
         help="the replay file (default: kernels/autotune/<gpu>.json, which the suite replays on that GPU model)",
     )  # fmt: skip
+    parser.add_argument(
+        "--note", default="", metavar="TEXT",
+        help="how the parts were recorded (the runs, the machine), kept in the file's command field "
+        "(default: this command line)",
+    )  # fmt: skip
 
 
 def execute(args: argparse.Namespace, console: Console) -> int:
@@ -46,7 +51,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         say(console, f"--from {args.parts}: {exc}", "error:", "red")
         return USAGE
     path = args.out or autotune_replay.file_for(device)
-    autotune_replay.write(path, device, triton, choices, args.command_line)
+    autotune_replay.write(path, device, triton, choices, args.note or args.command_line)
     keys = sum(len(v) for v in choices.values())
     console.print(
         f"{keys} choices of {len(choices)} kernels ({device}, Triton {triton}) from {len(parts)} processes: {path}",
