@@ -85,6 +85,34 @@ def test_each_ledger_entry_gets_its_status_from_the_newest_run_that_matched_it()
     assert crash.case_id == Case(seq_lens=(40,)).id  # the crash's own case, not a quarantined one
 
 
+def test_a_ledger_entry_written_after_a_run_claims_the_failures_it_allows() -> None:
+    """A run's records hold what its day's ledger matched; the page reads them with today's: a failure the
+    entry allows is the entry's, one past its allowed worst, of another dtype or another run's environment
+    stays new."""
+    fp16 = Case(seq_lens=(300,), dtype="fp16")
+    as_fp16 = {"case_json": fp16.to_json(), "case_id": fp16.id, "device": "cuda:0", "env_variables": "{}"}
+    under_ieee = as_fp16 | {"env_variables": '{"TRITON_F32_DEFAULT": "ieee"}'}
+    records = pd.DataFrame(
+        [
+            _record("r1", "sglang_chunk", "fail", rel_rms_ratio=1.6, **as_fp16),
+            _record("r1", "sglang_chunk", "fail", rel_rms_ratio=1.3, check="steps", **as_fp16),
+            _record("r1", "sglang_chunk", "fail", rel_rms_ratio=1.4, device="cuda:0", env_variables="{}"),  # bf16
+            _record("r1", "sglang_chunk", "fail", rel_rms_ratio=9.0, check="poison", **as_fp16),  # past allowed
+            _record("r1", "sglang_chunk", "fail", rel_rms_ratio=1.2, check="prefix", **under_ieee),
+        ]
+    )
+    entry = dataclasses.replace(
+        _issue("fp16-rel-rms", ("sglang_chunk",)), worst=1.66, device="cuda", when={"dtype": ("fp16",)},
+        environment={"TRITON_F32_DEFAULT": ("",)},
+    )  # fmt: skip
+    found = {f.id: f for f in upstream_findings(records, (entry,))}
+    assert found["fp16-rel-rms"].status == "open" and found["fp16-rel-rms"].cases == 1, found["fp16-rel-rms"]
+    assert found["fp16-rel-rms"].check == "budget, steps"
+    new = sorted(i for i in found if i.startswith("new-"))
+    assert new == ["new-sglang_chunk-budget-past-the-limit", "new-sglang_chunk-poison-past-the-limit",
+                   "new-sglang_chunk-prefix-past-the-limit"], new  # fmt: skip
+
+
 def test_new_findings_whose_kinds_share_a_truncated_id_keep_ids_of_their_own() -> None:
     long = "a failure whose first line is longer than an id keeps of it, ending in "
     records = pd.DataFrame([_record("r1", "fla_chunk", "error", reason=long + end) for end in ("one", "two")])

@@ -3,7 +3,10 @@
 A ledger entry (conformance/known_issues.toml) is a finding the suite already tracks; its status comes from
 the newest run in the store whose records it matched: ``open`` while a matched record still fails there,
 ``fixed`` when every matched record passed (the entry is to be retired), ``not seen`` when no run matched
-it. A failure of a backend that no entry matches (not the suite's, not the machine's) is a ``new`` finding,
+it. An entry also claims the failures recorded before it was written (a run's records hold what the
+ledger of its day matched; the page reads them with today's ledger, by the same rule as the judge's:
+backend, check, tensor, device, case fields, the run's environment, and the entry's allowed worst). A
+failure of a backend that no entry matches (not the suite's, not the machine's) is a ``new`` finding,
 grouped by backend, check and the message's kind. Each row names the kernel's library and version as the
 run recorded them, its smallest failing case (fewest tokens, its repro line) and the worst error/limit.
 ``kda-conformance findings`` writes the table (docs/findings.md) and, where the backend runs on this
@@ -13,6 +16,7 @@ wrong, passes once it is right and skips where its library or device is missing.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -31,7 +35,7 @@ from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.session import NOT_LAUNCHED, Run
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault
-from kda_reports.findings import FAILED
+from kda_reports.findings import FAILED, worst_ratio
 
 STATUSES = ("open", "new", "fixed", "not seen")
 # Not a kernel's finding: the suite's own failures and the machine's.
@@ -105,6 +109,43 @@ def _smallest(rows: pd.DataFrame) -> pd.Series:
     return rows.loc[tokens.sort_values(kind="stable").index[0]]
 
 
+def _claimed(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> pd.Series:
+    """The ledger entry each record is known by: the one its run matched, or for a failure its run's ledger
+    did not know, the first of today's entries that matches and allows it (KnownIssue.matches, on the
+    record's fields and its run's recorded environment instead of this process's)."""
+    matched = records["known_issue"].fillna("").astype(str) if "known_issue" in records else None
+    if matched is None:
+        return pd.Series("", index=records.index, dtype=str)
+    unclaimed = records[(records["verdict"] == "fail") & (matched == "")]
+    for index, row in unclaimed.iterrows():
+        worst = worst_ratio(float(row.get("ratio", float("nan"))), float(row.get("rel_rms_ratio", float("nan"))))
+        for issue in ledger:
+            if _claims(issue, row) and worst <= issue.allowed:
+                matched.at[index] = issue.id
+                break
+    return matched
+
+
+def _claims(issue: KnownIssue, row: pd.Series) -> bool:
+    text = lambda name: "" if pd.isna(row.get(name)) else str(row.get(name))  # noqa: E731
+    if text("backend") not in issue.backends or (issue.checks and text("check") not in issue.checks):
+        return False
+    if (issue.tensors and text("tensor") not in issue.tensors) or (
+        issue.observed and text("observed") not in issue.observed
+    ):
+        return False
+    if issue.device and text("device").split(":")[0] != issue.device:
+        return False
+    try:
+        case = Case.from_json(text("case_json"))
+        variables = json.loads(text("env_variables") or "{}")
+    except (ValueError, TypeError):
+        return False
+    if any(getattr(case, name, None) not in values for name, values in issue.when.items()):
+        return False
+    return all(str(variables.get(name, "")) in values for name, values in issue.environment.items())
+
+
 def _row(id_: str, rows: pd.DataFrame, status: str, run: str, **text: str) -> UpstreamFinding:
     failing = rows[rows["verdict"].isin(["known", *FAILED])]
     shown = failing if not failing.empty else rows
@@ -130,7 +171,7 @@ def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> 
     """One row per ledger entry (its status in the newest run that matched it) and per new kernel failure of
     each backend's newest run."""
     rows = []
-    matched = records["known_issue"].fillna("").astype(str) if "known_issue" in records else pd.Series()
+    matched = _claimed(records, ledger) if "known_issue" in records else pd.Series()
     for issue in ledger:
         text = {"description": issue.description, "confirmed": issue.confirmed, "upstream": issue.upstream}
         mine = records[matched == issue.id] if not matched.empty else records.iloc[0:0]
