@@ -41,6 +41,12 @@ KEY_REGIMES = ("random", "correlated", "repeated")
 BETA_REGIMES = ("typical", "near_one")
 INITIAL_STATES = ("none", "random", "large")
 STATE_LAYOUTS = ("k_first", "v_first")
+# How the token tensors lie in memory (cases/materialize.py): each its own contiguous tensor; q, k, v as views
+# of one fused projection output and g, beta of another, as vLLM's and SGLang's layers hand them; or each
+# a [B, H, T, D] tensor seen as [B, T, H, D] (token stride D, head stride T * D). Same values in each.
+INPUT_LAYOUTS = ("contiguous", "fused", "head_major")
+# Axes added after cases were pinned and ledgered: at their default they leave a case's id as it was.
+ID_NEUTRAL_DEFAULTS = {"input_layout": "contiguous"}
 
 # Bumped when materialize() changes how it draws tensors from a seed: the same id
 # must always mean the same inputs, so the version is part of the id.
@@ -132,6 +138,7 @@ class Case:
     beta_sigmoid_in_kernel: bool = True
     initial_state: str = "none"
     state_layout: str = "k_first"
+    input_layout: str = "contiguous"
     checkpoints: tuple[tuple[int, int], ...] = ()
     scale: float | None = None
     seed: int = 0
@@ -182,6 +189,7 @@ class Case:
         _choice("beta_regime", self.beta_regime, BETA_REGIMES)
         _choice("initial_state", self.initial_state, INITIAL_STATES)
         _choice("state_layout", self.state_layout, STATE_LAYOUTS)
+        _choice("input_layout", self.input_layout, INPUT_LAYOUTS)
         bound = GATES[self.gate].bound
         if bound == "required" and (self.lower_bound is None or not self.lower_bound < 0):
             raise ValueError(f"gate={self.gate!r} needs lower_bound < 0, got {self.lower_bound}")
@@ -282,6 +290,9 @@ class Case:
         """Stable short id: a hash of every field that shapes the inputs, plus the generator version."""
         data = self.to_dict()
         data.pop("tags")
+        for name, default in ID_NEUTRAL_DEFAULTS.items():
+            if data[name] == default:
+                del data[name]
         data["generator"] = GENERATOR_VERSION
         digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
         return f"kda-{digest[:12]}"
@@ -314,6 +325,8 @@ class Case:
             parts.append("vfirst")
         if self.state_dtype != "fp32":
             parts.append(f"S:{self.state_dtype}")
+        if self.input_layout != "contiguous":
+            parts.append(self.input_layout.replace("_", "-"))
         if self.scale is not None:
             parts.append(f"scale{self.scale:g}")
         return " ".join(parts)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 import pandas as pd
 
-from kda_cases.case import DTYPES, GATE_FORMS, STATE_DTYPES, STATE_LAYOUTS, Case
+from kda_cases.case import DTYPES, GATE_FORMS, INPUT_LAYOUTS, STATE_DTYPES, STATE_LAYOUTS, Case
 
 CHUNK = 64  # the chunk of FLA's and AITER's default pipelines; FlashKDA's are 16 and 32, inside it
 SEGMENT_EDGES = (2047, 2048, 2049)  # around FlashKDA's segment of 2048 tokens (64 chunks of 32)
@@ -98,6 +98,7 @@ AXES: dict[str, Callable[[Case], str | tuple[str, ...]]] = {
     "key regime": lambda c: c.key_regime,
     "initial state": lambda c: c.initial_state,
     "state layout": lambda c: c.state_layout,
+    "input layout": lambda c: c.input_layout,
     "state dtype": lambda c: c.state_dtype,
     "packing": _packing,
     "checkpoints": lambda c: "some" if c.checkpoints else "none",
@@ -137,6 +138,7 @@ CI_REQUIRED: dict[str, tuple[str, ...]] = {
     "key regime": ("random", "correlated", "repeated"),
     "initial state": ("none", "random", "large"),
     "state layout": ("k_first", "v_first"),
+    "input layout": INPUT_LAYOUTS,
     "state dtype": ("fp32", "bf16"),
     "packing": ("one sequence", "[B, T] batch", "packed", "packed, a zero-length member"),
     "checkpoints": ("none", "some"),
@@ -155,6 +157,7 @@ NIGHT_REQUIRED: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,
     "state dtype": STATE_DTYPES,
     "state layout": STATE_LAYOUTS,
+    "input layout": INPUT_LAYOUTS,
     "scale": ("default", "explicit"),
     "head dim K": ("32", "64", "128", "256"),
     "head dim V": ("32", "64", "128", "256"),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 
-from kda_cases.case import BETA_REGIMES, GATE_REGIMES, INITIAL_STATES, KEY_REGIMES, Case
+from kda_cases.case import BETA_REGIMES, GATE_REGIMES, INITIAL_STATES, INPUT_LAYOUTS, KEY_REGIMES, Case
 from kda_cases.coverage import CHUNK
 
 # One kernel configuration per case, and the packing it is served with ("one", "batch": a [B, T] batch with
@@ -67,6 +67,8 @@ def guaranteed_cases(seed: int | None) -> list[Case]:
     scales = _dealt(rng, (False, True), count)
     edges = _dealt(rng, EDGES, count)
     checkpoints = _dealt(rng, ("on", "off", "none"), count)
+    # From a generator of its own: the draws above and below, and so each seed's cases, are as before.
+    layouts = _dealt(random.Random(f"input_layout {seed}"), INPUT_LAYOUTS, count)
     cases = []
     for i, config in enumerate(CONFIGS):
         fields = {k: v for k, v in config.items() if k not in ("packing", "h0")}
@@ -97,6 +99,7 @@ def guaranteed_cases(seed: int | None) -> list[Case]:
                 beta_regime=rng.choice(BETA_REGIMES),
                 initial_state=initial_state,
                 checkpoints=marks,
+                input_layout=layouts[i],
                 scale=rng.choice((0.5, 1.0, 2.0)) / config["head_k_dim"] ** 0.5 if scales[i] else None,
                 seed=rng.randrange(2**31),
                 tags=("guaranteed",),

@@ -184,18 +184,45 @@ def materialize(case: Case, device: str | torch.device = "cpu") -> KDAInputs:
             return None
         return (x.to(cast) if cast is not None else x).to(dev)
 
+    tokens = laid_out(case.input_layout, *(move(x, dtype) for x in (q, k, v, g, beta)))
     return KDAInputs(
         case=case,
-        q=move(q, dtype),
-        k=move(k, dtype),
-        v=move(v, dtype),
-        g=move(g, dtype),
-        beta=move(beta, dtype),
+        **dict(zip(("q", "k", "v", "g", "beta"), tokens, strict=True)),
         A_log=move(A_log),
         dt_bias=move(dt_bias),
         initial_state=move(h0),
         cu_seqlens=move(cu),
     )
+
+
+def laid_out(layout: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``q k v g beta`` (contiguous, ``[B, T, heads, ...]``) with the same values in the memory layout a
+    server hands a kernel (``INPUT_LAYOUTS`` in cases/case.py): ``fused``, q, k and v as views of one
+    ``[B, T, H*K + H*K + HV*V]`` buffer (the split of a fused qkv projection) and g, beta of one
+    ``[B, T, HV*K + HV]`` buffer; ``head_major``, each a transposed view of a ``[B, heads, T, ...]`` tensor."""
+    if layout == "contiguous":
+        return tensors
+    if layout == "head_major":
+        return tuple(x.transpose(1, 2).contiguous().transpose(1, 2) for x in tensors)
+    if layout != "fused":
+        raise ValueError(f"input_layout={layout!r} is not one of contiguous, fused, head_major")
+    q, k, v, g, beta = tensors
+    return (*_views_of_one_buffer(q, k, v), *_views_of_one_buffer(g, beta))
+
+
+def _views_of_one_buffer(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors copied side by side along the last axis of one ``[B, T, sum of widths]`` buffer, each
+    returned as a view of its slice (its token stride the buffer's width)."""
+    B, T = tensors[0].shape[:2]
+    widths = [x[0, 0].numel() for x in tensors]
+    buffer = torch.empty(B, T, sum(widths), dtype=tensors[0].dtype, device=tensors[0].device)
+    views, start = [], 0
+    for x, width in zip(tensors, widths, strict=True):
+        view = buffer[..., start : start + width].unflatten(-1, x.shape[2:]) if x.dim() > 2 else buffer[..., start]
+        view.copy_(x)
+        views.append(view)
+        start += width
+    return tuple(views)
 
 
 def cu_seqlens_tensor(

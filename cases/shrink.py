@@ -81,6 +81,8 @@ def _reductions(case: Case) -> Iterator[Callable[[], Case]]:
         yield lambda: case.replace(gate_regime="typical")
     if case.key_regime != "random":
         yield lambda: case.replace(key_regime="random", key_rho=0.0)
+    if case.input_layout != "contiguous":
+        yield lambda: case.replace(input_layout="contiguous")
 
 
 def size(case: Case) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ from hypothesis import seed as fixed_seed
 from hypothesis import strategies as st
 from hypothesis.errors import HypothesisSideeffectWarning
 
-from kda_cases.case import BETA_REGIMES, GATE_REGIMES, GATES, INITIAL_STATES, Case
+from kda_cases.case import BETA_REGIMES, GATE_REGIMES, GATES, INITIAL_STATES, INPUT_LAYOUTS, Case
 from kda_cases.envelope import ANY, Envelope
 from kda_cases.guarantee import guaranteed_cases
 from kda_cases.kernel_configs import KernelConfig, kernel_config
@@ -168,6 +168,8 @@ def cases(draw: st.DrawFn, profile: Profile, envelope: Envelope = ANY) -> Case:
         state_layout=draw(st.sampled_from(envelope.state_layouts)),
         checkpoints=draw(checkpoints(lens)) if envelope.checkpoints else (),
         seed=draw(st.integers(min_value=0, max_value=2**31 - 1)),
+        # Drawn last: the draws before it, and so every earlier seed's cases, are as they were.
+        input_layout=draw(st.sampled_from(INPUT_LAYOUTS)),
         tags=(f"profile:{profile.name}",),
     )
     if "has_initial_state" in config:  # the pool fixes whether there is one; the kind stays drawn

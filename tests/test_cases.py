@@ -160,3 +160,30 @@ def test_equal_cases_have_one_id_whatever_the_number_types() -> None:
 def test_case_json_must_give_the_lengths() -> None:
     with pytest.raises(ValueError, match="case JSON must give seq_lens"):
         Case.from_json('{"dtype": "bf16"}')
+
+
+def test_a_fused_case_hands_views_of_one_projection_buffer_with_the_contiguous_values() -> None:
+    """q, k, v sliced from one [B, T, (2K + V) heads] buffer and g, beta from another, as vLLM's and SGLang's
+    layers split their fused projections: the server's strides, the contiguous case's values."""
+    case = Case(seq_lens=(7, 0, 5), packed=True, num_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=16)
+    plain, fused = materialize(case), materialize(case.replace(input_layout="fused"))
+    width = 2 * 2 * 8 + 4 * 16  # q, k, v of one token side by side
+    assert fused.q.stride() == (12 * width, width, 8, 1) and fused.v.stride() == (12 * width, width, 16, 1)
+    assert fused.k.data_ptr() - fused.q.data_ptr() == 2 * 8 * fused.q.element_size(), "k right after q"
+    assert fused.q.untyped_storage().data_ptr() == fused.v.untyped_storage().data_ptr(), "one buffer"
+    assert fused.g.stride()[1] == fused.beta.stride()[1] == 4 * 8 + 4, "g and beta: one gate projection"
+    for name in ("q", "k", "v", "g", "beta"):
+        assert not getattr(fused, name).is_contiguous(), name
+        assert torch.equal(getattr(fused, name), getattr(plain, name)), name
+    assert fused.case.id != case.id and "fused" in fused.case.label
+
+
+def test_a_head_major_case_hands_transposed_views_and_a_contiguous_case_keeps_its_id() -> None:
+    case = Case(seq_lens=(9,), num_heads=2, num_v_heads=2, head_k_dim=8, head_v_dim=4)
+    plain, head_major = materialize(case), materialize(case.replace(input_layout="head_major"))
+    assert head_major.q.stride() == (2 * 9 * 8, 8, 9 * 8, 1) and head_major.beta.stride() == (2 * 9, 1, 9)
+    assert all(torch.equal(getattr(head_major, n), getattr(plain, n)) for n in ("q", "k", "v", "g", "beta"))
+    # The axis came after cases were pinned and ledgered: at its default the id is what it was.
+    assert Case().replace(input_layout="contiguous").id == "kda-69ea257332f0"
+    with pytest.raises(ValueError, match="input_layout='rows' is not allowed; choose one of contiguous, fused"):
+        Case(input_layout="rows")

@@ -230,6 +230,30 @@ class FutureLeak(TorchChunk):
         return dataclasses.replace(out, o=o)
 
 
+def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+@planted(
+    "planted_reads_strided_as_contiguous",
+    "reads q, k, v, g and beta from their first element with contiguous strides: views of a fused projection "
+    "read their neighbours' values",
+    "kernels that index from data_ptr with strides of their own (FLA's input_guard makes inputs contiguous)",
+)
+class ReadsStridedAsContiguous(TorchChunk):
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        misread = {
+            name: x.as_strided(x.shape, contiguous_strides(x.shape), x.storage_offset())
+            for name in ("q", "k", "v", "g", "beta")
+            if (x := getattr(inputs, name)) is not None
+        }
+        return super().run(dataclasses.replace(inputs, **misread))
+
+
 @planted(
     "planted_wrong_past_2048",
     "outputs from packed position 2048 on (FlashKDA's second segment) are 3 % off",
