@@ -207,3 +207,14 @@ def test_the_committed_findings_files_skip_on_a_cpu_saying_why() -> None:
     for f in files:
         readme = (FINDINGS / "README.md").read_text()
         assert f.name in readme, f"findings/README.md does not say what {f.name} is"
+
+
+def test_a_page_written_without_tests_names_the_committed_file_of_an_open_finding(tmp_path: Path) -> None:
+    from kda_conformance.cli.findings import with_committed_test
+
+    (tmp_path / "test_servers_fp32_tf32.py").write_text("")
+    records = pd.DataFrame([_record("r1", "sglang_chunk", "known", "servers-fp32-tf32", ratio=9.0)])
+    ledger = (_issue("servers-fp32-tf32", ("sglang_chunk",)), _issue("not-seen-here", ("sglang_chunk",)))
+    found = {f.id: with_committed_test(f, tmp_path) for f in upstream_findings(records, ledger)}
+    assert found["servers-fp32-tf32"].test == "findings/test_servers_fp32_tf32.py (in the repository)"
+    assert found["not-seen-here"].test == "", "no file, and not open: nothing to name"

@@ -31,6 +31,8 @@ NAME = "findings"
 HELP = "tabulate the findings ready for upstream (ledger entries and new failures) and write their standalone tests"
 EXAMPLE = "kda-conformance findings --store nightly-store --write-tests findings --device cuda"
 PAGE = "findings.md"
+# The repository's committed standalone files (a checkout's; an installed package has none).
+COMMITTED_TESTS = Path(__file__).resolve().parents[2] / "findings"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +81,8 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         run = Run(RunConfig(device=device, backends=(), out=args.write_tests, command=args.command_line))
         findings = _write_tests(findings, device, args.write_tests, run)
         run.finish()
+    else:
+        findings = [with_committed_test(f) for f in findings]
     runs = store.records.drop_duplicates("run_id")
     where = ", ".join(sorted({f"{r.env_device_type} {r.env_device_name}" for r in runs.itertuples()}))
     source = f"runs {', '.join(sorted(runs['run_id'].astype(str)))} ({where})"
@@ -90,6 +94,15 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         console.print(f"{f.status:8} {f.id}: {f.backends}; {f.worst}; {f.test or ''}", highlight=False, soft_wrap=True)
     console.print(f"page: {page}", highlight=False)
     return 0
+
+
+def with_committed_test(finding: UpstreamFinding, folder: Path = COMMITTED_TESTS) -> UpstreamFinding:
+    """An open finding whose standalone file is in the repository's findings/ (written and run on a GPU by
+    ``--write-tests``, then committed) names it, where this generation wrote none."""
+    path = folder / f"test_{finding.id.replace('-', '_')}.py"
+    if finding.test or finding.status not in ("open", "new") or not path.exists():
+        return finding
+    return replace(finding, test=f"findings/{path.name} (in the repository)")
 
 
 def _write_tests(

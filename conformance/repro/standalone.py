@@ -268,9 +268,12 @@ def write_standalone(
         """
     )
     declared = backend.working_precision
+    # The finding names its case (the test function takes its id); the file holds it as the server is handed it.
+    as_served = f" (the finding's {case.id}, as served)" if served.id != case.id else ""
     precision = f" at its declared working precision ({declared.label})" if declared is not None else ""
     header = (
-        f'"""Standalone repro written by `kda-conformance`: check {check}, case {served.id}, on {backend.name}.\n\n'
+        f'"""Standalone repro written by `kda-conformance`: check {check}, case {served.id}{as_served}, on '
+        f"{backend.name}.\n\n"
         f"The case is served as a server serves it (packed, states in a pool poisoned with {poison}, the output "
         "written into a poisoned buffer) and held to every limit the suite judges on it: max-abs and rel-RMS of "
         f"{', '.join(WORDS[name] for name in truth.budgets)}{precision}; memory no sequence names must come "
