@@ -311,7 +311,7 @@ class AiterPaged(AiterFlashKDA):
         pool = torch.zeros((N + 1, HV, V, K), dtype=torch.float32, device=inputs.device)
         if inputs.initial_state is not None:
             pool[1:] = inputs.initial_state.float()
-        out = torch.empty_like(inputs.v)
+        out = torch.empty(inputs.v.shape, dtype=inputs.v.dtype, device=inputs.device)  # contiguous, as a layer's
         indices = torch.arange(1, N + 1, device=inputs.device)
         has = torch.full((N,), inputs.initial_state is not None, dtype=torch.bool, device=inputs.device)
         self.run_paged(inputs, pool, indices, has, out, torch.zeros(0, dtype=torch.int32, device=inputs.device))

@@ -92,7 +92,9 @@ class FlashKdaCuda(Backend):
 
         case = inputs.case
         n = case.num_seqs if inputs.cu_seqlens is not None else inputs.q.shape[0]
-        out = torch.full_like(inputs.v, CALLER_BUFFER_FILL)  # the caller's buffer, as a server hands it
+        # The caller's buffer, as a server hands it: contiguous whatever v's layout (full_like would keep the
+        # strides of a head-major v, which flash_kda.fwd refuses: "all tensors must be contiguous").
+        out = torch.full(inputs.v.shape, CALLER_BUFFER_FILL, dtype=inputs.v.dtype, device=inputs.device)
         final = torch.empty(n, case.num_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=inputs.device)
         cu = None if inputs.cu_seqlens is None else inputs.cu_seqlens.to(torch.int64)
         scale = case.scale if case.scale is not None else HEAD_DIM**-0.5

@@ -82,3 +82,16 @@ def test_fla_dispatch_runs_flas_own_adapter_and_says_when_fla_would_not_dispatch
     fp32 = Case(seq_lens=(9,), dtype="fp32", **WIDE)
     with pytest.raises(Unsupported, match="FLA's dispatch would not hand this call to FlashKDA: FlashKDA requires bf"):
         registry.get("fla_chunk_dispatch").run(materialize(fp32, torch.device("cpu")))
+
+
+def test_strided_inputs_reach_flashkda_contiguous_and_flas_dispatch_hands_them_on_as_they_are(
+    flash_kda: list[dict],
+) -> None:
+    """A server's q, k, v are views of a fused projection (or head-major): the adapter makes what it hands
+    flash_kda.fwd contiguous, its output buffer included; FLA 0.6.0's dispatch passes the caller's views on
+    unchanged (its verifier checks no strides), and FlashKDA refuses them, as it did on the H200."""
+    two_heads = CASES[1].replace(num_heads=2, num_v_heads=2)  # with one head a head-major view is contiguous
+    for layout in ("fused", "head_major"):
+        _within_budget("flashkda_cuda", two_heads.replace(input_layout=layout))
+    with pytest.raises(RuntimeError, match="all tensors must be contiguous"):
+        registry.get("fla_chunk_dispatch").run(materialize(two_heads.replace(input_layout="fused")))
