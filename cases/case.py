@@ -45,8 +45,12 @@ STATE_LAYOUTS = ("k_first", "v_first")
 # of one fused projection output and g, beta of another, as vLLM's and SGLang's layers hand them; or each
 # a [B, H, T, D] tensor seen as [B, T, H, D] (token stride D, head stride T * D). Same values in each.
 INPUT_LAYOUTS = ("contiguous", "fused", "head_major")
+# How large the activations are (cases/materialize.py): as drawn (|v| about 4 at most); all of v and q (and
+# k where the kernel normalizes it) x10 to x100; or a few tokens and channels of them x100 to x1000, the
+# outliers of served models' activations.
+INPUT_SCALES = ("typical", "large", "outliers")
 # Axes added after cases were pinned and ledgered: at their default they leave a case's id as it was.
-ID_NEUTRAL_DEFAULTS = {"input_layout": "contiguous"}
+ID_NEUTRAL_DEFAULTS = {"input_layout": "contiguous", "input_scale": "typical"}
 
 # Bumped when materialize() changes how it draws tensors from a seed: the same id
 # must always mean the same inputs, so the version is part of the id.
@@ -139,6 +143,7 @@ class Case:
     initial_state: str = "none"
     state_layout: str = "k_first"
     input_layout: str = "contiguous"
+    input_scale: str = "typical"
     checkpoints: tuple[tuple[int, int], ...] = ()
     scale: float | None = None
     seed: int = 0
@@ -190,6 +195,7 @@ class Case:
         _choice("initial_state", self.initial_state, INITIAL_STATES)
         _choice("state_layout", self.state_layout, STATE_LAYOUTS)
         _choice("input_layout", self.input_layout, INPUT_LAYOUTS)
+        _choice("input_scale", self.input_scale, INPUT_SCALES)
         bound = GATES[self.gate].bound
         if bound == "required" and (self.lower_bound is None or not self.lower_bound < 0):
             raise ValueError(f"gate={self.gate!r} needs lower_bound < 0, got {self.lower_bound}")
@@ -327,6 +333,8 @@ class Case:
             parts.append(f"S:{self.state_dtype}")
         if self.input_layout != "contiguous":
             parts.append(self.input_layout.replace("_", "-"))
+        if self.input_scale != "typical":
+            parts.append(f"x:{self.input_scale}")
         if self.scale is not None:
             parts.append(f"scale{self.scale:g}")
         return " ".join(parts)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 import pandas as pd
 
-from kda_cases.case import DTYPES, GATE_FORMS, INPUT_LAYOUTS, STATE_DTYPES, STATE_LAYOUTS, Case
+from kda_cases.case import DTYPES, GATE_FORMS, INPUT_LAYOUTS, INPUT_SCALES, STATE_DTYPES, STATE_LAYOUTS, Case
 
 CHUNK = 64  # the chunk of FLA's and AITER's default pipelines; FlashKDA's are 16 and 32, inside it
 SEGMENT_EDGES = (2047, 2048, 2049)  # around FlashKDA's segment of 2048 tokens (64 chunks of 32)
@@ -99,6 +99,7 @@ AXES: dict[str, Callable[[Case], str | tuple[str, ...]]] = {
     "initial state": lambda c: c.initial_state,
     "state layout": lambda c: c.state_layout,
     "input layout": lambda c: c.input_layout,
+    "input scale": lambda c: c.input_scale,
     "state dtype": lambda c: c.state_dtype,
     "packing": _packing,
     "checkpoints": lambda c: "some" if c.checkpoints else "none",
@@ -139,6 +140,7 @@ CI_REQUIRED: dict[str, tuple[str, ...]] = {
     "initial state": ("none", "random", "large"),
     "state layout": ("k_first", "v_first"),
     "input layout": INPUT_LAYOUTS,
+    "input scale": INPUT_SCALES,
     "state dtype": ("fp32", "bf16"),
     "packing": ("one sequence", "[B, T] batch", "packed", "packed, a zero-length member"),
     "checkpoints": ("none", "some"),
@@ -158,6 +160,7 @@ NIGHT_REQUIRED: dict[str, tuple[str, ...]] = {
     "state dtype": STATE_DTYPES,
     "state layout": STATE_LAYOUTS,
     "input layout": INPUT_LAYOUTS,
+    "input scale": INPUT_SCALES,
     "scale": ("default", "explicit"),
     "head dim K": ("32", "64", "128", "256"),
     "head dim V": ("32", "64", "128", "256"),

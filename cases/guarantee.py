@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 
-from kda_cases.case import BETA_REGIMES, GATE_REGIMES, INITIAL_STATES, INPUT_LAYOUTS, KEY_REGIMES, Case
+from kda_cases.case import BETA_REGIMES, GATE_REGIMES, INITIAL_STATES, INPUT_LAYOUTS, INPUT_SCALES, KEY_REGIMES, Case
 from kda_cases.coverage import CHUNK
 
 # One kernel configuration per case, and the packing it is served with ("one", "batch": a [B, T] batch with
@@ -59,6 +59,11 @@ def _length(rng: random.Random, edge: str) -> int:
     return CHUNK * m + {"64m - 1": -1, "64m": 0, "64m + 1": 1}[edge]
 
 
+def _rho(rho: float, magnitude: str) -> float:
+    """Identical keys (rho 1) only with typical magnitudes, as cases/strategies.py draws them."""
+    return 0.99 if rho == 1.0 and magnitude != "typical" else rho
+
+
 def guaranteed_cases(seed: int | None) -> list[Case]:
     """The night's guaranteed cases for ``seed`` (the same cases for the same seed; the same kernel
     configurations for every seed)."""
@@ -69,6 +74,7 @@ def guaranteed_cases(seed: int | None) -> list[Case]:
     checkpoints = _dealt(rng, ("on", "off", "none"), count)
     # From a generator of its own: the draws above and below, and so each seed's cases, are as before.
     layouts = _dealt(random.Random(f"input_layout {seed}"), INPUT_LAYOUTS, count)
+    magnitudes = _dealt(random.Random(f"input_scale {seed}"), INPUT_SCALES, count)
     cases = []
     for i, config in enumerate(CONFIGS):
         fields = {k: v for k, v in config.items() if k not in ("packing", "h0")}
@@ -95,11 +101,12 @@ def guaranteed_cases(seed: int | None) -> list[Case]:
                 **fields,
                 gate_regime=rng.choice(GATE_REGIMES),
                 key_regime=key_regime,
-                key_rho=rng.choice((0.9, 0.99, 1.0)) if key_regime == "correlated" else 0.0,
+                key_rho=_rho(rng.choice((0.9, 0.99, 1.0)), magnitudes[i]) if key_regime == "correlated" else 0.0,
                 beta_regime=rng.choice(BETA_REGIMES),
                 initial_state=initial_state,
                 checkpoints=marks,
                 input_layout=layouts[i],
+                input_scale=magnitudes[i],
                 scale=rng.choice((0.5, 1.0, 2.0)) / config["head_k_dim"] ** 0.5 if scales[i] else None,
                 seed=rng.randrange(2**31),
                 tags=("guaranteed",),

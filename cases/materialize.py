@@ -150,6 +150,35 @@ def _reset_tokens(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     return hits.view(B, T, *([1] * (len(shape) - 2))).expand(shape)
 
 
+def _scaled(
+    case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The case's magnitude regime (``INPUT_SCALES``): v and q, and k where the kernel normalizes it (the
+    suite's unit keys keep the delta rule stable otherwise), scaled x10 to x100 (``large``), or a few of
+    their tokens and channels x100 to x1000 (``outliers``). |o| stays about max |v|: representable in fp16."""
+    if case.input_scale == "typical":
+        return q, k, v
+    scaled = [v, q, k] if case.l2norm_in_kernel else [v, q]
+    out = []
+    for x in scaled:
+        if case.input_scale == "large":
+            x = x * 10 ** (1 + float(torch.rand((), generator=gen)))
+        else:
+            T, D = x.shape[1], x.shape[-1]
+            factor = torch.ones(T, D)
+            tokens = torch.randperm(T, generator=gen)[: max(1, T // 64)]
+            channels = torch.randperm(D, generator=gen)[: max(1, D // 32)]
+            factor[tokens] = 10 ** (2 + torch.rand(len(tokens), 1, generator=gen))
+            # A channel's outliers where they cross an outlier token: the larger factor, not their product.
+            factor[:, channels] = torch.maximum(
+                factor[:, channels], 10 ** (2 + torch.rand(len(channels), generator=gen))
+            )
+            x = x * factor[None, :, None, :]
+        out.append(x)
+    v, q = out[0], out[1]
+    return q, (out[2] if case.l2norm_in_kernel else k), v
+
+
 def materialize(case: Case, device: str | torch.device = "cpu") -> KDAInputs:
     """Draw the case's tensors on the CPU from its seed and move them to ``device``."""
     gen = torch.Generator(device="cpu").manual_seed(case.seed)
@@ -174,6 +203,7 @@ def materialize(case: Case, device: str | torch.device = "cpu") -> KDAInputs:
             h0 = h0.transpose(-1, -2).contiguous()
         h0 = h0.to(TORCH_DTYPES[case.state_dtype])
 
+    q, k, v = _scaled(case, q, k, v, gen)  # drawn last: a typical case's bits are what they were
     cu = cu_seqlens_tensor(case, "cpu", dtype=torch.long) if case.packed else None
 
     dtype = TORCH_DTYPES[case.dtype]

@@ -83,6 +83,8 @@ def _reductions(case: Case) -> Iterator[Callable[[], Case]]:
         yield lambda: case.replace(key_regime="random", key_rho=0.0)
     if case.input_layout != "contiguous":
         yield lambda: case.replace(input_layout="contiguous")
+    if case.input_scale != "typical":
+        yield lambda: case.replace(input_scale="typical")
 
 
 def size(case: Case) -> tuple[int, ...]:

@@ -187,3 +187,22 @@ def test_a_head_major_case_hands_transposed_views_and_a_contiguous_case_keeps_it
     assert Case().replace(input_layout="contiguous").id == "kda-69ea257332f0"
     with pytest.raises(ValueError, match="input_layout='rows' is not allowed; choose one of contiguous, fused"):
         Case(input_layout="rows")
+
+
+def test_magnitude_regimes_scale_v_q_and_normalized_keys_only() -> None:
+    """``large``: v and q x10 to x100 (k too where the kernel normalizes it); ``outliers``: a few tokens and
+    channels x100 to x1000, the rest as drawn; representable in fp16; a typical case keeps its id and bits."""
+    case = Case(seq_lens=(200,), num_heads=2, num_v_heads=2, dtype="fp16", l2norm_in_kernel=False)
+    plain = materialize(case)
+    large, outliers = (materialize(case.replace(input_scale=s)) for s in ("large", "outliers"))
+    ratio = large.v.float().abs().amax() / plain.v.float().abs().amax()
+    assert 10 <= ratio <= 100 and torch.equal(large.k, plain.k), "unit keys unscaled without the kernel's l2norm"
+    changed = outliers.v != plain.v
+    assert 0 < changed.float().mean() < 0.1 and bool(torch.isfinite(outliers.v).all()), "a few, and representable"
+    factor = (outliers.v.float()[changed] / plain.v.float()[changed]).abs()
+    assert 99 <= float(factor.min()) and float(factor.max()) <= 1001, "x100 to x1000; the rest as drawn"
+    normalized = materialize(case.replace(l2norm_in_kernel=True, input_scale="large"))
+    assert (
+        normalized.k.float().abs().amax() > 10 * materialize(case.replace(l2norm_in_kernel=True)).k.float().abs().amax()
+    )
+    assert Case().replace(input_scale="typical").id == "kda-69ea257332f0" and "x:outliers" in outliers.case.label

@@ -255,6 +255,16 @@ class ReadsStridedAsContiguous(TorchChunk):
 
 
 @planted(
+    "planted_clamps_large_values",
+    "clamps |v| at 64 before the recurrence (a saturating cast or a clamp sized for typical activations)",
+    "fp8 / int8 quantised value paths; kernels sized on N(0, 1) test inputs",
+)
+class ClampsLargeValues(TorchChunk):
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        return super().run(dataclasses.replace(inputs, v=inputs.v.clamp(-64, 64)))
+
+
+@planted(
     "planted_wrong_past_2048",
     "outputs from packed position 2048 on (FlashKDA's second segment) are 3 % off",
     "segment hand-over bugs; AITER #4683 class",
