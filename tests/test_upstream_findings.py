@@ -218,3 +218,15 @@ def test_a_page_written_without_tests_names_the_committed_file_of_an_open_findin
     found = {f.id: with_committed_test(f, tmp_path) for f in upstream_findings(records, ledger)}
     assert found["servers-fp32-tf32"].test == "findings/test_servers_fp32_tf32.py (in the repository)"
     assert found["not-seen-here"].test == "", "no file, and not open: nothing to name"
+
+
+def test_the_newest_run_is_the_one_that_started_last_whatever_its_name() -> None:
+    """A night's id is the user's: ``servers-n20b`` ran before ``night-e``, though its name sorts after."""
+    records = pd.DataFrame(
+        [
+            _record("servers-n20b", "sglang_chunk", "fail", ratio=3.0, env_date="2026-12-03T08:30:00Z"),
+            _record("night-e", "sglang_chunk", "fail", ratio=5.0, env_date="2026-12-03T13:05:00Z"),
+        ]
+    )
+    [new] = upstream_findings(records, ())
+    assert new.run == "night-e" and new.worst.startswith("5"), new

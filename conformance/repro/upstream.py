@@ -109,6 +109,15 @@ def _smallest(rows: pd.DataFrame) -> pd.Series:
     return rows.loc[tokens.sort_values(kind="stable").index[0]]
 
 
+def _newest(rows: pd.DataFrame) -> str:
+    """The newest run among ``rows``: by the time it started (``env_date``), then its id. A night's id is
+    the user's (``night-e``, ``servers-n20b``), so its text says nothing of when it ran."""
+    runs = rows.assign(run_id=rows["run_id"].astype(str))
+    started = runs["env_date"].fillna("").astype(str) if "env_date" in runs else pd.Series("", index=runs.index)
+    order = runs.assign(started=started).sort_values(["started", "run_id"])
+    return str(order["run_id"].iloc[-1])
+
+
 def _claimed(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> pd.Series:
     """The ledger entry each record is known by: the one its run matched, or for a failure its run's ledger
     did not know, the first of today's entries that matches and allows it (KnownIssue.matches, on the
@@ -180,7 +189,7 @@ def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> 
             unseen = dict(status="not seen", run="", check=checks, cases=0, worst="-", first_bad="-", case_id="")
             rows.append(UpstreamFinding(issue.id, backends, "", **unseen, case_json="", repro="", **text))
             continue
-        run = str(sorted(mine["run_id"].astype(str).unique())[-1])
+        run = _newest(mine)
         last = mine[mine["run_id"].astype(str) == run]
         status = "open" if last["verdict"].isin(["known", *FAILED]).any() else "fixed"
         rows.append(_row(issue.id, last, status, run, **text))
@@ -192,7 +201,7 @@ def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> 
     ]
     if fresh.empty:
         return rows
-    newest = records.groupby("backend")["run_id"].max()
+    newest = records.groupby("backend").apply(_newest, include_groups=False)
     fresh = fresh[fresh["run_id"] == fresh["backend"].map(newest)]
     # An error is one finding whatever check met it (a crash is the kernel's, not the check's), grouped by
     # the kind of its message; a failure past the limit is one per check.
@@ -208,7 +217,7 @@ def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> 
         taken.add(id_)
         checks = ", ".join(sorted(part["check"].astype(str).unique()))
         what = f"not in the ledger: {'raised ' + group if part['raised'].iloc[0] else group} ({checks})"
-        rows.append(_row(id_, part, "new", str(part["run_id"].max()), description=what))
+        rows.append(_row(id_, part, "new", _newest(part), description=what))
     return rows
 
 
