@@ -111,6 +111,8 @@ def pytest_command(args: argparse.Namespace, run_id: str, workers: int | str | N
     passed on from the one table of run options."""
     command = [sys.executable, "-m", "pytest", *(str(CONFORMANCE / name) for name in SUITES)]
     command += ["-p", "kda_conformance.plugin", "-p", "no:cacheprovider", "--import-mode=importlib", "-q"]
+    # The slowest tests in the log: a shard's wall is its longest worker's, and that is where it went.
+    command += ["--durations=15", "--durations-min=10"]
     values = {name: getattr(args, OPTIONS[name].dest) for name in PASSED_ON}
     workers = args.workers if workers is None else workers
     command += ["-n", str(workers), *pytest_argv({**values, "out": args.out, "run-id": run_id})]
@@ -259,7 +261,7 @@ def _compile_stage(
     for result in results:
         if result["outcome"] in ("failed", "died"):
             message = result["message"].splitlines()[0]
-            say(console, f"  {result['backend']} {result['config']}: {result['outcome']}: {message}")
+            say(console, f"  {result['job']}: {result['outcome']}: {message}")
     return done
 
 
@@ -272,7 +274,7 @@ def _skip_uncompiled(config, jobs: list, results: list[dict], console: Console) 
     quarantine = Quarantine(run_file(config.out, config.run_id, config.part, "quarantine"))
     by_key = {job.key: job for job in jobs}
     for result in cut:
-        job = by_key[f"{result['backend']} {result['config']}"]
+        job = by_key[result["job"]]
         quarantine.add(job.backend, job.case, "compile", result["message"], verdict="skip")
     say(console, f"compile stage cut: {len(cut)} (backend, configuration) jobs not compiled; their cases skip")
 
@@ -285,9 +287,9 @@ def _quarantine_crashes(config, jobs: list, results: list[dict], console: Consol
     by_key = {job.key: job for job in jobs}
     for result in results:
         if result["outcome"] == "died" or (result["outcome"] == "failed" and is_sticky(result["message"])):
-            job = by_key[f"{result['backend']} {result['config']}"]
+            job = by_key[result["job"]]
             quarantine.add(job.backend, job.case, "compile", result["message"])
-            say(console, f"quarantined: {job.backend} {result['config']} (its compile crashed: {result['message']})")
+            say(console, f"quarantined: {result['job']} (its compile crashed: {result['message']})")
 
 
 def _write_night(config, night: dict, console: Console) -> None:

@@ -26,7 +26,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from kda_cases.case import Case
-from kda_cases.kernel_configs import KernelConfig, config_label, kernel_config, warm_up_case
+from kda_cases.kernel_configs import (
+    KernelConfig,
+    SizeClass,
+    config_label,
+    kernel_config,
+    size_class,
+    size_label,
+    warm_up_case,
+)
 
 # How often a process that died (a sticky error, a crash) is replaced before its remaining jobs are dropped.
 RESTARTS = 8
@@ -35,11 +43,12 @@ RESTARTS = 8
 @dataclasses.dataclass(frozen=True)
 class CompileJob:
     backend: str
-    case: Case  # a short case of the configuration
+    case: Case  # a short case of the configuration (and of a size class, where its kernels choose by size)
 
     @property
     def key(self) -> str:
-        return f"{self.backend} {config_label(kernel_config(self.case))}"
+        size = size_label(size_class(self.case))
+        return f"{self.backend} {config_label(kernel_config(self.case))}{f' ({size})' if size else ''}"
 
 
 def compile_jobs(backends: Sequence[str], configs: Sequence[Case]) -> list[CompileJob]:
@@ -68,14 +77,15 @@ def shard_jobs(nodeids: Sequence[str], planned: Sequence[Case], drawn_from: Sequ
 
 
 def _jobs(pairs: Sequence[tuple[str, Case]]) -> list[CompileJob]:
-    """A job per distinct (backend, kernel configuration) of ``pairs``, each case moved into its backend's
-    envelope first; a case the backend does not take is no job (its tests skip it, naming the envelope).
+    """A job per distinct (backend, kernel configuration, size class) of ``pairs``, each case moved into its
+    backend's envelope first; a case the backend does not take is no job (its tests skip it, naming the
+    envelope).
     Configurations outermost, backends inside: the processes that take them round-robin compile different
     configurations at once."""
     from kda_kernels import guard, registry
     from kda_kernels.guard import BackendFault
 
-    wanted: dict[tuple[str, KernelConfig], Case] = {}
+    wanted: dict[tuple[str, KernelConfig, SizeClass], Case] = {}
     for backend_name, case in pairs:
         try:
             backend = registry.get(backend_name)
@@ -84,10 +94,10 @@ def _jobs(pairs: Sequence[tuple[str, Case]]) -> list[CompileJob]:
                 continue
         except (BackendFault, KeyError, registry.PluginError):  # its tests record that; compile it as given
             pass
-        wanted.setdefault((backend_name, kernel_config(case)), case)
-    order = {config: i for i, config in enumerate(dict.fromkeys(config for _, config in wanted))}
-    keys = sorted(wanted, key=lambda key: order[key[1]])  # stable: backends in the order given
-    return [CompileJob(backend, warm_up_case(wanted[(backend, config)])) for backend, config in keys]
+        wanted.setdefault((backend_name, kernel_config(case), size_class(case)), case)
+    order = {key: i for i, key in enumerate(dict.fromkeys(key[1:] for key in wanted))}
+    keys = sorted(wanted, key=lambda key: order[key[1:]])  # stable: backends in the order given
+    return [CompileJob(key[0], warm_up_case(wanted[key])) for key in keys]
 
 
 CUT = "not compiled"  # the outcome of a job the stage's time budget left undone (or cut mid-job)
@@ -212,7 +222,7 @@ class Progress:
         if by_backend:
             line += " (" + ", ".join(f"{b} {n}" for b, n in sorted(by_backend.items())) + ")"
         if slowest is not None:
-            line += f"; slowest {slowest['backend']} {slowest['config']} {slowest['seconds']:.0f} s"
+            line += f"; slowest {slowest['job']} {slowest['seconds']:.0f} s"
         if 0 < done < planned:
             line += f"; about {seconds / done * (planned - done):.0f} s left"
         self.say(line)
@@ -222,6 +232,7 @@ def _result(job: CompileJob, outcome: str, seconds: float, message: str = "") ->
     return {
         "backend": job.backend,
         "config": config_label(kernel_config(job.case)),
+        "job": job.key,
         "outcome": outcome,
         "seconds": round(seconds, 3),
         "message": message[:300],
