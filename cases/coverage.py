@@ -86,6 +86,20 @@ def _checkpoint_positions(case: Case) -> tuple[str, ...]:
     )
 
 
+def _sequences(case: Case) -> str:
+    n = case.num_seqs
+    for top, name in ((1, "1"), (8, "2-8"), (16, "9-16"), (64, "17-64")):
+        if n <= top:
+            return name
+    return "65+"
+
+
+def _programs(case: Case) -> str:
+    """(sequence, value head) pairs: the programs of a kernel's per-sequence, per-head grid."""
+    pairs = case.num_seqs * case.num_v_heads
+    return "<= 128" if pairs <= 128 else ("129-1024" if pairs <= 1024 else "1025+")
+
+
 # An axis gives one value per case, or several (a case with sequences on two edges counts for both).
 AXES: dict[str, Callable[[Case], str | tuple[str, ...]]] = {
     "length band": _band,
@@ -102,6 +116,8 @@ AXES: dict[str, Callable[[Case], str | tuple[str, ...]]] = {
     "input scale": lambda c: c.input_scale,
     "state dtype": lambda c: c.state_dtype,
     "packing": _packing,
+    "sequences": _sequences,
+    "(sequence, head) pairs": _programs,
     "checkpoints": lambda c: "some" if c.checkpoints else "none",
     "checkpoint position": _checkpoint_positions,
     "head count": _head_count,
@@ -134,7 +150,7 @@ CI_REQUIRED: dict[str, tuple[str, ...]] = {
         "fp16 across chunks, no h0",
         "fp16 across chunks, with h0",
     ),
-    "gate": ("lower_bound", "log"),
+    "gate": GATE_FORMS,
     "gate regime": ("typical", "weak", "strong", "reset"),
     "key regime": ("random", "correlated", "repeated"),
     "initial state": ("none", "random", "large"),
@@ -143,6 +159,8 @@ CI_REQUIRED: dict[str, tuple[str, ...]] = {
     "input scale": INPUT_SCALES,
     "state dtype": ("fp32", "bf16"),
     "packing": ("one sequence", "[B, T] batch", "packed", "packed, a zero-length member"),
+    "sequences": ("1", "2-8", "17-64"),
+    "(sequence, head) pairs": ("<= 128", "129-1024"),
     "checkpoints": ("none", "some"),
     "checkpoint position": ("on a chunk boundary",),
     "head count": (">= 8",),
@@ -168,6 +186,8 @@ NIGHT_REQUIRED: dict[str, tuple[str, ...]] = {
     "head count": ("1", "2-7", ">= 8", "GVA"),
     "[B, T] batch with h0": ("B >= 2 with h0",),
     "packing": ("packed, a zero-length member",),
+    "sequences": ("17-64",),
+    "(sequence, head) pairs": ("129-1024",),
     "length edge": ("64m - 1", "64m", "64m + 1", "2047", "2048", "2049"),
     "checkpoint position": ("on a chunk boundary", "off chunk boundaries"),
     "long (128K tokens)": ("bf16", "fp16", "fp32"),

@@ -42,6 +42,10 @@ CONFIGS: tuple[dict, ...] = (
          lower_bound=-0.01, state_dtype="bf16", l2norm_in_kernel=False),
 )  # fmt: skip
 EDGES = ("64m - 1", "64m", "64m + 1", "2047", "2048", "2049")
+# A server-sized batch on the packed configuration above (so no compile of its own): 48 to 64 requests,
+# most a few tokens, some empty, a few long, each resuming a state: a few hundred (sequence, head) programs.
+SERVER_BATCH = CONFIGS[5]
+SERVER_SEQS = (48, 64)
 
 
 def _dealt(rng: random.Random, values: tuple, count: int) -> list:
@@ -112,4 +116,28 @@ def guaranteed_cases(seed: int | None) -> list[Case]:
                 tags=("guaranteed",),
             )
         )
-    return cases
+    return [*cases, _server_batch(seed)]
+
+
+def _server_batch(seed: int | None) -> Case:
+    """The night's server-sized batch, from a generator of its own (the cases above stay as they were)."""
+    rng = random.Random(f"server batch {seed}")
+    fields = {k: v for k, v in SERVER_BATCH.items() if k not in ("packing", "h0")}
+    kinds = rng.choices(("short", "empty", "long"), weights=(12, 2, 1), k=rng.randint(*SERVER_SEQS))
+    length = {"short": lambda: rng.randint(1, 2 * CHUNK), "empty": lambda: 0, "long": lambda: rng.randint(1000, 8192)}
+    seq_lens = tuple(length[kind]() for kind in kinds)
+    key_regime = rng.choice(KEY_REGIMES[:2])
+    return Case(
+        seq_lens=seq_lens,
+        packed=True,
+        **fields,
+        gate_regime=rng.choice(GATE_REGIMES),
+        key_regime=key_regime,
+        key_rho=0.9 if key_regime == "correlated" else 0.0,
+        beta_regime=rng.choice(BETA_REGIMES),
+        initial_state=rng.choice(INITIAL_STATES[1:]),
+        input_layout=rng.choice(INPUT_LAYOUTS),
+        input_scale=rng.choice(INPUT_SCALES),
+        seed=rng.randrange(2**31),
+        tags=("guaranteed", "server batch"),
+    )

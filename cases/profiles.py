@@ -10,6 +10,7 @@ error/budget), ``long`` only 32K tokens and more. Pytest selects one with
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kda_cases.case import DTYPES, Case
@@ -31,9 +32,14 @@ class Profile:
     dtypes: tuple[str, ...]
     derandomize: bool  # the same cases on every run (CI); otherwise a seed per run, recorded
     targeted: bool  # steer the search toward large error/budget ratios (hypothesis.target)
-    # Only gates with a lower bound (safe_gate). The CPU tiers need it: FLA's other gate path takes
-    # 40 to 60 s per call for 100 tokens in Triton's interpreter against about 1 s for the safe gate.
+    # Only gates with a lower bound (safe_gate), for backends that run interpreted (``for_backend``): FLA's
+    # other gate path takes 40 to 60 s per call for 100 tokens in Triton's interpreter against about 1 s for
+    # the safe gate. Backends that run compiled (or in plain PyTorch) draw every gate form.
     safe_gates_only: bool = False
+    # Server-sized batches: packed (or [B, T]) batches of 9 to this many sequences, most short, some empty,
+    # some long, drawn for a part of the cases (0: none): per-sequence tables, grid bounds and index
+    # arithmetic that break past a few hundred (sequence, head) programs.
+    server_batch_seqs: int = 0
     # Corpus cases longer than this are skipped for interpreted backends, with that reason (the CPU tiers
     # cannot afford 2K tokens through FLA's interpreted kernels: 2 minutes for the recurrent kernel alone).
     corpus_max_tokens: int = 2**40
@@ -72,6 +78,13 @@ class Profile:
     @property
     def value_heads_limit(self) -> int:
         return self.max_v_heads or self.max_heads
+
+    def for_backend(self, interpreted: bool) -> Profile:
+        """The profile a backend's cases are drawn from: the safe-gates-only restriction is the interpreter's
+        cost, so a backend that does not run interpreted here draws every gate form."""
+        if interpreted or not self.safe_gates_only:
+            return self
+        return dataclasses.replace(self, safe_gates_only=False)
 
     def corpus_skip(self, case: Case, interpreted: bool) -> str | None:
         """Why a corpus case does not run in this profile (None when it runs)."""
@@ -123,6 +136,7 @@ PROFILES: dict[str, Profile] = {
             corpus_max_tokens=256,
             corpus_max_work=2**23,
             max_v_heads=4,
+            server_batch_seqs=40,  # with 4 value heads, up to 160 (sequence, head) pairs in 96 tokens
         ),
         # 12 examples per check and backend: with five backends, 500 drawn cases and more a night.
         Profile(
@@ -137,6 +151,7 @@ PROFILES: dict[str, Profile] = {
             False,
             True,
             max_work=2**35,
+            server_batch_seqs=64,
             kernel_configs=7,
             long_dtypes=("bf16", "fp16", "fp32", "bf16"),
             sentinels=True,

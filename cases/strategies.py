@@ -59,6 +59,34 @@ def seq_lens(
     return tuple(order), True
 
 
+SERVER_BATCH_SHARE = 4  # one drawn case in this many is a server-sized batch, where the profile has them
+SHORT = 16  # most of a server batch's requests: a few tokens each (decode-like prefills, short prompts)
+
+
+@st.composite
+def server_batch(
+    draw: st.DrawFn, profile: Profile, budget: int, lens: tuple[int, ...], packed: bool
+) -> tuple[int, ...]:
+    """``lens`` grown into a batch as a server prefills it: 9 to ``profile.server_batch_seqs`` sequences
+    within ``budget`` tokens, the drawn ones kept (their lengths' classes stay reached) and the rest mostly
+    short, some empty (packed only) and some long; a [B, T] batch has one length for all."""
+    most = max(9, profile.server_batch_seqs)
+    count = draw(st.one_of(st.just(most), st.integers(min_value=9, max_value=most)))  # the largest, often
+    if not packed:
+        return (max(1, min(lens[0], budget // count)),) * count
+    grown = list(lens)
+    while len(grown) < count:
+        left = budget - sum(grown)
+        kind = draw(st.sampled_from(("short",) * 6 + ("empty", "long")))
+        if kind == "empty" or left <= 0:
+            grown.append(0)
+        elif kind == "short":
+            grown.append(draw(st.integers(min_value=1, max_value=min(left, SHORT))))
+        else:
+            grown.append(draw(lengths(profile, left, 1)))
+    return tuple(draw(st.permutations(grown)))
+
+
 @st.composite
 def checkpoints(draw: st.DrawFn, lens: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     """State checkpoints on the 16/32/64 grids and off them, including 0 and the sequence end."""
@@ -176,6 +204,10 @@ def cases(draw: st.DrawFn, profile: Profile, envelope: Envelope = ANY) -> Case:
     # baseline once outliers pass through the state (docs/tolerance.md): large magnitudes come with other keys.
     identical_keys = key_regime == "correlated" and fields["key_rho"] == 1.0
     fields["input_scale"] = draw(st.sampled_from(("typical",) if identical_keys else INPUT_SCALES))
+    # Last again: a share of the cases become server-sized batches (their checkpoints drawn anew).
+    if profile.server_batch_seqs and draw(st.integers(min_value=1, max_value=SERVER_BATCH_SHARE)) == 1:
+        fields["seq_lens"] = draw(server_batch(profile, budget, lens, packed))
+        fields["checkpoints"] = draw(checkpoints(fields["seq_lens"])) if envelope.checkpoints else ()
     if "has_initial_state" in config:  # the pool fixes whether there is one; the kind stays drawn
         wanted = config.pop("has_initial_state")
         if (fields["initial_state"] != "none") != wanted:

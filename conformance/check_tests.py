@@ -99,8 +99,8 @@ def check_test(check: Check) -> Callable[..., None]:
             pytest.skip(reason)
         nodeid = request.node.nodeid
         kda_run.examples.open(nodeid, check.name, backend.name)
-        profile = kda_run.config.profile
-        assert profile is not None
+        assert kda_run.config.profile is not None
+        profile = kda_run.config.profile.for_backend(backend.interpreted(kda_run.config.device))
         try:
             drawn = check.draw(data, profile, backend)
         except BackendFault as fault:  # its fit or supports raised on the drawn case: its error, recorded

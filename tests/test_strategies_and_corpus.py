@@ -50,9 +50,31 @@ def test_the_ci_profile_reaches_every_listed_axis_value() -> None:
     from kda_conformance.checks import CHECKS
 
     ci = get_profile("ci")
-    drawn = draw_cases(ci, ci.max_examples * len(CHECKS))
+    drawn = draw_cases(ci.for_backend(interpreted=False), ci.max_examples * len(CHECKS))
     pinned = [e.case for e in load_corpus() if ci.corpus_skip(e.case, interpreted=True) is None]
     assert unreached(coverage([*drawn, *pinned])) == []
+
+
+def test_only_interpreted_backends_are_held_to_safe_gates() -> None:
+    """FLA's unsafe-gate path costs 40 to 60 s a call in Triton's interpreter, so the CPU tiers draw safe gates
+    for interpreted backends; everything else draws the softplus form too (vLLM's GLM-5.3-Flash gate)."""
+    ci = get_profile("ci")
+    compiled = {case.gate for case in draw_cases(ci.for_backend(interpreted=False), 40)}
+    interpreted = draw_cases(ci.for_backend(interpreted=True), 40)
+    assert compiled == {"lower_bound", "log", "softplus"}
+    assert all(case.safe_gate and case.lower_bound is not None for case in interpreted)
+    assert get_profile("nightly").for_backend(interpreted=True) == get_profile("nightly")
+
+
+def test_server_sized_batches_reach_hundreds_of_programs() -> None:
+    """ci drew at most 3 sequences and 16 (sequence, head) pairs; servers prefill dozens of requests."""
+    ci = get_profile("ci")
+    drawn = draw_cases(ci.for_backend(interpreted=False), 60)
+    batches = [case for case in drawn if case.num_seqs >= 9]
+    assert batches and all(case.total_tokens <= ci.max_total_tokens for case in batches)
+    assert max(case.num_seqs for case in batches) >= 12
+    assert max(case.num_seqs * case.num_v_heads for case in batches) > 128
+    assert any(case.packed and case.has_empty_sequence for case in batches)
 
 
 def test_coverage_names_what_a_set_of_cases_leaves_unreached() -> None:

@@ -31,6 +31,7 @@ from kda_conformance.running.memory import too_large
 from kda_conformance.running.options import add_options
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
+from kda_kernels import registry
 from kda_reports.console import record_table, stale_lines
 from kda_reports.findings import stale_known_issues
 from kda_reports.precision import precision_lines
@@ -84,7 +85,9 @@ def profile_cases(config: RunConfig, examples: int | None, console: Console, see
     pinned = [e.case for e in load_corpus() if profile.corpus_skip(e.case, interpreted=True) is None]
     for line in config.kernel_pool_lines():
         console.print(line, highlight=False)
-    drawn = draw_cases(profile, examples or profile.max_examples, config.seed)
+    # And the interpreted backends' gates: safe ones only, where the profile says so.
+    interpreted = any(registry.get(name).interpreted(config.device) for name in config.backends)
+    drawn = draw_cases(profile.for_backend(interpreted), examples or profile.max_examples, config.seed)
     if seed is not None and config.seed is None:
         say(
             console,

@@ -28,6 +28,8 @@ from kda_reference.preprocess import gate_activation
 PIECE = 64  # the chunk size at which the piecewise bugs carry their state
 SEGMENT = 2048  # FlashKDA's segment: 64 chunks of 32 tokens
 NAN_TOKEN = 33  # just past a 32-token chunk boundary
+TABLE = 8  # entries of the per-sequence table that wraps
+GRID = 128  # (sequence, value head) programs of the grid that drops the rest
 
 # name -> (the bug it models, where it was seen)
 ZOO: dict[str, tuple[str, str]] = {}
@@ -262,6 +264,66 @@ class ReadsStridedAsContiguous(TorchChunk):
 class ClampsLargeValues(TorchChunk):
     def run(self, inputs: KDAInputs) -> BackendOutput:
         return super().run(dataclasses.replace(inputs, v=inputs.v.clamp(-64, 64)))
+
+
+@planted(
+    "planted_sequence_table_wraps_past_8",
+    f"a per-sequence table of {TABLE} entries indexed modulo its size: sequence n >= {TABLE} writes its final "
+    f"state over sequence n mod {TABLE}'s and leaves its own zero",
+    "fixed-size per-request metadata (a launch's small argument array, a captured graph's tables)",
+)
+class SequenceTableWraps(TorchChunk):
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        count = out.final_state.shape[0]
+        if count <= TABLE:
+            return out
+        final = out.final_state.clone()
+        for seq in range(TABLE, count):
+            final[seq % TABLE] = out.final_state[seq]
+            final[seq] = 0
+        return dataclasses.replace(out, final_state=final)
+
+
+@planted(
+    "planted_drops_programs_past_128",
+    f"a grid of at most {GRID} (sequence, value head) programs: the pairs past it are never computed (their "
+    "outputs and final states left zero)",
+    "a per-(sequence, head) grid dimension sized on test batches",
+)
+class DropsProgramsPast128(TorchChunk):
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        case = inputs.case
+        heads = case.num_v_heads
+        if case.num_seqs * heads <= GRID:
+            return out
+        o, final = out.o.clone(), out.final_state.clone()
+        for program in range(GRID, case.num_seqs * heads):
+            seq, head = divmod(program, heads)
+            row, start, end = case.row_spans[seq]
+            o[row, start:end, head] = 0
+            final[seq, head] = 0
+        return dataclasses.replace(out, o=o, final_state=final)
+
+
+@planted(
+    "planted_keeps_state_between_calls",
+    "right on its first call; every later call's output carries 5 % of the previous call's mean |final state| "
+    "(a workspace kept between launches and never cleared)",
+    "persistent scratch and CUDA-graph buffers reused across calls",
+)
+class KeepsStateBetweenCalls(TorchChunk):
+    def __init__(self) -> None:
+        super().__init__()
+        self.left: float | None = None
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        previous, self.left = self.left, float(out.final_state.float().abs().mean())
+        if previous is None:
+            return out
+        return dataclasses.replace(out, o=(out.o.float() + 0.05 * previous).to(out.o.dtype))
 
 
 @planted(
