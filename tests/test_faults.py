@@ -578,10 +578,11 @@ def test_a_long_case_gets_a_warm_up_of_its_own_size_class() -> None:
     short, long = Case(seq_lens=(37,), num_heads=4, num_v_heads=8), Case(seq_lens=(131072,), num_heads=4, num_v_heads=8)
     packed = Case(seq_lens=(2047, 2048, 2049), packed=True, num_heads=8, num_v_heads=8)
     jobs = compile_jobs(["torch_chunk"], [short, long, short.replace(seed=5), packed])
-    assert [job.case.seq_lens for job in jobs] == [(70,), (8198,), (1990, 0, 33)]  # the seed is no new job
-    assert [size_class(job.case) for job in jobs] == [SMALLEST, (2, True), (1, True)]
-    assert jobs[1].key.endswith("(129+ chunks, grid > 256)") and "(" not in jobs[0].key.split("safe")[-1]
-    assert size_class(long) == size_class(jobs[1].case) and size_label(SMALLEST) == ""
+    # The larger classes first (the stage's longest jobs); the seed is no new job.
+    assert [job.case.seq_lens for job in jobs] == [(8198,), (1990, 0, 33), (70,)]
+    assert [size_class(job.case) for job in jobs] == [(2, True), (1, True), SMALLEST]
+    assert jobs[0].key.endswith("(129+ chunks, grid > 256)") and "(" not in jobs[2].key.split("safe")[-1]
+    assert size_class(long) == size_class(jobs[0].case) and size_label(SMALLEST) == ""
     # Many heads reach a large grid in a few chunks; a [B, T] batch keeps its rows where they make the grid.
     wide = Case(seq_lens=(300, 300, 300, 300), num_heads=16, num_v_heads=16)
     assert warm_up_case(wide).seq_lens == (262,) * 4 and size_class(warm_up_case(wide)) == size_class(wide)

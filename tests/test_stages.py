@@ -62,3 +62,13 @@ def test_isolated_cases_bring_their_time_back() -> None:
     [findings] = list(run_isolated(get_check("budget"), [(case, "torch_chunk")], CPU, [], 120.0))
     assert {f.verdict for f in findings} == {"pass"} and all(f.reference_seconds > 0 for f in findings)
     assert CLOCK.calls["reference"] == before + 1
+
+
+def test_a_wait_for_gpu_memory_shares_is_its_own_stage(tmp_path) -> None:
+    """A night's workers stood still most of a shard on the H200 with nothing in the stages to say so."""
+    from kda_conformance.running.memory import memory_shares
+
+    before = CLOCK.snapshot()["calls"]["wait"]
+    with memory_shares(tmp_path, 2):
+        pass
+    assert CLOCK.snapshot()["calls"]["wait"] == before + 1

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from kda_cases.case import Case
 from kda_cases.kernel_configs import (
+    SMALLEST,
     KernelConfig,
     SizeClass,
     config_label,
@@ -96,7 +97,10 @@ def _jobs(pairs: Sequence[tuple[str, Case]]) -> list[CompileJob]:
             pass
         wanted.setdefault((backend_name, kernel_config(case), size_class(case)), case)
     order = {key: i for i, key in enumerate(dict.fromkeys(key[1:] for key in wanted))}
-    keys = sorted(wanted, key=lambda key: order[key[1:]])  # stable: backends in the order given
+    # The larger size classes first: their jobs are the stage's longest (SGLang's large-grid fp32 path took
+    # 242 s of a cold H200's 311 s stage, started last), and the longest first keeps the stage's wall near
+    # its longest job. Stable otherwise: backends in the order given.
+    keys = sorted(wanted, key=lambda key: (key[2] == SMALLEST, order[key[1:]]))
     return [CompileJob(key[0], warm_up_case(wanted[key])) for key in keys]
 
 

@@ -26,6 +26,7 @@ from typing import IO
 import torch
 
 from kda_cases.case import Case
+from kda_conformance.running.stages import CLOCK
 
 # A GPU's memory in this many shares; a retry after an out-of-memory takes them all (the GPU alone).
 SHARES = 16
@@ -146,6 +147,7 @@ def memory_shares(folder: Path, count: int, poll_s: float = POLL_S) -> Iterator[
         raise ValueError(f"count must be 1 to {SHARES}, got {count}")
     folder.mkdir(parents=True, exist_ok=True)
     held: list[IO[str]] = []
+    began = time.perf_counter()
     try:
         with open(folder / "turnstile", "a") as turnstile:
             fcntl.flock(turnstile.fileno(), fcntl.LOCK_EX)
@@ -156,6 +158,7 @@ def memory_shares(folder: Path, count: int, poll_s: float = POLL_S) -> Iterator[
                         time.sleep(poll_s)
             finally:
                 fcntl.flock(turnstile.fileno(), fcntl.LOCK_UN)
+        CLOCK.add("wait", time.perf_counter() - began)  # where a night's workers stand still
         yield
     finally:
         for handle in held:

@@ -17,7 +17,8 @@ import torch
 
 from kda_cases.devices import synchronize
 
-STAGES = ("materialize", "reference", "baseline", "backend", "compare")
+# "wait": a case waiting for its share of the GPU's memory (conformance/running/memory.py), no work at all.
+STAGES = ("materialize", "reference", "baseline", "backend", "compare", "wait")
 
 
 @dataclass
@@ -61,6 +62,11 @@ class StageClock:
             if form is not None:
                 self.add_form(form, lap.seconds)
 
+    def add(self, name: str, seconds: float) -> None:
+        """Count ``seconds`` spent outside any device work (a wait) as one call of stage ``name``."""
+        self.seconds[name] += seconds
+        self.calls[name] += 1
+
     def add_form(self, form: str, seconds: float) -> None:
         self.forms[form] = self.forms.get(form, 0.0) + seconds
 
@@ -75,8 +81,8 @@ class StageClock:
         """Add another process's totals (:meth:`drain` or :meth:`snapshot`, as sent or as a run part's
         ``timing.json``); its peak memory counts where it exceeds this process's."""
         for name, seconds in taken["seconds"].items():
-            self.seconds[name] += seconds
-            self.calls[name] += taken["calls"][name]
+            self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+            self.calls[name] = self.calls.get(name, 0) + taken["calls"][name]
         for form, seconds in taken["reference_seconds_by_form"].items():
             self.add_form(form, seconds)
         for key, value in taken["peak_memory"].items():
