@@ -153,12 +153,14 @@ def _reset_tokens(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
 def _scaled(
     case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gen: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The case's magnitude regime (``INPUT_SCALES``): v and q, and k where the kernel normalizes it (the
-    suite's unit keys keep the delta rule stable otherwise), scaled x10 to x100 (``large``), or a few of
-    their tokens and channels x100 to x1000 (``outliers``). |o| stays about max |v|: representable in fp16."""
+    """The case's magnitude regime (``INPUT_SCALES``): v, and q and k where the kernel normalizes them (the
+    suite's unit keys keep the delta rule stable otherwise, and unit queries keep |o| about max |v|:
+    representable in fp16), scaled x10 to x100 (``large``), or a few of their tokens and channels x100 to
+    x1000 (``outliers``). Queries scaled beside values multiply into the output: on the H200 the fp16
+    baseline of T8191+8191 (K = V = 256, weak gates, outliers, no in-kernel l2norm) was not finite."""
     if case.input_scale == "typical":
         return q, k, v
-    scaled = [v, q, k] if case.l2norm_in_kernel else [v, q]
+    scaled = [v, q, k] if case.l2norm_in_kernel else [v]
     out = []
     for x in scaled:
         if case.input_scale == "large":
@@ -175,8 +177,9 @@ def _scaled(
             )
             x = x * factor[None, :, None, :]
         out.append(x)
-    v, q = out[0], out[1]
-    return q, (out[2] if case.l2norm_in_kernel else k), v
+    if not case.l2norm_in_kernel:
+        return q, k, out[0]
+    return out[1], out[2], out[0]
 
 
 def materialize(case: Case, device: str | torch.device = "cpu") -> KDAInputs:
