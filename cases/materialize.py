@@ -182,8 +182,34 @@ def _scaled(
     return out[1], out[2], out[0]
 
 
-def materialize(case: Case, device: str | torch.device = "cpu") -> KDAInputs:
-    """Draw the case's tensors on the CPU from its seed and move them to ``device``."""
+def materialize(case: Case, device: str | torch.device = "cpu", drawn: KDAInputs | None = None) -> KDAInputs:
+    """Draw the case's tensors on the CPU from its seed and move them to ``device`` in the case's layout
+    (``drawn``: the case's ``drawn_on_cpu`` tensors, drawn ahead)."""
+    if drawn is None:
+        drawn = drawn_on_cpu(case)
+    elif drawn.case != case:
+        raise ValueError(f"drawn: tensors of case {drawn.case.id}, not of {case.id}")
+    dev = torch.device(device)
+
+    def move(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.to(dev)
+
+    # Moved first, laid out after: a view of a fused buffer moved alone would arrive contiguous.
+    tokens = laid_out(case.input_layout, *(move(getattr(drawn, name)) for name in ("q", "k", "v", "g", "beta")))
+    return KDAInputs(
+        case=case,
+        **dict(zip(("q", "k", "v", "g", "beta"), tokens, strict=True)),
+        A_log=move(drawn.A_log),
+        dt_bias=move(drawn.dt_bias),
+        initial_state=move(drawn.initial_state),
+        cu_seqlens=move(drawn.cu_seqlens),
+    )
+
+
+def drawn_on_cpu(case: Case) -> KDAInputs:
+    """The case's tensors drawn on the CPU from its seed, in their dtypes and contiguous: the CPU work of
+    ``materialize`` (seconds for a large case on one thread), which needs no device memory, so a run can do
+    it before it takes its share of a GPU."""
     gen = torch.Generator(device="cpu").manual_seed(case.seed)
     B = 1 if case.packed else case.num_seqs
     T = case.total_tokens if case.packed else case.seq_lens[0]
@@ -210,22 +236,9 @@ def materialize(case: Case, device: str | torch.device = "cpu") -> KDAInputs:
     cu = cu_seqlens_tensor(case, "cpu", dtype=torch.long) if case.packed else None
 
     dtype = TORCH_DTYPES[case.dtype]
-    dev = torch.device(device)
-
-    def move(x: torch.Tensor | None, cast: torch.dtype | None = None) -> torch.Tensor | None:
-        if x is None:
-            return None
-        return (x.to(cast) if cast is not None else x).to(dev)
-
-    tokens = laid_out(case.input_layout, *(move(x, dtype) for x in (q, k, v, g, beta)))
-    return KDAInputs(
-        case=case,
-        **dict(zip(("q", "k", "v", "g", "beta"), tokens, strict=True)),
-        A_log=move(A_log),
-        dt_bias=move(dt_bias),
-        initial_state=move(h0),
-        cu_seqlens=move(cu),
-    )
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    return KDAInputs(case=case, q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0,
+                     cu_seqlens=cu)  # fmt: skip
 
 
 def laid_out(layout: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

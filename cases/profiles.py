@@ -38,7 +38,8 @@ class Profile:
     safe_gates_only: bool = False
     # Server-sized batches: packed (or [B, T]) batches of 9 to this many sequences, most short, some empty,
     # some long, drawn for a part of the cases (0: none): per-sequence tables, grid bounds and index
-    # arithmetic that break past a few hundred (sequence, head) programs.
+    # arithmetic that break past a few hundred (sequence, head) programs. Not for interpreted backends in
+    # the CPU tiers (``for_backend``).
     server_batch_seqs: int = 0
     # Corpus cases longer than this are skipped for interpreted backends, with that reason (the CPU tiers
     # cannot afford 2K tokens through FLA's interpreted kernels: 2 minutes for the recurrent kernel alone).
@@ -80,11 +81,13 @@ class Profile:
         return self.max_v_heads or self.max_heads
 
     def for_backend(self, interpreted: bool) -> Profile:
-        """The profile a backend's cases are drawn from: the safe-gates-only restriction is the interpreter's
-        cost, so a backend that does not run interpreted here draws every gate form."""
-        if interpreted or not self.safe_gates_only:
-            return self
-        return dataclasses.replace(self, safe_gates_only=False)
+        """The profile a backend's cases are drawn from. Safe gates only and small batches are the CPU tiers'
+        price of Triton's interpreter (seconds per program: a server batch of 40 sequences and 4 heads
+        launches 160), so an interpreted backend of those tiers draws without server batches, and a backend
+        that does not run interpreted draws every gate form."""
+        if interpreted:
+            return dataclasses.replace(self, server_batch_seqs=0) if self.safe_gates_only else self
+        return dataclasses.replace(self, safe_gates_only=False) if self.safe_gates_only else self
 
     def corpus_skip(self, case: Case, interpreted: bool) -> str | None:
         """Why a corpus case does not run in this profile (None when it runs)."""

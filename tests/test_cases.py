@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from kda_cases.case import Case
-from kda_cases.materialize import materialize
+from kda_cases.case import INPUT_LAYOUTS, Case
+from kda_cases.materialize import drawn_on_cpu, materialize
 
 
 def test_id_is_stable_across_machines_and_versions() -> None:
@@ -208,3 +208,32 @@ def test_magnitude_regimes_scale_v_and_normalized_queries_and_keys_only() -> Non
         normalized.k.float().abs().amax() > 10 * materialize(case.replace(l2norm_in_kernel=True)).k.float().abs().amax()
     )
     assert Case().replace(input_scale="typical").id == "kda-69ea257332f0" and "x:outliers" in outliers.case.label
+
+
+@pytest.mark.parametrize("layout", INPUT_LAYOUTS)
+def test_inputs_drawn_ahead_on_the_cpu_are_the_same_bits_in_the_same_layout(layout: str) -> None:
+    """A run draws a case's tensors before it takes its share of the GPU (conformance/running/truths.py):
+    placing them later must give what materialize gives, strides included."""
+    case = Case(seq_lens=(40, 0, 25), packed=True, num_heads=2, num_v_heads=4, initial_state="random",
+                input_layout=layout, input_scale="outliers", dtype="fp16")  # fmt: skip
+    whole, placed = materialize(case), materialize(case, "cpu", drawn_on_cpu(case))
+    for name in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"):
+        a, b = getattr(whole, name), getattr(placed, name)
+        assert torch.equal(a, b) and a.stride() == b.stride() and a.dtype == b.dtype, name
+    with pytest.raises(ValueError, match="drawn: tensors of case"):
+        materialize(case.replace(seed=1), "cpu", drawn_on_cpu(case))
+
+
+def test_the_truth_cache_uses_what_it_drew_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kda_conformance.running import truths
+
+    drawn: list[str] = []
+    original = truths.drawn_on_cpu
+    monkeypatch.setattr(truths, "drawn_on_cpu", lambda case: drawn.append(case.id) or original(case))
+    cache = truths.TruthCache(torch.device("cpu"))
+    case = Case(seq_lens=(20,))
+    cache.draw_ahead(case)
+    truth = cache.get(case)
+    assert drawn == [case.id] and torch.equal(truth.inputs.v, materialize(case).v)
+    cache.draw_ahead(case)  # kept: nothing to draw
+    assert drawn == [case.id] and not cache._drawn

@@ -64,6 +64,8 @@ def test_only_interpreted_backends_are_held_to_safe_gates() -> None:
     assert compiled == {"lower_bound", "log", "softplus"}
     assert all(case.safe_gate and case.lower_bound is not None for case in interpreted)
     assert get_profile("nightly").for_backend(interpreted=True) == get_profile("nightly")
+    # And no server batches for them: the interpreter's seconds go by the program, 160 in such a batch.
+    assert max(case.num_seqs for case in interpreted) <= ci.max_seqs
 
 
 def test_server_sized_batches_reach_hundreds_of_programs() -> None:

@@ -142,6 +142,7 @@ class Run:
         alone on the device after running out of memory."""
         device, case = self.config.device, judge.case
         findings: list[Finding] = []
+        self.truths.draw_ahead(case)  # the CPU's part, before the case holds GPU memory others wait for
         for alone in (False, True):
 
             def attempt(alone: bool = alone) -> list[Finding]:

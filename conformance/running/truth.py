@@ -40,12 +40,17 @@ class CaseTruth:
 
 
 def case_truth(
-    case: Case, device: torch.device, rule: BudgetRule = DEFAULT_RULE, precision: WorkingPrecision | None = None
+    case: Case,
+    device: torch.device,
+    rule: BudgetRule = DEFAULT_RULE,
+    precision: WorkingPrecision | None = None,
+    drawn: KDAInputs | None = None,
 ) -> CaseTruth:
-    """Materialize ``case`` on ``device``, run the reference and the same-precision baseline, derive budgets
-    (at a declared working precision where one is given)."""
+    """Materialize ``case`` on ``device`` (from its ``drawn`` CPU tensors where they were drawn ahead), run
+    the reference and the same-precision baseline, derive budgets (at a declared working precision where
+    one is given)."""
     with CLOCK.stage("materialize", device):
-        inputs = materialize(case, device)
+        inputs = materialize(case, device, drawn)
     return inputs_truth(inputs, rule, precision)
 
 
