@@ -682,3 +682,33 @@ def test_hypothesis_replaying_a_failure_that_does_not_repeat_gets_the_same_failu
     assert "Flaky" not in done.stdout, done.stdout[-3000:]
     assert "budget: kda-" in done.stdout and "backend test_wrong_once" in done.stdout, done.stdout[-3000:]
     assert "repro: kda-conformance run" in done.stdout
+
+
+def test_a_case_timeout_is_the_checks_time_not_the_suites_truth(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--case-timeout timed the suite's truth and baseline too: an instant backend on T = 1024 was charged
+    "no result within 1.5 s". The backend's clock starts when the truth is ready; a truth slower than the
+    timeout is the suite's hang."""
+    from kda_conformance.running import session, truths
+
+    ended: list[int] = []
+    monkeypatch.setattr(session, "end_process", ended.append)
+    slow_get = truths.TruthCache.get
+
+    def slow(self, case, precision=None):
+        time.sleep(3.0)
+        return slow_get(self, case, precision)
+
+    config = build_config(device="cpu", backends=["torch_chunk"], out=tmp_path, case_timeout=2.0)
+    run = Run(config)
+    monkeypatch.setattr(truths.TruthCache, "get", slow)
+    findings = run.checked(get_check("budget"), Drawn(Case(seq_lens=(37,))), registry.get("torch_chunk"))
+    assert {f.verdict for f in findings} == {"pass"} and len(ended) == 1, "the backend itself was instant"
+    rows = run.rows
+    hung = [r for r in rows if r["verdict"] == "error"]
+    assert [r["backend"] for r in hung] == ["(suite)"] and "the suite's truth of the case" in hung[0]["reason"]
+    # A truth within the timeout: nothing is charged to anyone.
+    monkeypatch.setattr(truths.TruthCache, "get", slow_get)
+    again = run.checked(get_check("budget"), Drawn(Case(seq_lens=(37,), seed=2)), registry.get("torch_chunk"))
+    assert {f.verdict for f in again} == {"pass"} and len(ended) == 1

@@ -35,7 +35,7 @@ from kda_kernels import registry
 from kda_kernels.guard import BackendFault, end_process
 from kda_kernels.protocol import Backend, WorkingPrecision
 from kda_reports.environment import library_version
-from kda_reports.findings import Finding
+from kda_reports.findings import SUITE_BACKEND, Finding
 from kda_reports.runfile import RunRecorder, merge_parts, run_file, run_path, run_stem
 from kda_reports.schema import record_rows
 
@@ -106,7 +106,18 @@ class Run:
             self.calls.open(judge, test)
         unanswered = self.unanswered.get(backend.name)
         quarantined = self.quarantine.find(backend.name, case)
-        watchdog = self._watchdog(judge)
+        # The backend's timeout starts once the case's truth is ready: the suite's drawing, truth and baseline
+        # and its wait for a share of the GPU are not the backend's time (an instant backend on T = 1024 was
+        # charged "no result within 1.5 s" for them); until then a hang is the suite's.
+        watchdogs = {"suite": self._watchdog(judge, suite=True), "check": None}
+
+        def check_run(truth: CaseTruth) -> list[Finding]:
+            if watchdogs["check"] is None:
+                if watchdogs["suite"] is not None:
+                    watchdogs["suite"].cancel()
+                watchdogs["check"] = self._watchdog(judge)
+            return check.run(truth, backend, params)
+
         try:
             if unanswered:
                 findings = [fault_finding(judge, unanswered)]
@@ -116,13 +127,14 @@ class Run:
                 ]
             else:
                 precision = backend.working_precision
-                findings = self._attempts(judge, lambda truth: check.run(truth, backend, params), precision)
+                findings = self._attempts(judge, check_run, precision)
         except BaseException:
             self.calls.settle()  # an interrupt: nothing of this call is recorded, and nothing died in it
             raise
         finally:
-            if watchdog is not None:
-                watchdog.cancel()
+            for watchdog in watchdogs.values():
+                if watchdog is not None:
+                    watchdog.cancel()
         findings = apply_known(findings)
         # A quarantined case launched nothing: its reason names the earlier crash, but this context is alive.
         lost = [f for f in findings if f.verdict == "error" and is_sticky(f.reason)] if not quarantined else []
@@ -165,18 +177,28 @@ class Run:
                 ]
         return findings
 
-    def _watchdog(self, judge: Judge) -> threading.Timer | None:
+    def _watchdog(self, judge: Judge, suite: bool = False) -> threading.Timer | None:
         """With a case timeout: a timer that records the case as hung and ends the process (a hung kernel
-        never returns to Python, so the timer's thread does it; pytest-xdist replaces such a worker)."""
+        never returns to Python, so the timer's thread does it; pytest-xdist replaces such a worker).
+        ``suite``: the timer of the suite's own work on the case (its truth, its wait for GPU memory), whose
+        hang is charged to the suite."""
         timeout = self.config.case_timeout
         if not timeout or not self.journal:
             return None
         test = self.calls.test
 
         def hung() -> None:
-            reason = f"no result within {timeout:g} s (hung or too slow): its process was ended"
-            self.record([judge.outcome("error", reason, timeout)], test)
-            sys.stderr.write(f"kda-conformance: {judge.check} of {judge.case.id} on {judge.backend}: {reason}\n")
+            if suite:
+                reason = (
+                    f"the suite's truth of the case (drawing, reference, baseline or its wait for GPU memory) took "
+                    f"more than {timeout:g} s: its process was ended"
+                )
+                finding = dataclasses.replace(judge.outcome("error", reason, timeout), backend=SUITE_BACKEND)
+            else:
+                reason = f"no result within {timeout:g} s (hung or too slow): its process was ended"
+                finding = judge.outcome("error", reason, timeout)
+            self.record([finding], test)
+            sys.stderr.write(f"kda-conformance: {judge.check} of {judge.case.id} on {finding.backend}: {reason}\n")
             sys.stderr.flush()
             end_process(self.hung_exit)
 
