@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kda_cases.case import Case
+from kda_cases.coverage import CHUNK
 
 # The Case fields a kernel is specialised on (constexprs, autotune keys, in-kernel flags, layouts, packing).
 KERNEL_FIELDS = (
@@ -72,7 +73,6 @@ def distinct_configs(cases: Iterable[Case]) -> dict[KernelConfig, Case]:
 # chunks x heads) and buckets its state kernel by the chunk count (<= 32, <= 128, more: a constexpr in its
 # autotune key). A 70-token warm-up compiles the first of each only, and a 128K-token fp32 case then compiled
 # and tuned its own kernels in the middle of a night's shard on a cold H200 (one call of 184 s).
-CHUNK = 64
 CHUNK_BUCKETS = (32, 128)  # the chunk counts where a bucket ends
 SMALL_GRID = 256  # programs
 SizeClass = tuple[int, bool]  # (chunk bucket, a grid of more than SMALL_GRID programs)
