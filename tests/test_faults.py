@@ -3,6 +3,7 @@ out of memory; one invocation is one run, over pytest-xdist workers and over hos
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -429,6 +430,14 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _cmdline(pid: int) -> str:
+    """``pid``'s command line, or "" once it has exited (short-lived children come and go while we look)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return ""
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -445,11 +454,12 @@ def test_an_isolated_worker_dies_with_its_killed_parent(tmp_path: Path) -> None:
     command += ["--plugin", "kda_planted_crashes", "--backend", "planted_hang", "--case", '{"seq_lens": [37]}']
     command += ["--out", str(tmp_path), "--no-dashboard"]
     sweep = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: list[int] = []
     try:
-        deadline, workers = time.monotonic() + 120, []
+        deadline = time.monotonic() + 120
         while not workers and time.monotonic() < deadline:
             time.sleep(0.5)
-            workers = [p for p in _children(sweep.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+            workers = [p for p in _children(sweep.pid) if "spawn_main" in _cmdline(p)]
         assert workers, "the sweep started no worker process"
         time.sleep(3)  # the worker is in the hanging backend now
         sweep.kill()
@@ -459,8 +469,12 @@ def test_an_isolated_worker_dies_with_its_killed_parent(tmp_path: Path) -> None:
             time.sleep(0.2)
         assert not any(_alive(p) for p in workers), "the worker outlived its killed parent"
     finally:
-        for pid in _children(sweep.pid):
-            os.kill(pid, 9)
+        sweep.kill()
+        # A killed sweep's workers are no longer its children; a pid that exited may be reused, hence the check.
+        for pid in {*workers, *_children(sweep.pid)}:
+            if "spawn_main" in _cmdline(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, 9)
 
 
 def test_an_invalid_case_is_the_suites_error_not_the_backends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
