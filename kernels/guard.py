@@ -10,7 +10,7 @@ same holds for a state pool a paged backend is given: it may write the slots its
 sequences' and the checkpoints'), nothing else. A result that is not a :class:`BackendOutput` of tensors
 on the inputs' device, or a returned tensor that shares memory with an input or with another returned
 tensor, ends the call with a BackendFault. ``os._exit`` and ``SystemExit`` inside a call end the call,
-not the process.
+not the process; a child the backend forks inside the call is the backend's and ends with it.
 
 Any exception a backend's own code raises leaves marked with the backend's name (:func:`raised_by`), so
 whoever catches it charges it to the backend and not to the suite code around the call.
@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -208,6 +209,34 @@ def _trapped_exit(code: int) -> None:
     _real_exit(code)
 
 
+def _forked_in_a_call() -> None:
+    """In a child a backend forked (``os.fork``, ``multiprocessing``): the child is the backend's, not the
+    suite. It carries no exit trap (its ``os._exit`` ends it), tells no listener (it writes no journal row)
+    and owns no call, so a child that returns from the call ends there (:func:`_end_forked_child`) instead
+    of carrying on as a second copy of the sweep."""
+    if not _depth:
+        return
+    _depth.clear()
+    _listeners.clear()
+    _breaches.clear()
+    os._exit = _real_exit
+
+
+os.register_at_fork(after_in_child=_forked_in_a_call)
+
+
+def _end_forked_child(exc: BaseException | None) -> None:
+    """End a forked child that left the backend's call (returning or raising), with the code it would have."""
+    if isinstance(exc, SystemExit):
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    else:
+        code = 0 if exc is None else 1
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    _real_exit(code)
+
+
 @contextlib.contextmanager
 def _in_call(backend: Backend) -> Iterator[None]:
     """The backend's call: listeners told, ``os._exit`` and ``SystemExit`` turned into a fault of the call,
@@ -219,8 +248,16 @@ def _in_call(backend: Backend) -> Iterator[None]:
     world = _world() if not _depth.get(thread) else None  # the outermost call of this thread takes it
     _depth[thread] = _depth.get(thread, 0) + 1
     os._exit = _trapped_exit
+    process = os.getpid()
     try:
-        yield
+        try:
+            yield
+        except BaseException as exc:
+            if os.getpid() != process:
+                _end_forked_child(exc)
+            raise
+        if os.getpid() != process:
+            _end_forked_child(None)
     except Unsupported:
         raise
     except BackendExit as exc:

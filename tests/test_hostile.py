@@ -166,9 +166,9 @@ def test_repro_minimize_and_checks_charge_a_backend_that_exits(
     assert "returned NoneType, not a BackendOutput" in capsys.readouterr().out
 
 
-def _dead(command: list[str], out: Path) -> tuple[subprocess.CompletedProcess, pd.DataFrame]:
+def _dead(command: list[str], out: Path, timeout: float = 600) -> tuple[subprocess.CompletedProcess, pd.DataFrame]:
     env = {"PYTHONPATH": str(PLUGINS), "PATH": "/usr/bin:/bin", "HOME": str(out)}
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
     return done, load_store(out).records
 
 
@@ -278,3 +278,21 @@ def test_repro_minimize_and_checks_record_what_the_sweep_records(backend: str, t
     assert rows["run"], rows
     for name in ("repro", "minimize", "checks"):
         assert rows[name] == rows["run"], (name, rows[name], rows["run"])
+
+
+@pytest.mark.parametrize("isolate", [False, True], ids=["in-process", "isolated"])
+def test_backends_that_fork_pass_once_each_and_the_run_exits(isolate: bool, tmp_path: Path) -> None:
+    """A forked child is the backend's: it ends with the call, writes no row and is no second sweep."""
+    import kda_hostile
+
+    cli = [sys.executable, "-m", "kda_conformance.cli", "run", "--device", "cpu", "--plugin", "kda_hostile"]
+    cli += ["--isolate"] if isolate else ["--no-isolate"]
+    cli += [arg for name in ("torch_chunk", *kda_hostile.FORKING) for arg in ("--backend", name)]
+    # The old code never ended: a child went on as a second sweep.
+    done, records = _dead([*cli, *CASE_ARGS, "--out", str(tmp_path), "--no-dashboard"], tmp_path, timeout=180)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    assert set(records["verdict"]) == {"pass"}, records[["backend", "verdict", "reason"]]
+    assert not records.duplicated(["check", "case_id", "backend", "tensor"]).any()
+    rows = records.groupby("backend").size()
+    assert set(rows.index) == {"torch_chunk", *kda_hostile.FORKING} and rows.nunique() == 1, rows
+    assert len(load_store(tmp_path).runs) == 1

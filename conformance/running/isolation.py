@@ -10,6 +10,7 @@ error and ends itself, so that no later case runs on its dead context.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import signal
@@ -67,9 +68,12 @@ class IsolatedRunner:
     def _start(self) -> None:
         parent, child = self.context.Pipe()
         self.process = self.context.Process(
-            target=_worker, args=(child, str(self.device), self.plugins, os.getpid()), daemon=True
-        )
+            target=_worker, args=(child, str(self.device), self.plugins, os.getpid()), daemon=False
+        )  # not daemonic: a backend may start worker processes of its own (a daemonic process may not)
         self.process.start()
+        # A non-daemonic worker is joined when this process exits: one hung in a kernel would hold the exit.
+        # Killed first (atexit runs this before multiprocessing's join, registered later).
+        atexit.register(self._discard)
         child.close()
         self.conn = parent
         if not parent.poll(STARTUP_TIMEOUT) or parent.recv() != "ready":
@@ -77,6 +81,7 @@ class IsolatedRunner:
             raise RuntimeError(f"the worker process did not start within {STARTUP_TIMEOUT:g} s")
 
     def _discard(self) -> None:
+        atexit.unregister(self._discard)
         if self.process is not None and self.process.is_alive():
             self.process.kill()
         if self.process is not None:

@@ -7,6 +7,7 @@ loadable. ``kda_hostile_baseline`` (a module of its own) replaces the baseline."
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 
 import torch
@@ -242,3 +243,49 @@ class Aborts(TorchChunk):
 
 
 register(Aborts.name, Aborts, replace=True)
+
+
+# Backends that fork: each correct, so each must pass, with one row per record and a run that exits. A child
+# forked inside a call inherited the suite's exit trap and became a second copy of the sweep (the run never
+# ended, or one case held the same backend as both error and pass); a daemonic isolated worker could not
+# start a pool at all.
+class ForksAPool(TorchChunk):
+    """Asks a forked multiprocessing pool for a number, as a backend with host-side workers might."""
+
+    name = "hostile_forks_a_pool"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            assert pool.apply(abs, (-3,)) == 3
+        return super().run(inputs)
+
+
+class ForksAndExits(TorchChunk):
+    """``os.fork()``; the child ends with ``os._exit(0)`` at once."""
+
+    name = "hostile_forks_and_exits"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        child = os.fork()
+        if child == 0:
+            os._exit(0)
+        os.waitpid(child, 0)
+        return super().run(inputs)
+
+
+class ForksAndReturns(TorchChunk):
+    """``os.fork()``; the child returns from the call (None) as if it were the suite's process."""
+
+    name = "hostile_forks_and_returns"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        child = os.fork()
+        if child == 0:
+            return None
+        os.waitpid(child, 0)
+        return super().run(inputs)
+
+
+FORKING = (ForksAPool.name, ForksAndExits.name, ForksAndReturns.name)
+for forking in (ForksAPool, ForksAndExits, ForksAndReturns):
+    register(forking.name, forking, replace=True)
