@@ -20,7 +20,7 @@ from kda_cases.grids import FIRST_SWEEP_DTYPES
 from kda_conformance.plugin_summary import RUN, WRITTEN, empty_selection
 from kda_conformance.plugin_summary import pytest_terminal_summary as pytest_terminal_summary
 from kda_conformance.running.check import Check, Drawn
-from kda_conformance.running.config import ConfigError, Grid, baseline_warning, build_config
+from kda_conformance.running.config import ConfigError, Grid, baseline_warning, build_config, release_claims
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost
 from kda_conformance.running.interrupts import sigterm_as_interrupt
 from kda_conformance.running.memory import chosen_gpus, visible_device
@@ -117,6 +117,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         signal.signal(signal.SIGTERM, config.stash[SIGTERM_BEFORE])
     if RUN in config.stash:
         stop_observing(config.stash[RUN].examples)
+    release_claims()
 
 
 @pytest.hookimpl(optionalhook=True)

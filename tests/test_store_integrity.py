@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import errno
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -170,6 +172,31 @@ def test_a_run_id_that_exists_is_refused(tmp_path: Path, capsys: pytest.CaptureF
         assert main(argv) == USAGE
     assert "a run with id x is already in" in capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == before
+
+
+def test_a_run_id_being_written_by_another_process_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Two runs given one KDA_RUN_ID at once both saw no file of it, both exited 0, the second's parquet
+    # replacing the first's. The other process here holds the id's claim as a run in progress does.
+    holder = "import sys, time; from kda_conformance.running.config import claim_run; from pathlib import Path"
+    holder += "; print(claim_run(Path(sys.argv[1]), 'x'), flush=True); time.sleep(120)"
+    (tmp_path / "runs").mkdir()
+    other = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    argv = ["run", "--device", "cpu", "--backend", "torch_chunk", "--case", CASE, "--out", str(tmp_path)]
+    try:
+        assert other.stdout is not None and other.stdout.readline().strip() == "None"
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("KDA_RUN_ID", "x")
+            assert main(argv) == USAGE
+            said = capsys.readouterr().out
+            assert "a run with id x is being written to" in said and f"pid {other.pid}" in said, said
+            assert not list((tmp_path / "runs").glob("x.*"))
+            other.kill()
+            other.wait(30)
+            assert main(argv) == 0  # the claim went with its process: nothing stale is left
+    finally:
+        other.kill()
 
 
 def _night(rows: list[dict], run_id: str, date: str, verdict: str) -> list[dict]:

@@ -27,6 +27,7 @@ from kda_conformance.cli import (
     run,
 )
 from kda_conformance.cli.exits import INTERRUPTED
+from kda_conformance.running.config import release_claims
 from kda_conformance.running.interrupts import sigterm_interrupts
 from kda_reports.environment import suite_commit
 
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("interrupted", highlight=False)
         return INTERRUPTED
+    finally:
+        release_claims()
 
 
 def _without_output_paths(argv: list[str]) -> list[str]:

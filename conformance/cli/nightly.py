@@ -137,7 +137,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     except ConfigError as exc:
         say(console, f"{exc}", "error:", "red")
         return 2
-    problem = config.output_problem()
+    problem = config.output_problem(claim=False)  # its pytest claims the run id (it would refuse ours)
     if problem:
         say(console, f"--store: {problem}", "error:", "red")
         return 2

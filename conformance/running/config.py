@@ -8,13 +8,16 @@ seed, and draws the run's kernel configurations. Whatever a run does afterwards 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import os
 import re
 import secrets
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -33,7 +36,7 @@ from kda_kernels import registry
 from kda_reference.run import FORM_VARIABLE, FORMS
 from kda_reports.environment import SUITE_BASELINE, environment
 from kda_reports.findings import Finding
-from kda_reports.runfile import DEFAULT_OUT, new_run_id, run_file, run_files
+from kda_reports.runfile import DEFAULT_OUT, new_run_id, run_file, run_files, run_stem
 
 DEFAULT_CASE_TIMEOUT = 900.0  # seconds for one case on one backend, its reference and compile included
 STRICT_VARIABLE = "KDA_STRICT"
@@ -41,6 +44,45 @@ PROFILE_VARIABLE = "KDA_PROFILE"
 RUN_ID_VARIABLE = "KDA_RUN_ID"
 SHARD_VARIABLE = "KDA_SHARD"
 RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+# The run ids this process has claimed: each claim file's handle, whose lock lasts as long as the process.
+_claims: dict[Path, IO[str]] = {}
+
+
+def claim_run(out: Path, stem: str) -> str | None:
+    """Claim the run (or part) ``stem`` in ``out`` for this process, or say who holds it. Two runs given one
+    id at once both saw no file of it and both wrote, the second's parquet replacing the first's: a claim is
+    an exclusive lock on ``runs/.<stem>.claim``, taken or refused at once and let go when the command ends
+    (:func:`release_claims`) or its process does (a killed run leaves no stale claim; what it wrote refuses
+    the id by itself)."""
+    path = out / "runs" / f".{stem}.claim"
+    if path in _claims:
+        return None
+    handle = path.open("a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        return f"is being written to {out} by another process ({holder})"
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    handle.flush()
+    _claims[path] = handle
+    return None
+
+
+def release_claims() -> None:
+    """Let go of every run id this process claimed (its command is over: what it wrote, if anything, now
+    refuses the id by itself). The file goes first, then the lock, so no one can take a lock on a file
+    that is about to be removed and still count as holding the id."""
+    for path, handle in list(_claims.items()):
+        path.unlink(missing_ok=True)
+        handle.close()
+        del _claims[path]
 
 
 class ConfigError(ValueError):
@@ -172,12 +214,17 @@ class RunConfig:
         index, count = self.shard
         return int(hashlib.sha256(key.encode()).hexdigest(), 16) % count == index - 1
 
-    def output_problem(self) -> str | None:
+    def output_problem(self, claim: bool = True) -> str | None:
         """Why this run cannot write its files (the folder cannot be written or is full, or a run of this id
-        is there already: a run is never overwritten), or None. Asked before the first case."""
+        is there already, or being written: a run is never overwritten), or None. Asked before the first
+        case; ``claim``: take the run id for this process (see :func:`claim_run`), else only look."""
         why = unwritable(Path(self.out) / "runs")
         if why:
             return why
+        if claim:
+            why = claim_run(Path(self.out), run_stem(self.run_id, self.part))
+            if why:
+                return f"a run with id {self.run_id} {why}: give another run id"
         # The night's quarantine list may be there already: its compile stage writes it before the cases.
         quarantine = run_file(self.out, self.run_id, self.part, "quarantine")
         taken = [p for p in run_files(self.out, self.run_id, self.part) if p != quarantine]
