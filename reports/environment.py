@@ -101,6 +101,34 @@ SECRET_PARTS = ("PASS", "PAT", "PW", "PWD", "CRED", "CREDS")
 REDACTED = "<redacted>"
 # A URL's user and password in any recorded value (a proxy or a cache server named in a TRITON_* variable).
 URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+# Values that are credentials by their shape, whatever the variable holding them is called: the issuers'
+# token formats, a bearer header, a secret in a query string or a key=value list, a private key, a JWT.
+# What a ``keep`` group matched stays (the parameter's name, the header's word); the rest is redacted.
+SECRET_SHAPES = {
+    "GitHub token": r"\b(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,})",
+    "GitLab token": r"\bglpat-[A-Za-z0-9_-]{20,}",
+    "Hugging Face token": r"\bhf_[A-Za-z0-9]{30,}",
+    "API key (sk-)": r"\bsk-[A-Za-z0-9_-]{20,}",
+    "AWS access key": r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b",
+    "Slack token": r"\bxox[abposr]-[A-Za-z0-9-]{10,}",
+    "JSON web token": r"\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}",
+    "authorization header": r"(?i)(?P<keep>\b(?:bearer|basic|token) )[A-Za-z0-9._~+/=-]{8,}",
+    "secret parameter": (
+        r"(?i)(?P<keep>(?:^|[?&;,\s])(?:[a-z0-9]+[_-])*(?:password|passwd|pwd|pass|token|secret|api[_-]?key|"
+        r"access[_-]?key|auth|credentials?)=)[^&;,\s]+"
+    ),
+    "private key": r"-----BEGIN [A-Z ]*PRIVATE KEY-----(?s:.*?)(?:-----END [A-Z ]*PRIVATE KEY-----|$)",
+}
+_SHAPES = [re.compile(pattern) for pattern in SECRET_SHAPES.values()]
+
+
+def redact(text: str) -> str:
+    """``text`` with every credential its shape gives away (SECRET_SHAPES, a URL's user and password)
+    replaced by ``<redacted>``: a token pasted into a variable or an option of any name stays out of the
+    records."""
+    for shape in _SHAPES:
+        text = shape.sub(lambda m: (m.groupdict().get("keep") or "") + REDACTED, text)
+    return URL_CREDENTIALS.sub(rf"\g<scheme>{REDACTED}@", text)
 
 
 def looks_secret(name: str) -> bool:
@@ -117,10 +145,7 @@ def numerics_variables(environ: dict[str, str] | None = None) -> dict[str, str]:
         for name, value in sorted(environ.items())
         if (name.startswith(NUMERICS_PREFIXES) or name in NUMERICS_NAMES) and not name.endswith(NOT_NUMERICS_SUFFIXES)
     }
-    return {
-        name: REDACTED if looks_secret(name) else URL_CREDENTIALS.sub(rf"\g<scheme>{REDACTED}@", value)
-        for name, value in chosen.items()
-    }
+    return {name: REDACTED if looks_secret(name) else redact(value) for name, value in chosen.items()}
 
 
 def source_tree_commits(environ: dict[str, str] | None = None) -> dict[str, str]:

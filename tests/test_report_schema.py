@@ -139,6 +139,47 @@ def test_the_environment_records_what_moves_numbers(monkeypatch: pytest.MonkeyPa
         assert env["device_name"] not in ("x86_64", "aarch64", ""), "the CPU's model, not its architecture"
 
 
+# One value per shape in SECRET_SHAPES, as it would be pasted into a variable of an innocent name; the
+# secret part (which must not survive) and what stays.
+SHAPED = {
+    "GitHub token": ("ghp_" + "a1B2" * 9, "ghp_" + "a1B2" * 9, ""),
+    "GitLab token": ("glpat-" + "x9" * 10, "glpat-" + "x9" * 10, ""),
+    "Hugging Face token": ("hf_" + "Ab3" * 11, "Ab3" * 11, ""),
+    "API key (sk-)": ("sk-" + "q7" * 12, "q7" * 12, ""),
+    "AWS access key": ("AKIAIOSFODNN7EXAMPLE", "IOSFODNN7EXAMPLE", ""),
+    "Slack token": ("xoxb-123456789012-abcdef", "123456789012", ""),
+    "JSON web token": ("eyJhbGciOiJI.eyJzdWIiOiIx.SflKxwRJSMeKKF2QT4f", "SflKxwRJSMeKKF2QT4f", ""),
+    "authorization header": ("Authorization: Bearer abcdefgh.ijk", "abcdefgh.ijk", "Authorization: Bearer "),
+    "secret parameter": ("https://cache.example/x?a=1&api_key=hunter22&b=2", "hunter22", "a=1&api_key=<"),
+    "private key": ("-----BEGIN RSA PRIVATE KEY-----\nMIIEow\n-----END RSA PRIVATE KEY-----", "MIIEow", ""),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPED))
+def test_a_credential_is_redacted_by_its_shape_whatever_its_variable(
+    shape: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kda_conformance.running.config import build_config
+    from kda_reports.environment import SECRET_SHAPES
+
+    assert set(SHAPED) == set(SECRET_SHAPES)
+    value, secret, kept = SHAPED[shape]
+    monkeypatch.setenv("TRITON_REMOTE_CACHE_URL", value)  # a name that says nothing of a secret
+    recorded = json.loads(str(environment(CPU)["variables"]))["TRITON_REMOTE_CACHE_URL"]
+    assert secret not in recorded and "<redacted>" in recorded and kept in recorded, recorded
+    # A command line records it no more than a variable does.
+    config = build_config(device="cpu", backends=["torch_chunk"], command=f"kda-conformance run --note {value}")
+    assert secret not in config.environment()["command"]
+
+
+@pytest.mark.parametrize(
+    "value", ["ieee", "/home/ci/.triton/cache", "bypass=1", "0123456789abcdef0123456789abcdef01234567", "tf32"]
+)
+def test_an_ordinary_value_is_recorded_as_it_is(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_REMOTE_CACHE_URL", value)  # a commit, a path, a flag: no credential shape
+    assert json.loads(str(environment(CPU)["variables"]))["TRITON_REMOTE_CACHE_URL"] == value
+
+
 def test_the_suites_commit_is_its_own_checkouts_or_unknown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run from a folder inside another git repository, the records carried that repository's commit."""
     from kda_reports import environment

@@ -34,7 +34,7 @@ from kda_cases.strategies import kernel_pool_lines, with_kernel_pool
 from kda_conformance.running.truth import BASELINE
 from kda_kernels import registry
 from kda_reference.run import FORM_VARIABLE, FORMS
-from kda_reports.environment import SUITE_BASELINE, environment
+from kda_reports.environment import SUITE_BASELINE, environment, redact
 from kda_reports.findings import Finding
 from kda_reports.runfile import DEFAULT_OUT, new_run_id, run_file, run_files, run_stem
 
@@ -242,7 +242,11 @@ class RunConfig:
 
     def environment(self) -> dict:
         """The environment record of the run: machine, libraries, command, and the profile and seed."""
-        env = {**environment(self.device, self.libraries()), "command": self.command, "baseline": baseline_class()}
+        env = {
+            **environment(self.device, self.libraries()),
+            "command": redact(self.command),
+            "baseline": baseline_class(),
+        }
         if self.profile is not None:
             env["profile"] = self.profile.name
             env["seed"] = "" if self.seed is None else self.seed
