@@ -46,7 +46,7 @@ SHARD_VARIABLE = "KDA_SHARD"
 RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-# The run ids this process has claimed: each claim file's handle, whose lock lasts as long as the process.
+# The run ids this process holds: each claim file's open handle, its lock held until release_claims().
 _claims: dict[Path, IO[str]] = {}
 
 
