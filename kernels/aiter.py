@@ -43,6 +43,7 @@ from kda_cases.case import Case
 from kda_cases.devices import gpu_arch
 from kda_cases.dtypes import stored
 from kda_cases.materialize import KDAInputs
+from kda_kernels import triton_interpret
 from kda_kernels.envelope import CHUNK_KDA, FLASH_KDA, SAFE_LOWER_BOUND_RANGE
 from kda_kernels.libraries import AITER
 from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported
@@ -126,6 +127,9 @@ class AiterBackend(Backend):
     segment: int | None = None
     envelope = CHUNK_KDA
     libraries = (AITER,)
+    # Its import without the HIP build, the interpreter on a CPU, and the fp32 dot precision AITER's
+    # gated_delta_rule_utils sets at import on NVIDIA cards without TF32 (as FLA's copy does).
+    sets_environment = ("AITER_TRITON_ONLY", triton_interpret.VARIABLE, "TRITON_F32_DEFAULT")
     needs: tuple[str, ...] = ()  # parameters the signature must have
     extra: ClassVar[dict[str, object]] = {}  # arguments this variant adds to the call
 

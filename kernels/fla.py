@@ -24,6 +24,11 @@ from kda_kernels.envelope import CHUNK_KDA, MAX_HEAD_K_DIM
 from kda_kernels.libraries import FLA
 from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported
 
+# What importing and calling FLA sets in the environment (Backend.sets_environment): the suite's switch to
+# its Triton path, the interpreter on a CPU, and the fp32 dot precision fla/utils/hardware.py sets at import
+# on NVIDIA cards without TF32.
+FLA_ENVIRONMENT = ("FLA_DISABLE_BACKEND_DISPATCH", triton_interpret.VARIABLE, "TRITON_F32_DEFAULT")
+
 
 def _import_fla_kda(device: torch.device) -> ModuleType:
     """Import ``fla.ops.kda`` set up for ``device``: interpreter on a CPU, compiled on a GPU."""
@@ -78,6 +83,7 @@ class FlaChunk(Backend):
     description = "fla.ops.kda.chunk_kda, the Triton chunk pipeline (dispatch to FlashKDA disabled)"
     envelope = CHUNK_KDA.narrowed(host_metadata=("cu_seqlens_cpu",))
     libraries = (FLA,)
+    sets_environment = FLA_ENVIRONMENT
 
     def __init__(self, chunk_size: int = 64) -> None:
         if chunk_size not in (32, 64):
@@ -130,6 +136,7 @@ class FlaRecurrent(Backend):
     chunk_tokens = 1
     envelope = Envelope(max_head_k_dim=MAX_HEAD_K_DIM)  # no range check of the safe gate's bound
     libraries = (FLA,)
+    sets_environment = FLA_ENVIRONMENT
 
     def availability(self, device: torch.device) -> Support:
         return _fla_availability(device)

@@ -27,6 +27,7 @@ import torch
 from kda_cases.dtypes import stored
 from kda_cases.materialize import KDAInputs
 from kda_kernels.envelope import FLASH_KDA
+from kda_kernels.fla import FLA_ENVIRONMENT
 from kda_kernels.libraries import FLA, FLASHKDA
 from kda_kernels.protocol import (
     CALLER_BUFFER_FILL,
@@ -138,6 +139,7 @@ class FlaChunkDispatch(Backend):
     envelope = ENVELOPE.narrowed(safe_gate=(True,))
     working_precision = PRECISION
     libraries = (FLA, FLASHKDA)
+    sets_environment = FLA_ENVIRONMENT
 
     def availability(self, device: torch.device) -> Support:
         if importlib.util.find_spec("fla") is None:

@@ -35,6 +35,7 @@ from kda_cases.envelope import Envelope
 from kda_cases.materialize import KDAInputs
 from kda_kernels import autotune_replay
 from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported
+from kda_kernels.world import World, put_back, take
 
 TOKEN_INPUTS = ("q", "k", "v", "g", "beta")  # [B, T, heads, ...]
 INPUT_TENSORS = (*TOKEN_INPUTS, "A_log", "dt_bias", "initial_state", "cu_seqlens")
@@ -136,45 +137,13 @@ def end_process(code: int) -> None:
 
 _depth: dict[int, int] = {}  # guarded calls in progress per thread (a paged call may run a plain one inside)
 
-# What a call may not change, because it changes other backends' verdicts or the suite's own work: a name, its
-# getter and its setter. A change is put back after the call and is the backend's failure, naming it.
-WORLD: tuple[tuple[str, Callable[[], object], Callable[[object], None]], ...] = (
-    ("torch's default dtype", torch.get_default_dtype, torch.set_default_dtype),
-    ("torch's default device", torch.get_default_device, torch.set_default_device),
-    ("torch's float32 matmul precision", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
-    ("torch's deterministic mode", torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms),
-    ("torch's thread count", torch.get_num_threads, torch.set_num_threads),
-)
-SUITE_VARIABLES = "KDA_"  # the suite's own settings (the truth's form, the profile, strict mode, ...)
 
-
-def _world() -> dict[str, object]:
-    state: dict[str, object] = {name: get() for name, get, _ in WORLD}
-    state.update({f"${key}": value for key, value in os.environ.items() if key.startswith(SUITE_VARIABLES)})
-    return state
-
-
-def _put_world_back(backend: Backend, before: dict[str, object]) -> None:
-    """Restore what the call changed of the world, and note each change as the backend's failure."""
-    after = _world()
-    changed = [key for key in before.keys() | after.keys() if before.get(key) != after.get(key)]
-    if not changed:
-        return
-    setters = {name: put for name, _, put in WORLD}
-    for key in sorted(changed):
-        if key in setters:
-            setters[key](before[key])
-            what = f"changed {key} from {before[key]!r} to {after[key]!r} (put back)"
-        elif key not in before:
-            del os.environ[key[1:]]
-            what = f"set the suite's variable {key[1:]}={after[key]!r} (removed)"
-        else:
-            os.environ[key[1:]] = str(before[key])
-            what = (
-                f"changed the suite's variable {key[1:]} from {before[key]!r} to {after[key]!r} (put back)"
-                if key in after
-                else f"removed the suite's variable {key[1:]}={before[key]!r} (put back)"
-            )
+def _put_world_back(backend: Backend, before: World) -> None:
+    """Restore what the call changed of the process (kernels/world.py), each change the backend's failure.
+    ``put_back`` is bound here at import: a backend that replaces the world's has it put back by the real one."""
+    declared = getattr(backend, "sets_environment", ())
+    declared = tuple(declared) if isinstance(declared, (tuple, list, set, frozenset)) else ()
+    for what in put_back(before, [name for name in declared if isinstance(name, str)]):
         broken = fault(backend, what)
         broken.verdict = "fail"
         _breaches.append(broken)
@@ -238,17 +207,20 @@ def _end_forked_child(exc: BaseException | None) -> None:
 
 
 @contextlib.contextmanager
-def _in_call(backend: Backend) -> Iterator[None]:
+def _in_call(backend: Backend, handed: Snapshot | None = None, keep: tuple[str, ...] = ()) -> Iterator[None]:
     """The backend's call: listeners told, ``os._exit`` and ``SystemExit`` turned into a fault of the call,
-    every exception marked as the backend's."""
+    every exception marked as the backend's. After it, the tensors ``handed`` over proved unchanged (put back,
+    a breach where the call returned; ``keep``: the ones it may write), then the world (kernels/world.py):
+    in that order, so a truth made again is made from the suite's inputs."""
     _watch_ctrl_c()
     for listener in list(_listeners):
         listener("call", backend)
     thread = threading.get_ident()
-    world = _world() if not _depth.get(thread) else None  # the outermost call of this thread takes it
+    before = take() if not _depth.get(thread) else None  # the outermost call of this thread takes it
     _depth[thread] = _depth.get(thread, 0) + 1
     os._exit = _trapped_exit
     process = os.getpid()
+    returned = False
     try:
         try:
             yield
@@ -258,6 +230,7 @@ def _in_call(backend: Backend) -> Iterator[None]:
             raise
         if os.getpid() != process:
             _end_forked_child(None)
+        returned = True
     except Unsupported:
         raise
     except BackendExit as exc:
@@ -278,10 +251,14 @@ def _in_call(backend: Backend) -> Iterator[None]:
             del _depth[thread]
         if not _depth:
             os._exit = _real_exit
-        if world is not None:
-            _put_world_back(backend, world)
         for listener in list(_listeners):
             listener("returned", backend)
+        if handed is not None and returned:
+            _check_unchanged(backend, handed, keep)
+        elif handed is not None:
+            handed.put_back(skip=keep)  # the backend's exception stands; later calls still get the suite's inputs
+        if before is not None:  # after "returned": the suite's own proof (the truths watched) is not the call's
+            _put_world_back(backend, before)
 
 
 def _answer(backend: Backend, question: str, ask: Callable[[], object], case: Case | None) -> object:
@@ -463,14 +440,8 @@ def plain_tensor(value: torch.Tensor) -> torch.Tensor:
 def run_backend_call(backend: Backend, inputs: KDAInputs) -> BackendOutput:
     """``backend.run(inputs)`` under the contract (see the module's docstring)."""
     autotune_replay.activate(inputs.device)  # before the first launch: a cold machine replays, not tunes
-    snapshot = Snapshot.of(input_tensors(inputs))
-    try:
-        with _in_call(backend):
-            result = backend.run(inputs)
-    except BaseException:
-        snapshot.put_back()  # the backend's exception stands; later calls still get the suite's inputs
-        raise
-    _check_unchanged(backend, snapshot)
+    with _in_call(backend, Snapshot.of(input_tensors(inputs))):
+        result = backend.run(inputs)
     return check_output(backend, result, inputs)
 
 
@@ -491,13 +462,8 @@ def run_paged_call(
     snapshot = Snapshot.of({**input_tensors(batch), **metadata, "pool": pool})
     n = batch.case.num_seqs
     own = {int(s) for s in state_indices[:n].tolist()} | {int(s) for s in checkpoint_slots.tolist()}
-    try:
-        with _in_call(backend):
-            backend.run_paged(batch, pool, state_indices, has_initial_state, out, checkpoint_slots)
-    except BaseException:
-        snapshot.put_back(skip=("pool",))  # the pool is the call's to write: as it left it
-        raise
-    _check_unchanged(backend, snapshot, skip=("pool",))
+    with _in_call(backend, snapshot, keep=("pool",)):  # the pool is the call's to write: as it left it
+        backend.run_paged(batch, pool, state_indices, has_initial_state, out, checkpoint_slots)
     _check_pool(backend, snapshot, own)
 
 

@@ -125,6 +125,9 @@ class Backend(ABC):
     # Changing a token may move earlier outputs of its own block by rounding (not batch-invariant), never
     # those of earlier blocks (that is a causal leak): the prefix check tells the two apart by it.
     chunk_tokens: int = 64
+    # The environment variables ``run`` (or the library it imports) sets on purpose; a change to any other is
+    # put back after the call and is the backend's failure (kernels/world.py). Never a ``KDA_*`` variable.
+    sets_environment: tuple[str, ...] = ()
 
     @abstractmethod
     def availability(self, device: torch.device) -> Support:

@@ -45,6 +45,7 @@ import warnings
 from collections.abc import Callable, Collection, Iterator
 
 PINNED_TRITON = "3.9.0"
+VARIABLE = "TRITON_INTERPRET"  # set by enable(): a backend that may enable the interpreter declares it
 WORKAROUNDS = ("autotune", "loop_index", "bf16_arith", "bf16_round", "builtin_alias")
 
 _enabled = False
@@ -69,7 +70,7 @@ def _loop_range(*args: int) -> Iterator[int]:
 
 def interpreting() -> bool:
     """Whether Triton runs kernels in its NumPy interpreter in this process."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return os.environ.get(VARIABLE, "0") not in ("", "0")
 
 
 def problem() -> str:
@@ -114,7 +115,7 @@ def enable(skip: Collection[str] = ()) -> None:
     reason = problem()
     if reason:
         raise TritonInterpretError(reason)
-    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ[VARIABLE] = "1"
     # Noise of the CPU path, not findings: FLA warns that it "rolls back to CPU", and the
     # interpreter evaluates exp and exp2 on masked-off lanes, whose overflow the kernel discards.
     warnings.filterwarnings("ignore", message="Triton is not supported on current platform", category=UserWarning)

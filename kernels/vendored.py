@@ -352,6 +352,7 @@ class VendoredBackend(Backend):
 
     tree: Tree
     chunk_tokens = 64
+    sets_environment = (triton_interpret.VARIABLE,)  # availability on a CPU enables the interpreter
     # The server's entry points, any one of which the backend can call (a tree with none is unavailable).
     entry_points: tuple[str, ...] = ("chunk_kda",)
     # The probe call that finds the kernels' state layout (K != V): a gate the entry point takes.

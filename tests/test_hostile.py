@@ -84,6 +84,10 @@ WRITERS = [f"hostile_writes_{name}" for name in INPUTS]
         "hostile_returns_a_lying_subclass",
         "hostile_sets_default_dtype",
         "hostile_sets_suite_variable",
+        "hostile_sets_a_variable",
+        "hostile_replaces_the_baseline",
+        "hostile_replaces_the_reference",
+        "hostile_overwrites_the_truth",
     ],
 )
 def test_a_hostile_backend_is_charged_and_every_other_verdict_stands(
@@ -98,7 +102,10 @@ def test_a_hostile_backend_is_charged_and_every_other_verdict_stands(
         mine = store.records[store.records["backend"] == name]
         assert set(mine["case_id"]) == {case.id for case in CASES}, mine  # a row for every case
         charged = mine[mine["verdict"] == verdict]
-        assert charged["reason"].str.contains(words, regex=False).all() and len(charged) >= len(CASES), mine
+        named = charged[charged["reason"].str.contains(words, regex=False)]
+        assert set(named["case_id"]) == {case.id for case in CASES}, mine  # what it did, named on every case
+        if name != "hostile_overwrites_the_truth":  # whose zero answer also fails the truth made again
+            assert len(named) == len(charged), charged["reason"]
         if name in WRITERS:  # the input it wrote, named (where the case has it: else it wrote q)
             written = name.removeprefix("hostile_writes_")
             assert charged["reason"].str.contains(f"its input {written}:|its input q:").all(), charged["reason"]

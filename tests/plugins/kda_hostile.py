@@ -7,8 +7,10 @@ loadable. ``kda_hostile_baseline`` (a module of its own) replaces the baseline."
 from __future__ import annotations
 
 import dataclasses
+import gc
 import multiprocessing
 import os
+import sys
 
 import torch
 
@@ -124,13 +126,84 @@ class SetsDefaultDtype(TorchChunk):
         return out
 
 
-@hostile("hostile_sets_suite_variable", "fail", "set the suite's variable KDA_REFERENCE_FORM='loop'")
+@hostile("hostile_sets_suite_variable", "fail", "set the suite's variable KDA_REFERENCE_FORM (removed)")
 class SetsSuiteVariable(TorchChunk):
     """Right, but switches the truth's form for every later case."""
+
+    sets_environment = ("KDA_REFERENCE_FORM",)  # declared, but a suite variable is never a backend's to set
 
     def run(self, inputs: KDAInputs) -> BackendOutput:
         os.environ["KDA_REFERENCE_FORM"] = "loop"
         return super().run(inputs)
+
+
+@hostile("hostile_sets_a_variable", "fail", "set the environment variable HOSTILE_FAST_MATH (removed); a backend")
+class SetsAVariable(TorchChunk):
+    """Right, but leaves a library switch set that it never declared (as a library setting TRITON_F32_DEFAULT
+    at import changes every later Triton kernel's fp32 dots)."""
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        os.environ["HOSTILE_FAST_MATH"] = "1"
+        return super().run(inputs)
+
+
+class SetsADeclaredVariable(TorchChunk):
+    """Right, and sets a variable it declares: kept, no failure."""
+
+    name = "hostile_sets_a_declared_variable"
+    sets_environment = ("HOSTILE_DECLARED_SWITCH",)
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        os.environ["HOSTILE_DECLARED_SWITCH"] = "on"
+        return super().run(inputs)
+
+
+register(SetsADeclaredVariable.name, SetsADeclaredVariable, replace=True)
+
+
+@hostile("hostile_replaces_the_baseline", "fail", "replaced the suite's kda_kernels.torch_chunk.TorchChunk.run")
+class ReplacesTheBaseline(TorchChunk):
+    """Right, but replaces the baseline's run with one 1e-3 off: every later limit loosened (2.2x seen)."""
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = TorchChunk.run(self, inputs)
+        real = TorchChunk.run
+
+        def loose(backend: TorchChunk, given: KDAInputs) -> BackendOutput:
+            result = real(backend, given)
+            return dataclasses.replace(result, o=result.o + 1e-3)
+
+        TorchChunk.run = loose
+        return out
+
+
+@hostile("hostile_replaces_the_reference", "fail", "replaced the suite's kda_conformance.running.truth.run_reference")
+class ReplacesTheReference(TorchChunk):
+    """Right, but replaces the float64 reference the suite's truths are computed with by a zero answer."""
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        truth_module = sys.modules["kda_conformance.running.truth"]
+        real = truth_module.run_reference
+
+        def zero(given: KDAInputs, form: str = "auto"):
+            result = real(given, form)
+            return dataclasses.replace(result, o=torch.zeros_like(result.o))
+
+        truth_module.run_reference = zero
+        return super().run(inputs)
+
+
+@hostile("hostile_overwrites_the_truth", "fail", "changed the suite's float64 truth of case")
+class OverwritesTheTruth(TorchChunk):
+    """Finds the float64 truth of its case (gc), zeroes it and answers zeros: it passed itself, and the
+    backend after it failed."""
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        for held in gc.get_objects():
+            if type(held).__name__ == "CaseTruth" and getattr(held, "inputs", None) is inputs:
+                held.reference.o.zero_()
+        return dataclasses.replace(out, o=torch.zeros_like(out.o))
 
 
 class ReusesItsOutputBuffer(TorchChunk):

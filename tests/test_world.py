@@ -1,0 +1,145 @@
+"""Each call in a clean world (kernels/world.py): what a backend may set, the global RNG, the suite's
+definitions and the truths a run holds, taken before a call and put back after it."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+
+import pytest
+import torch
+
+from kda_cases.case import Case
+from kda_cases.materialize import KDAInputs, materialize
+from kda_conformance.running.truth import CaseTruth, case_truth
+from kda_kernels import guard, world
+from kda_kernels.protocol import BackendOutput
+from kda_kernels.torch_chunk import TorchChunk
+from kda_reference import run as reference_run
+from kda_reference.run import run_reference
+
+CASE = Case(seq_lens=(37,), initial_state="random", num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def no_breaches_left() -> None:
+    guard.take_breaches()
+    yield
+    guard.take_breaches()
+
+
+class Sets(TorchChunk):
+    name = "sets_declared"
+    sets_environment = ("HOSTILE_TEST_DECLARED_SWITCH",)  # a library's switch, not one of the suite's
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        os.environ[self.sets_environment[0]] = "on"
+        return super().run(inputs)
+
+
+def test_a_variable_the_backend_declares_is_kept_and_no_failure() -> None:
+    variable = Sets.sets_environment[0]
+    try:
+        guard.run_backend_call(Sets(), materialize(CASE, CPU))
+        assert os.environ.get(variable) == "on"
+        assert guard.take_breaches() == []
+    finally:
+        os.environ.pop(variable, None)
+
+
+def test_a_changed_variable_is_put_back_without_its_value_in_the_message() -> None:
+    os.environ["HOSTILE_TEST_TOKEN"] = "before-secret"
+
+    class Changes(TorchChunk):
+        name = "changes_a_variable"
+
+        def run(self, inputs: KDAInputs) -> BackendOutput:
+            os.environ["HOSTILE_TEST_TOKEN"] = "after-secret"
+            return super().run(inputs)
+
+    try:
+        guard.run_backend_call(Changes(), materialize(CASE, CPU))
+        assert os.environ["HOSTILE_TEST_TOKEN"] == "before-secret"
+        (breach,) = guard.take_breaches()
+        assert "changed the environment variable HOSTILE_TEST_TOKEN (put back)" in str(breach)
+        assert "secret" not in str(breach) and breach.verdict == "fail"
+    finally:
+        os.environ.pop("HOSTILE_TEST_TOKEN", None)
+
+
+class Noisy(TorchChunk):
+    """Adds noise from torch's global generator: ``draws`` numbers of it."""
+
+    name = "noisy"
+
+    def __init__(self, draws: int = 1) -> None:
+        super().__init__()
+        self.draws = draws
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        noise = torch.rand(self.draws)[0]
+        return dataclasses.replace(out, o=out.o + noise.to(out.o.dtype))
+
+
+def test_the_global_generator_is_put_back_and_stepped_so_noise_stays_fresh() -> None:
+    inputs = materialize(CASE, CPU)
+    torch.manual_seed(1)
+    first = guard.run_backend_call(Noisy(), inputs).o
+    second = guard.run_backend_call(Noisy(), inputs).o
+    assert not torch.equal(first, second)  # a repeat of a noisy backend still differs (the determinism check)
+    after_one_draw = torch.get_rng_state()
+    torch.manual_seed(1)
+    guard.run_backend_call(Noisy(draws=1000), inputs)
+    guard.run_backend_call(Noisy(draws=7), inputs)
+    assert torch.equal(torch.get_rng_state(), after_one_draw)  # how much a backend drew reaches no one
+    torch.manual_seed(1)
+    state = torch.get_rng_state()
+    guard.run_backend_call(TorchChunk(), inputs)
+    assert torch.equal(torch.get_rng_state(), state)  # a call that draws nothing moves nothing
+    assert guard.take_breaches() == []  # drawing is not a failure
+
+
+@pytest.mark.parametrize("module", [reference_run, world])
+def test_a_replaced_definition_is_put_back_and_named(module: object) -> None:
+    """The reference, or the world's own put_back (which the guard holds as it was at import)."""
+    name = "run_reference" if module is reference_run else "put_back"
+    real = getattr(module, name)
+
+    class Replaces(TorchChunk):
+        name = "replaces_a_definition"
+
+        def run(self, inputs: KDAInputs) -> BackendOutput:
+            setattr(module, name, lambda *args, **kwargs: [])
+            return super().run(inputs)
+
+    guard.run_backend_call(Replaces(), materialize(CASE, CPU))
+    assert getattr(module, name) is real
+    (breach,) = guard.take_breaches()
+    assert f"replaced the suite's {module.__name__}.{name} (put back)" in str(breach)
+
+
+def test_a_truth_written_with_the_inputs_is_made_again_from_the_suites_inputs() -> None:
+    truth = case_truth(CASE, CPU)
+    exact = run_reference(truth.inputs, truth.reference_form)
+
+    class Spoils(TorchChunk):
+        name = "spoils_input_and_truth"
+
+        def run(self, inputs: KDAInputs) -> BackendOutput:
+            out = super().run(inputs)
+            inputs.q.add_(1)  # the truth made again from these would be wrong: the inputs come back first
+            for held in gc.get_objects():
+                if isinstance(held, CaseTruth) and held.inputs is inputs:
+                    held.reference.final_state.zero_()
+                    held.budgets.clear()
+            return out
+
+    guard.run_backend_call(Spoils(), truth.inputs)
+    reasons = [str(breach) for breach in guard.take_breaches()]
+    assert any("wrote into its input q" in reason for reason in reasons), reasons
+    assert any(f"changed the suite's float64 truth of case {CASE.id} (made again)" in r for r in reasons), reasons
+    assert torch.equal(truth.reference.final_state, exact.final_state)
+    assert torch.equal(truth.reference.o, exact.o) and truth.budgets
