@@ -110,11 +110,6 @@ def add_watcher(watcher: Callable[[], list[str]]) -> None:
     _watchers.append(watcher)
 
 
-def remove_watcher(watcher: Callable[[], list[str]]) -> None:
-    if watcher in _watchers:
-        _watchers.remove(watcher)
-
-
 def put_back(before: World, declared: Collection[str] = ()) -> list[str]:
     """Restore what a call changed of ``before``; each change, as what the backend did (its name goes first).
     ``declared``: the environment variables the backend may set (kept as it left them)."""
