@@ -9,8 +9,9 @@ reference or baseline function loosens every later limit; one that writes the fl
 
 - torch's settings (:data:`SETTINGS`) and ``os.environ``: a change is put back and is the backend's failure,
   except the environment variables the backend declares it sets (``Backend.sets_environment``: a library
-  that switches itself on by a variable at import). The suite's own variables (``KDA_*``) no backend may
-  set.
+  that switches itself on by a variable at import), and the ones torch sets itself the first time a part
+  of it is used (:data:`TORCH_VARIABLES`), whoever's call that is. The suite's own variables (``KDA_*``) no
+  backend may set.
 - the suite's own definitions (the functions and classes of its five packages, and the methods of its
   classes): one replaced is put back and is the backend's failure.
 - suite state a backend can reach but is not handed (the truths a run holds): watchers the suite registers
@@ -41,6 +42,13 @@ SETTINGS: tuple[tuple[str, Callable[[], object], Callable[[object], None]], ...]
 )
 SUITE_VARIABLES = "KDA_"  # the suite's own settings (the truth's form, the profile, strict mode, ...)
 SUITE_PACKAGES = ("kda_cases", "kda_reference", "kda_kernels", "kda_reports", "kda_conformance")
+# Set by torch itself, when unset, the first time a part of it is used, in whichever call that happens:
+# inductor's cache folder (torch._inductor's cache_dir(), reached through the torch.compiler.disable that
+# FLA 0.6.0 and the servers' copies of its kernels wrap their entry points in: on the H200 on 2026-12-04
+# every FLA backend was charged with it on its first call) and CUDA's lazy module loading (set at CUDA's
+# initialization). They are the process's: a first setting is kept and charged to no one; a change of a
+# value already there is still the backend's.
+TORCH_VARIABLES = frozenset({"TORCHINDUCTOR_CACHE_DIR", "CUDA_MODULE_LOADING"})
 DECLARE = "a backend that sets it on purpose declares it in sets_environment (docs/plugins.md)"
 
 _MEMBERS = (types.FunctionType, classmethod, staticmethod, property)
@@ -145,6 +153,8 @@ def _put_environment_back(before: dict[str, str], declared: set[str]) -> list[st
     changes = []
     for name in sorted(before.keys() | after.keys()):
         if before.get(name) == after.get(name) or name in declared:
+            continue
+        if name in TORCH_VARIABLES and name not in before:  # torch's first use of its cache, not a choice
             continue
         whose = f"the suite's variable {name}" if _suite(name) else f"the environment variable {name}"
         if name not in before:

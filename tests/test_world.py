@@ -49,6 +49,36 @@ def test_a_variable_the_backend_declares_is_kept_and_no_failure() -> None:
         os.environ.pop(variable, None)
 
 
+def test_a_variable_torch_sets_on_first_use_is_kept_but_changing_it_is_not(monkeypatch) -> None:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+
+    class FirstUse(TorchChunk):
+        name = "uses_inductor_cache"
+
+        def run(self, inputs: KDAInputs) -> BackendOutput:
+            cache_dir()  # torch sets TORCHINDUCTOR_CACHE_DIR where it was unset, as FLA's first call does
+            return super().run(inputs)
+
+    guard.run_backend_call(FirstUse(), materialize(CASE, CPU))
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    assert guard.take_breaches() == []
+
+    class Moves(TorchChunk):
+        name = "moves_inductor_cache"
+
+        def run(self, inputs: KDAInputs) -> BackendOutput:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = "elsewhere"
+            return super().run(inputs)
+
+    before = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    guard.run_backend_call(Moves(), materialize(CASE, CPU))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == before
+    (breach,) = guard.take_breaches()
+    assert "changed the environment variable TORCHINDUCTOR_CACHE_DIR (put back)" in str(breach)
+
+
 def test_a_changed_variable_is_put_back_without_its_value_in_the_message() -> None:
     os.environ["HOSTILE_TEST_TOKEN"] = "before-secret"
 
