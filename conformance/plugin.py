@@ -33,12 +33,16 @@ from kda_conformance.running.search import (
     stop_observing,
 )
 from kda_conformance.running.session import Run
+from kda_conformance.running.stages import CLOCK
 from kda_kernels import guard, registry, triton_interpret
 from kda_kernels.guard import BackendFault
 from kda_kernels.protocol import Backend
 from kda_reports.console import RECORD_LINE_HEADER, record_line
 from kda_reports.findings import Finding, stale_known_issues
 
+# Whether this process writes the run (not a pytest-xdist worker): pytest_runtest_logreport has no config.
+_WRITES_RUN = [True]
+SHARD_LINE = pytest.StashKey[str]()  # --kda-shard: what this host's shard runs, for the header
 HEADER_SHOWN = pytest.StashKey[bool]()  # -v: the record lines' header, once per session
 SIGTERM_BEFORE = pytest.StashKey[object]()  # the SIGTERM handler this session replaced
 
@@ -94,6 +98,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # A CI job's time limit (SIGTERM to every process) stops the controller and each worker as Ctrl-C does.
     config.stash[SIGTERM_BEFORE] = sigterm_as_interrupt()
     worker = getattr(config, "workerinput", {}).get("workerid")
+    _WRITES_RUN[0] = worker is None
     gpu = getattr(config, "workerinput", {}).get("kda_gpu")
     if gpu is not None:  # before anything asks CUDA (or HIP) for its devices
         os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["HIP_VISIBLE_DEVICES"] = gpu
@@ -247,9 +252,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=unused)
         items[:] = [item for item in items if item not in unused]
     if run.config.shard is not None:  # this host's share of the tests; the other hosts run the rest
-        mine = [item for item in items if run.config.in_shard(item.nodeid)]
-        config.hook.pytest_deselected(items=[item for item in items if not run.config.in_shard(item.nodeid)])
-        items[:] = mine
+        index = run.config.shard[0]
+        plan = run.config.shard_plan([item.nodeid for item in items])
+        ours = set(plan.shards[index - 1])
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in ours])
+        items[:] = [item for item in items if item.nodeid in ours]
+        config.stash[SHARD_LINE] = plan.line(index, run.config.shard_costs())
     # Conformance tests run on the chosen device: mark them so `-m cpu` / `-m cuda` select them; a backend's
     # own markers (AITER on a gfx950: `gfx950`) go on its tests.
     marker = "cpu" if device.type == "cpu" else ("rocm" if torch.version.hip else "cuda")
@@ -310,6 +318,18 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     header = f"kda-conformance: device {run_config.device}, profile {profile.name} ({examples}), {how}"
     replaced = baseline_warning()
     return [header, *run_config.kernel_pool_lines(), *([f"kda-conformance: warning: {replaced}"] if replaced else [])]
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
+    return [f"kda-conformance: {config.stash[SHARD_LINE]}"] if SHARD_LINE in config.stash else []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each test's wall (setup, call, teardown), in the process that writes the run (the controller of a
+    pytest-xdist run, which sees every worker's reports): the run's timing.json keeps it, and a night's
+    shards are balanced by it (running/shards.py)."""
+    if _WRITES_RUN[0]:  # a worker's reports reach the controller, which counts them
+        CLOCK.add_test(report.nodeid, report.duration)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -298,8 +298,10 @@ def test_shards_split_the_tests_and_the_store_merges_them_into_one_run(tmp_path:
         with pytest.raises(ValueError, match="shard must be I/N"):
             parse_shard(bad)
     configs = [build_config(device="cpu", shard=f"{i}/3", run_id="night-1") for i in (1, 2, 3)]
-    names = [f"conformance/test_corpus.py::test_corpus_case[torch_chunk-{n}]" for n in range(60)]
-    owners = [[c.in_shard(name) for c in configs].count(True) for name in names]
+    names = [f"conformance/test_corpus.py::test_corpus_case[{b}-{n}]" for n in range(20) for b in "abc"]
+    plans = [c.shard_plan(names) for c in configs]
+    assert plans[0] == plans[1] == plans[2], "every host makes the same plan"
+    owners = [[name in shard for shard in plans[0].shards].count(True) for name in names]
     assert owners == [1] * len(names), "every test belongs to exactly one shard"
     assert configs[0].seed == configs[2].seed, "the shards of one run draw from one seed"
     common = ["conformance/test_first_sweep.py", "--kda-backend", "torch_chunk", "--kda-lengths", "37,40"]
@@ -309,7 +311,11 @@ def test_shards_split_the_tests_and_the_store_merges_them_into_one_run(tmp_path:
         assert done.returncode in (0, 5), done.stdout[-2000:]
     store = load_store(tmp_path)
     assert list(store.runs["run_id"]) == ["night-1"] and store.records["case_id"].nunique() == 9
+    # One backend, heavier than half the night: its tests are split over both shards.
     assert set(store.records["env_shard"]) == {"1/2", "2/2"}
+    tests = [json.loads((tmp_path / "runs" / f"night-1.s{i}of2.timing.json").read_text())["tests"] for i in (1, 2)]
+    assert len(tests[0]) + len(tests[1]) == 9 and not tests[0].keys() & tests[1].keys()
+    assert all(seconds > 0 for part in tests for seconds in part.values())
 
 
 def test_workers_spread_over_the_gpus_round_robin() -> None:
@@ -581,6 +587,17 @@ def test_a_shard_compiles_the_configurations_of_its_own_tests() -> None:
         ("fla_recurrent", "bf16", 2, 32),
     }
     assert len(jobs) == 5 and all(job.case.max_len == 70 for job in jobs)  # short cases of each configuration
+
+
+def test_compile_only_runs_the_stage_alone_and_writes_the_night_file(tmp_path: Path) -> None:
+    """``--compile only``: the compile stage as ``on`` runs it (here forced on the CPU), its night file, and no
+    tests, to warm a host's cache or time the stage with and without autotune replay."""
+    argv = ["nightly", "--store", str(tmp_path), "--device", "cpu", "--backend", "torch_chunk", "--profile", "smoke"]
+    assert main([*argv, "--compile", "only", "--run-id", "c1", "--workers", "1"]) == 0
+    night = json.loads((tmp_path / "runs" / "c1.night.json").read_text())
+    assert night["compile_only"] is True and night["compile"]["jobs"] > 0
+    assert night["compile"]["outcomes"].keys() <= {"compiled", "skipped"}, night["compile"]["outcomes"]
+    assert not (tmp_path / "runs" / "c1.parquet").exists(), "no tests ran"
 
 
 def test_a_long_case_gets_a_warm_up_of_its_own_size_class() -> None:

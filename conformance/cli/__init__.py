@@ -25,6 +25,7 @@ from kda_conformance.cli import (
     nightly,
     repro,
     run,
+    shards,
 )
 from kda_conformance.cli.exits import INTERRUPTED
 from kda_conformance.running.config import release_claims
@@ -46,6 +47,7 @@ COMMANDS: tuple[ModuleType, ...] = (
     diff,
     benchmark,
     autotune,
+    shards,
 )
 
 

@@ -84,9 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compile",
-        choices=("auto", "on", "off"),
+        choices=("auto", "on", "off", "only"),
         default="auto",
-        help="compile every (backend, kernel configuration) up front, spread over the workers (auto: on a GPU)",
+        help="compile every (backend, kernel configuration) up front, spread over the workers (auto: on a GPU); "
+        "only: the stage alone (as on), then the night file and no tests, to warm a host's Triton cache before a "
+        "night or to time the stage, e.g. with KDA_AUTOTUNE_REPLAY=0 and with replay on the same shard's jobs "
+        '(exit 1 when a job "failed" or "died", else 0)',
     )
     parser.add_argument(
         "--compile-budget",
@@ -164,7 +167,10 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         say(console, plan.line())
         env[WORKERS_VARIABLE] = str(plan.workers_per_gpu)
     compiled = _compile_stage(args, config, planned, env, workers, command, console)
-    returncode = _run_pytest(command, env, console)
+    # --compile only: the stage alone, no tests (a host's cache warmed before a night, or the stage timed, e.g.
+    # with KDA_AUTOTUNE_REPLAY=0 and with replay on the same shard's jobs); its night file says so.
+    only = args.compile == "only"
+    returncode = 0 if only else _run_pytest(command, env, console)
     night = {
         "part": config.part or "",
         "wall_seconds": round(time.monotonic() - started, 3),
@@ -172,6 +178,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         "memory_plan": plan.line() if plan is not None else "",
         "kernel_configs": len(config.kernel_configs(planned)),
         "compile": compiled,
+        **({"compile_only": True} if only else {}),
         "cache": {
             "dir": str(cache),
             "state": "warm" if cache_before[0] else "cold",
@@ -180,7 +187,10 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         },
     }
     _write_night(config, night, console)
-    say(console, f"Triton cache after the night: {cache} ({_size_text(night['cache']['after'])})")
+    after = "the compile stage" if only else "the night"
+    say(console, f"Triton cache after {after}: {cache} ({_size_text(night['cache']['after'])})")
+    if only:
+        return 1 if any(r["outcome"] in ("failed", "died") for r in compiled.get("results", [])) else 0
     _coverage_lines(config, console)
     # pytest's exit codes: 1 when a test failed; an interrupted or broken night is not a kernel failure.
     return after_run(args.out, args.window, args.growth, console, returncode)
@@ -220,13 +230,14 @@ def _compile_stage(
 ) -> dict:
     """Compile every (backend, kernel configuration) of the night before its cases; its numbers for the
     night file and the run's timing (the ``compile`` stage)."""
-    on = args.compile == "on" or (args.compile == "auto" and config.device.type != "cpu")
+    on = args.compile in ("on", "only") or (args.compile == "auto" and config.device.type != "cpu")
     if not on:
         reason = "--compile off" if args.compile == "off" else "nothing is compiled on the CPU (Triton interprets)"
         say(console, f"compile stage: skipped ({reason})")
         return {}
     configs = list(config.kernel_configs(planned).values())
-    processes = workers if isinstance(workers, int) else (os.cpu_count() or 1)
+    # --workers N arrives as text: the stage takes as many processes as the night has workers.
+    processes = int(workers) if str(workers).isdigit() else (os.cpu_count() or 1)
     if config.shard is None:
         jobs = compile_jobs(config.backends, configs)
         which = f"{len(configs)} kernel configurations x {len(config.backends)} backends"

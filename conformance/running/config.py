@@ -31,6 +31,7 @@ from kda_cases.kernel_configs import KernelConfig, distinct_configs
 from kda_cases.profiles import Profile, get_profile
 from kda_cases.sentinels import load_sentinels
 from kda_cases.strategies import kernel_pool_lines, with_kernel_pool
+from kda_conformance.running import shards
 from kda_conformance.running.truth import BASELINE
 from kda_kernels import registry
 from kda_reference.run import FORM_VARIABLE, FORMS
@@ -206,13 +207,16 @@ class RunConfig:
         """The run part this process writes when the run is split over hosts (``s2of4``), else None."""
         return None if self.shard is None else f"s{self.shard[0]}of{self.shard[1]}"
 
-    def in_shard(self, key: str) -> bool:
-        """Whether the test (or case) named ``key`` belongs to this host's shard: a stable hash of the name,
-        so every host agrees without talking to the others."""
-        if self.shard is None:
-            return True
-        index, count = self.shard
-        return int(hashlib.sha256(key.encode()).hexdigest(), 16) % count == index - 1
+    def shard_plan(self, nodeids: Sequence[str]) -> shards.Plan:
+        """How the night's tests (``nodeids``, as every host collects them) are shared among its hosts:
+        whole backends to a shard, balanced by this GPU model's measured costs (running/shards.py), so
+        every host agrees without talking to the others and a shard compiles its own backends only."""
+        count = self.shard[1] if self.shard is not None else 1
+        return shards.plan(nodeids, count, self.shard_costs())
+
+    def shard_costs(self) -> shards.Costs:
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        return shards.costs_for(name)
 
     def output_problem(self, claim: bool = True) -> str | None:
         """Why this run cannot write its files (the folder cannot be written or is full, or a run of this id

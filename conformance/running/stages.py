@@ -36,6 +36,9 @@ class StageClock:
         self.calls = dict.fromkeys(STAGES, 0)
         self.forms: dict[str, float] = {}  # reference seconds per exact form (loop, chunked)
         self.peaks: dict[str, float] = {}  # reported by worker processes (isolated runs)
+        # Wall seconds of each pytest test (setup, call and teardown), in the process that reports the run:
+        # a night's shards are balanced by them (conformance/running/shards.py).
+        self.tests: dict[str, float] = {}
 
     @contextmanager
     def stage(self, name: str, device: torch.device, form: str | None = None) -> Iterator[Lap]:
@@ -67,6 +70,9 @@ class StageClock:
         self.seconds[name] += seconds
         self.calls[name] += 1
 
+    def add_test(self, nodeid: str, seconds: float) -> None:
+        self.tests[nodeid] = self.tests.get(nodeid, 0.0) + seconds
+
     def add_form(self, form: str, seconds: float) -> None:
         self.forms[form] = self.forms.get(form, 0.0) + seconds
 
@@ -75,6 +81,7 @@ class StageClock:
         sends them with each result)."""
         taken = self.snapshot()
         self.seconds, self.calls, self.forms = dict.fromkeys(STAGES, 0.0), dict.fromkeys(STAGES, 0), {}
+        self.tests = {}
         return taken
 
     def absorb(self, taken: dict) -> None:
@@ -87,6 +94,8 @@ class StageClock:
             self.add_form(form, seconds)
         for key, value in taken["peak_memory"].items():
             self.peaks[key] = max(self.peaks.get(key, 0.0), value)
+        for nodeid, seconds in taken.get("tests", {}).items():  # absent from files before 2026-12-04
+            self.add_test(nodeid, seconds)
 
     def snapshot(self) -> dict:
         """Totals so far, with the peak memory (GPU: torch's allocator; CPU: max resident set) of this
@@ -99,6 +108,7 @@ class StageClock:
             "calls": dict(self.calls),
             "reference_seconds_by_form": {k: round(v, 3) for k, v in self.forms.items()},
             "peak_memory": {k: round(v, 2) for k, v in peak.items()},
+            "tests": {k: round(v, 3) for k, v in self.tests.items()},
         }
 
     def lines(self) -> list[str]:
