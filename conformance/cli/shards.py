@@ -31,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write the cost file (default place: conformance/running/shard_costs/<gpu>.json, which "
         "--shard reads on that GPU model)",
     )  # fmt: skip
+    parser.add_argument(
+        "--note", default="", metavar="TEXT",
+        help="how the night was run, kept in the file's command field (default: this command line)",
+    )  # fmt: skip
 
 
 def execute(args: argparse.Namespace, console: Console) -> int:
@@ -64,6 +68,6 @@ def execute(args: argparse.Namespace, console: Console) -> int:
             say(console, "--write: the run was not on a GPU; name the file (--write FILE)", "error:", "red")
             return USAGE
         path = shards.FOLDER / f"{gpu_slug(device)}.json" if args.write == "default" else Path(args.write)
-        shards.write(path, device, args.run_id, seconds, len(tests), args.command_line)
+        shards.write(path, device, args.run_id, seconds, len(tests), args.note or args.command_line)
         console.print(f"cost file: {path}", highlight=False)
     return PASSED
