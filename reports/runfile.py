@@ -97,6 +97,31 @@ def run_id_of(path: Path) -> str:
     return Path(path).name.split(".", 1)[0]
 
 
+def read_object(path: Path, problems: list[str] | None = None) -> dict | None:
+    """A run's JSON file (env, timing, night) as a mapping, or None where it cannot be one: a missing file
+    is None quietly; an unreadable, torn, non-UTF-8 or non-object one is None and named in ``problems``."""
+    try:
+        data = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        if problems is not None:
+            problems.append(f"{Path(path).name}: not readable ({type(exc).__name__}: {str(exc)[:120]})")
+        return None
+    if not isinstance(data, dict):
+        if problems is not None:
+            problems.append(f"{Path(path).name}: not a JSON object ({type(data).__name__}); skipped")
+        return None
+    return data
+
+
+def number(value: object) -> float | None:
+    """``value`` as a float where it is a number (not a flag, not text), else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
 def write_run(records: pd.DataFrame, env: dict, out_dir: Path, stem: str) -> dict[str, Path]:
     """Write ``runs/<stem>.parquet``, ``.env.json``, ``.summary.md`` and ``.csv`` under ``out_dir``."""
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)

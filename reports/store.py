@@ -10,7 +10,6 @@ torn line, a corrupt parquet, a row that is not a record) instead of stopping.
 
 from __future__ import annotations
 
-import json
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +24,10 @@ from kda_reports.runfile import (
     RECORDS_SUFFIX,
     RUN_FILE_SUFFIXES,
     journal_is_live,
+    number,
     part_stem,
     read_journal,
+    read_object,
     run_id_of,
 )
 from kda_reports.schema import REQUIRED_COLUMNS, validate_records
@@ -71,14 +72,11 @@ def _valid(frame: pd.DataFrame, path: Path, problems: list[str]) -> pd.DataFrame
 def _check_environment(path: Path, problems: list[str]) -> None:
     """A run's ``.env.json`` must be a JSON object naming the run; a torn or foreign one is named."""
     env_path = path.with_name(f"{part_stem(path)}.{RUN_FILE_SUFFIXES['environment']}")
-    if not env_path.exists():
-        return
-    try:
-        env = json.loads(env_path.read_text())
-    except (OSError, ValueError) as exc:
-        problems.append(f"{env_path.name}: not readable ({_said(exc)}); the run's records carry its environment")
-        return
-    if not isinstance(env, dict) or env.get("run_id") != run_id_of(path):
+    said: list[str] = []
+    env = read_object(env_path, said)
+    if said:
+        problems += [f"{line}; the run's records carry its environment" for line in said]
+    elif env is not None and env.get("run_id") != run_id_of(path):
         problems.append(f"{env_path.name}: not this run's environment (no run_id {run_id_of(path)})")
 
 
@@ -132,27 +130,32 @@ def load_store(root: Path) -> Store:
 
 
 def _nights(runs_dir: Path, problems: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The nights' own files: each part's night.json, and each part's quarantine list."""
+    """The nights' own files: each part's night.json, and each part's quarantine list. A night file without
+    its wall time is skipped and named; a field of the wrong kind is left out and named."""
     nights = []
     for path in sorted(runs_dir.glob("*.night.json")):
-        try:
-            night = json.loads(path.read_text())
-            compiled = night.get("compile") or {}
-            nights.append(
-                {
-                    "run_id": run_id_of(path),
-                    "part": night.get("part") or "",
-                    "wall_seconds": float(night["wall_seconds"]),
-                    "workers": night.get("workers"),
-                    "compile_seconds": float(compiled.get("seconds", 0.0)),
-                    "compile_wall_seconds": float(compiled.get("wall_seconds", 0.0)),
-                    "compile_by_backend": compiled.get("seconds_by_backend", {}),
-                    "kernel_configs": night.get("kernel_configs"),
-                    "cache": night.get("cache", {}).get("state", ""),
-                }
-            )
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            problems.append(f"{path.name}: not readable ({_said(exc)})")
+        night = read_object(path, problems)
+        if night is None:
+            continue
+        wall = number(night.get("wall_seconds"))
+        if wall is None:
+            problems.append(f"{path.name}: no wall_seconds number; skipped")
+            continue
+        compiled = _field(night, "compile", dict, {}, path, problems)
+        by_backend = _field(compiled, "seconds_by_backend", dict, {}, path, problems)
+        nights.append(
+            {
+                "run_id": run_id_of(path),
+                "part": _field(night, "part", str, "", path, problems),
+                "wall_seconds": wall,
+                "workers": _field(night, "workers", int, None, path, problems),
+                "compile_seconds": number(compiled.get("seconds")) or 0.0,
+                "compile_wall_seconds": number(compiled.get("wall_seconds")) or 0.0,
+                "compile_by_backend": {str(k): v for k, v in by_backend.items() if number(v) is not None},
+                "kernel_configs": _field(night, "kernel_configs", int, None, path, problems),
+                "cache": _field(_field(night, "cache", dict, {}, path, problems), "state", str, "", path, problems),
+            }
+        )
     quarantined = []
     for path in sorted(runs_dir.glob("*.quarantine.jsonl")):
         # Two workers may have written the same configuration's crash: once each (backend, configuration).
@@ -161,6 +164,15 @@ def _nights(runs_dir: Path, problems: list[str]) -> tuple[pd.DataFrame, pd.DataF
             first.setdefault((entry.backend, entry.config), entry)
         quarantined += [{"run_id": run_id_of(path), **entry.__dict__} for entry in first.values()]
     return pd.DataFrame(nights), pd.DataFrame(quarantined)
+
+
+def _field(data: dict, name: str, kind: type, default: object, path: Path, problems: list[str]) -> object:
+    """``data[name]`` where it is of ``kind`` (a number never a flag), else ``default``, named when present."""
+    value = data.get(name)
+    if value is None or (isinstance(value, kind) and not (kind is int and isinstance(value, bool))):
+        return default if value is None else value
+    problems.append(f"{path.name}: {name} is {type(value).__name__}, not {kind.__name__}; left out")
+    return default
 
 
 ENV_SHOWN = ("env_date", "env_profile", "env_device_name", "env_arch", "env_suite_commit", "env_complete")

@@ -316,7 +316,7 @@ def _write_night(config, night: dict, console: Console) -> None:
             timing["calls"]["compile"] = compiled["jobs"]
             timing["compile_wall_seconds"] = compiled["wall_seconds"]
             atomic_write(timing_path, lambda p: p.write_text(json.dumps(timing, indent=1)))
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # TypeError: a timing file that is no mapping
             say(console, f"{timing_path.name}: the compile stage not added ({exc})", "warning:", "yellow")
 
 

@@ -4,7 +4,6 @@ file, and how a night of N shards would share its tests by it (conformance/runni
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from rich.console import Console
@@ -13,7 +12,7 @@ from kda_conformance.cli.common import add_out, say
 from kda_conformance.cli.exits import PASSED, USAGE
 from kda_conformance.running import shards
 from kda_kernels.autotune_replay import gpu_slug
-from kda_reports.runfile import run_files
+from kda_reports.runfile import read_object, run_files
 
 NAME = "shards"
 HELP = "a measured night's seconds per backend as this GPU model's shard cost file, and the plan for N shards"
@@ -43,7 +42,10 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         return USAGE
     files = run_files(Path(args.out), args.run_id)
     timing = [p for p in files if p.name.endswith(".timing.json")]
-    tests = shards.run_tests(timing)
+    problems: list[str] = []
+    tests = shards.run_tests(timing, problems)
+    for line in problems:
+        say(console, line, "warning:", "yellow")
     if not tests:
         say(
             console,
@@ -53,8 +55,9 @@ def execute(args: argparse.Namespace, console: Console) -> int:
             "red",
         )
         return USAGE
-    environments = [json.loads(p.read_text()) for p in files if p.name.endswith(".env.json")]
-    device = next((env.get("device_name", "") for env in environments if env.get("device_type") == "cuda"), "")
+    environments = [read_object(p) or {} for p in files if p.name.endswith(".env.json")]
+    names = (env.get("device_name") for env in environments if env.get("device_type") == "cuda")
+    device = next((name for name in names if isinstance(name, str) and name), "")
     seconds = shards.backend_seconds(tests)
     costs = shards.Costs(seconds, f"run {args.run_id}")
     plan = shards.plan(sorted(tests), args.count, costs)

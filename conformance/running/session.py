@@ -268,7 +268,7 @@ class Run:
         for part_timing in sorted(runs.glob(f"{workers}*.timing.json")):
             try:
                 CLOCK.absorb(json.loads(part_timing.read_text()))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 print(f"kda-conformance: {part_timing.name} unreadable, its stage times left out: {exc}")
         if any(runs.glob(f"{workers}*")):
             env = {**config.environment(), "run_id": config.run_id, "complete": complete}

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kda_kernels.autotune_replay import gpu_slug
+from kda_reports.runfile import number, read_object
 
 FOLDER = Path(__file__).with_name("shard_costs")
 
@@ -145,10 +146,19 @@ def write(path: Path, device_name: str, run_id: str, seconds: Mapping[str, float
     path.write_text(json.dumps(data, indent=1) + "\n")
 
 
-def run_tests(timing_files: Iterable[Path]) -> dict[str, float]:
-    """Seconds per test over a run's timing files (one per part; the workers' own parts hold none)."""
+def run_tests(timing_files: Iterable[Path], problems: list[str] | None = None) -> dict[str, float]:
+    """Seconds per test over a run's timing files (one per part; the workers' own parts hold none). A file
+    that cannot be read, or an entry that is not a test's seconds, is left out and named in ``problems``."""
     tests: dict[str, float] = {}
     for path in timing_files:
-        for nodeid, seconds in json.loads(path.read_text()).get("tests", {}).items():
+        timing = read_object(path, problems) or {}
+        entries = timing.get("tests", {})
+        if not isinstance(entries, dict):
+            (problems if problems is not None else []).append(f"{path.name}: tests is not a mapping; left out")
+            continue
+        for nodeid, seconds in entries.items():
+            if number(seconds) is None:
+                (problems if problems is not None else []).append(f"{path.name}: {nodeid}: not seconds; left out")
+                continue
             tests[nodeid] = tests.get(nodeid, 0.0) + float(seconds)
     return tests

@@ -94,8 +94,10 @@ class StageClock:
             self.add_form(form, seconds)
         for key, value in taken["peak_memory"].items():
             self.peaks[key] = max(self.peaks.get(key, 0.0), value)
-        for nodeid, seconds in taken.get("tests", {}).items():  # absent from files before 2026-12-04
-            self.add_test(nodeid, seconds)
+        tests = taken.get("tests", {})  # absent from files before 2026-12-04
+        for nodeid, seconds in tests.items() if isinstance(tests, dict) else ():
+            if isinstance(seconds, int | float):
+                self.add_test(str(nodeid), seconds)
 
     def snapshot(self) -> dict:
         """Totals so far, with the peak memory (GPU: torch's allocator; CPU: max resident set) of this
