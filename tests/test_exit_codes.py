@@ -76,3 +76,31 @@ def test_a_known_issue_that_no_longer_reproduces_is_a_warning_and_fails_under_st
     assert main([*argv, "--strict", "--out", str(tmp_path / "b")]) == FAILED
     page = (tmp_path / "b" / "dashboard.html").read_text()
     assert "gone-on-cpu" in page.split("Known issues that no longer reproduce")[1].split("<h2>")[0]
+
+
+def test_every_command_and_every_code_it_returns_is_in_the_docs() -> None:
+    """Every command has a row in the per-command table, and every literal code a command module returns
+    (``return N``, ``sys.exit(N)``, or one of exits.py's names) is a documented one."""
+    import ast
+
+    from kda_conformance.cli import COMMANDS, exits
+    from kda_conformance.running.faults import DEVICE_LOST_EXIT
+
+    documented = DOCS.read_text()
+    table = documented.split("## Per command", 1)[1]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    for command in COMMANDS:
+        assert any(f"`{command.NAME}" in row for row in rows), f"{command.NAME} has no row in docs/exit-codes.md"
+    codes = {name: value for name, value in vars(exits).items() if isinstance(value, int) and name.isupper()}
+    allowed = set(MEANINGS) | {DEVICE_LOST_EXIT}
+    assert f"exit {DEVICE_LOST_EXIT}" in documented
+    for command in COMMANDS:
+        tree = ast.parse(Path(command.__file__).read_text())
+        for node in ast.walk(tree):
+            value = getattr(node, "value", None) if isinstance(node, ast.Return) else None
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "exit" and node.args:
+                value = node.args[0]
+            if isinstance(value, ast.Constant) and isinstance(value.value, int) and not isinstance(value.value, bool):
+                assert value.value in allowed, f"{command.NAME} returns {value.value}, not in docs/exit-codes.md"
+            if isinstance(value, ast.Name) and value.id in codes:
+                assert codes[value.id] in allowed, f"{command.NAME} returns {value.id}"
