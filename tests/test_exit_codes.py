@@ -104,3 +104,31 @@ def test_every_command_and_every_code_it_returns_is_in_the_docs() -> None:
                 assert value.value in allowed, f"{command.NAME} returns {value.value}, not in docs/exit-codes.md"
             if isinstance(value, ast.Name) and value.id in codes:
                 assert codes[value.id] in allowed, f"{command.NAME} returns {value.id}"
+
+
+def test_an_error_a_ledger_entry_names_by_its_message_is_known(tmp_path: Path, monkeypatch) -> None:
+    """FLA's FlashKDA dispatch raising "all tensors must be contiguous" on strided inputs is a known upstream
+    problem, not an error of the night; another message of the same backend stays an error."""
+    from kda_conformance.judging import known
+    from kda_reports.store import load_store
+
+    raising = known.KnownIssue(
+        id="raises-on-cpu",
+        backends=("planted_raises",),
+        description="a backend that raises",
+        upstream="nowhere",
+        added="2026-12-04",
+        worst=1.0,
+        confirmed="by hand",
+        raises=("planted message",),
+    )
+    monkeypatch.setattr(known, "ledger", lambda: (raising,))
+    argv = ["run", "--device", "cpu", "--plugin", "kda_planted_crashes", "--backend", "planted_raises", "--case", CASE]
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    monkeypatch.setenv("KDA_PLANTED_MESSAGE", "a planted message from the kernel")
+    assert main([*argv, "--out", str(tmp_path / "a")]) == PASSED
+    (row,) = load_store(tmp_path / "a").records.to_dict("records")
+    assert row["verdict"] == "known" and row["known_issue"] == "raises-on-cpu"
+    assert row["reason"].startswith("known issue raises-on-cpu: ") and "planted message" in row["reason"]
+    monkeypatch.setenv("KDA_PLANTED_MESSAGE", "another failure")
+    assert main([*argv, "--out", str(tmp_path / "b")]) == ERRORED

@@ -3,7 +3,8 @@
 An entry matches an issue: a backend on a family of cases (case fields, device, environment, the check and
 what it observed), and the tensors it lists (all, by default). Applied to the findings of one check on one
 case, a failed finding that matches an entry becomes ``known`` while its worst error/limit stays within the
-entry's ``worst`` x ``growth``, and stays a failure (saying so) beyond it; a finding of the same case that
+entry's ``worst`` x ``growth``, and stays a failure (saying so) beyond it; a backend's error is ``known``
+where an entry names words of its message (``raises``); a finding of the same case that
 passes stays a pass (an issue of the output need not spoil the state). Every finding an entry matched
 carries the entry's id (``known_issue``), so a run can tell, over all its cases, an entry that no longer
 reproduces (``kda_reports.findings.stale_known_issues``): a warning, and a failure under --kda-strict.
@@ -19,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kda_reports.findings import Finding
+from kda_reports.findings import SUITE_BACKEND, Finding
 
 LEDGER = Path(__file__).resolve().parent.parent / "known_issues.toml"
 
@@ -41,6 +42,9 @@ class KnownIssue:
     observed: tuple[str, ...] = ()  # what the check observed (the finding's `observed`), where that matters
     tensors: tuple[str, ...] = ()  # the tensors it lets fail (default: every tensor)
     confirmed: str = ""  # how the cause was confirmed (a rerun that makes it go away, say)
+    # Errors it is: the backend's own exception, by words of its message (FLA's FlashKDA dispatch raising
+    # "all tensors must be contiguous" on strided inputs). An error no entry names stays an error.
+    raises: tuple[str, ...] = ()
 
     @property
     def allowed(self) -> float:
@@ -74,6 +78,7 @@ def load_ledger(path: Path = LEDGER) -> tuple[KnownIssue, ...]:
                     "checks": tuple(entry.get("checks", ())),
                     "observed": tuple(entry.get("observed", ())),
                     "tensors": tuple(entry.get("tensors", ())),
+                    "raises": tuple(entry.get("raises", ())),
                     "when": {k: tuple(v) for k, v in entry.get("when", {}).items()},
                     "environment": {k: tuple(v) for k, v in entry.get("environment", {}).items()},
                 }
@@ -98,6 +103,9 @@ def apply_known(findings: Iterable[Finding], issues: Iterable[KnownIssue] | None
     issues = ledger() if issues is None else tuple(issues)
     result = []
     for finding in findings:
+        if finding.verdict == "error" and finding.backend != SUITE_BACKEND:
+            result.append(_known_error(finding, issues))
+            continue
         matching = [i for i in issues if i.matches(finding)] if finding.errors is not None else []
         if not matching:
             result.append(finding)
@@ -122,3 +130,14 @@ def apply_known(findings: Iterable[Finding], issues: Iterable[KnownIssue] | None
         else:
             result.append(finding)
     return result
+
+
+def _known_error(finding: Finding, issues: tuple[KnownIssue, ...]) -> Finding:
+    """A backend's error that an entry names by words of its message is ``known``, its message kept."""
+    for issue in issues:
+        if issue.raises and issue.matches(finding) and any(words in finding.reason for words in issue.raises):
+            reason = f"known issue {issue.id}: {finding.reason} ({issue.upstream})"
+            return dataclasses.replace(
+                finding, verdict="known", observed=f"known: {issue.id}", reason=reason, known_issue=issue.id
+            )
+    return finding

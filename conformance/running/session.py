@@ -135,9 +135,10 @@ class Run:
             for watchdog in watchdogs.values():
                 if watchdog is not None:
                     watchdog.cancel()
-        findings = apply_known(findings)
         # A quarantined case launched nothing: its reason names the earlier crash, but this context is alive.
+        # Taken before the ledger: a device left dead is never a known issue's to keep running on.
         lost = [f for f in findings if f.verdict == "error" and is_sticky(f.reason)] if not quarantined else []
+        findings = apply_known(findings)
         if lost:
             self.quarantine.add(backend.name, case, check.name, lost[0].reason)
             raise DeviceLost(

@@ -1,6 +1,7 @@
 """Backends that fail the way real GPUs fail (for the fault tests; never in the zoo, which runs in one
 process): a segfault, a hang, a sticky device error, running out of memory, and a correct backend that
-fails its cases only when told to (for the regression tests of a night split over workers)."""
+fails its cases only when told to (for the regression tests of a night split over workers), and one that
+raises the message it is told to (for the ledger's errors)."""
 
 from __future__ import annotations
 
@@ -92,5 +93,14 @@ class FailsWhenTold(TorchChunk):
         return out
 
 
-for backend in (Segfault, Hang, StickyFault, CrashesOnBf16, OutOfMemoryOnce, OutOfMemoryAlways, FailsWhenTold):
+class Raises(TorchChunk):
+    name = "planted_raises"
+    description = "raises RuntimeError(KDA_PLANTED_MESSAGE) on every call, as a library refusing its inputs does"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        raise RuntimeError(os.environ.get("KDA_PLANTED_MESSAGE", "planted"))
+
+
+PLANTED = (Segfault, Hang, StickyFault, CrashesOnBf16, OutOfMemoryOnce, OutOfMemoryAlways, FailsWhenTold, Raises)
+for backend in PLANTED:
     register(backend.name, backend)
