@@ -113,6 +113,31 @@ def test_a_ledger_entry_written_after_a_run_claims_the_failures_it_allows() -> N
                    "new-sglang_chunk-prefix-past-the-limit"], new  # fmt: skip
 
 
+def test_a_ledger_entry_that_names_an_error_claims_the_errors_of_earlier_runs() -> None:
+    """FLA's FlashKDA dispatch raised "all tensors must be contiguous" on strided inputs in a night before its
+    entry existed: the page reads those errors as the entry's; another error, or a contiguous case, stays new."""
+    strided = Case(seq_lens=(300,), input_layout="fused")
+    on_gpu = {"case_json": strided.to_json(), "case_id": strided.id, "device": "cuda:0", "env_variables": "{}"}
+    refused = "RuntimeError: all tensors must be contiguous (at __init__.py:40)"
+    records = pd.DataFrame(
+        [
+            _record("r1", "fla_chunk_dispatch", "error", reason=refused, **on_gpu),
+            _record("r1", "fla_chunk_dispatch", "error", reason="the process ended during its call", **on_gpu),
+            _record("r1", "fla_chunk_dispatch", "error", reason=refused, device="cuda:0", env_variables="{}"),
+        ]
+    )
+    entry = dataclasses.replace(
+        _issue("dispatch-strided", ("fla_chunk_dispatch",)), device="cuda",
+        when={"input_layout": ("fused", "head_major")}, raises=("all tensors must be contiguous",),
+    )  # fmt: skip
+    found = {f.id: f for f in upstream_findings(records, (entry,))}
+    assert found["dispatch-strided"].status == "open" and found["dispatch-strided"].cases == 1
+    assert sorted(i for i in found if i.startswith("new-")) == [
+        "new-fla_chunk_dispatch-runtimeerror-all-tensors-must-be-contiguous-at-i",
+        "new-fla_chunk_dispatch-the-process-ended-during-its-call",
+    ]
+
+
 def test_new_findings_whose_kinds_share_a_truncated_id_keep_ids_of_their_own() -> None:
     long = "a failure whose first line is longer than an id keeps of it, ending in "
     records = pd.DataFrame([_record("r1", "fla_chunk", "error", reason=long + end) for end in ("one", "two")])

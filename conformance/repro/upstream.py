@@ -121,12 +121,19 @@ def _newest(rows: pd.DataFrame) -> str:
 def _claimed(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> pd.Series:
     """The ledger entry each record is known by: the one its run matched, or for a failure its run's ledger
     did not know, the first of today's entries that matches and allows it (KnownIssue.matches, on the
-    record's fields and its run's recorded environment instead of this process's)."""
+    record's fields and its run's recorded environment instead of this process's); for an error, the first
+    that matches and names words of its message (``raises``)."""
     matched = records["known_issue"].fillna("").astype(str) if "known_issue" in records else None
     if matched is None:
         return pd.Series("", index=records.index, dtype=str)
-    unclaimed = records[(records["verdict"] == "fail") & (matched == "")]
+    unclaimed = records[records["verdict"].isin(["fail", "error"]) & (matched == "")]
     for index, row in unclaimed.iterrows():
+        if row["verdict"] == "error":  # an error is an entry's where the entry names words of its message
+            reason = "" if pd.isna(row.get("reason")) else str(row.get("reason"))
+            claims = [i for i in ledger if i.raises and any(w in reason for w in i.raises) and _claims(i, row)]
+            if claims:
+                matched.at[index] = claims[0].id
+            continue
         worst = worst_ratio(float(row.get("ratio", float("nan"))), float(row.get("rel_rms_ratio", float("nan"))))
         for issue in ledger:
             if _claims(issue, row) and worst <= issue.allowed:
