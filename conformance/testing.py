@@ -1,0 +1,252 @@
+"""The suite from a kernel engineer's own test file, in the spirit of ``torch.testing.assert_close``.
+
+    from kda_conformance.testing import Case, assert_conforms, kda_cases
+
+    def test_my_kernel_on_a_long_packed_batch():
+        assert_conforms(my_chunk_kda, Case(seq_lens=(2047, 0, 2049), packed=True, initial_state="random"))
+
+    @given(kda_cases("ci", dtype="bf16"))
+    def test_my_kernel_on_drawn_cases(case):
+        assert_conforms(my_chunk_kda, case)
+
+``assert_conforms`` takes any callable with FLA's ``chunk_kda`` signature (``q, k, v, g, beta`` and its
+keywords; FLA's ``fused_recurrent_kda`` too), a registered backend's name or a :class:`Backend`, and a case
+or a list of cases; it runs the suite's checks through the suite's executor (the float64 truth, the
+same-precision baseline and its limits, the call contract, the ledger of known issues) and raises an
+``AssertionError`` whose message is the suite's report: every limit and ratio, the first bad point and a line
+that reruns it. ``kda_cases`` is the suite's Hypothesis strategy of cases, a profile's, with fields fixed.
+
+With ``pytest_plugins = ["kda_conformance.testing"]`` in a conftest, the fixture ``kda_checker`` does the
+same and keeps the records of the session in a run store (``KDA_OUT``, default ``out``), which the suite's
+dashboard reads. The names a backend plugin needs (``Backend``, ``Envelope``, ``register``, ...) are here
+too, from ``kda_kernels.api``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import reject
+from hypothesis import strategies as st
+
+from kda_cases.case import Case
+from kda_cases.envelope import ANY
+from kda_cases.profiles import get_profile
+from kda_cases.strategies import cases as profile_cases
+from kda_conformance.check_tests import check_report
+from kda_conformance.checking.registry import get_check, run_check
+from kda_conformance.running.config import RunConfig
+from kda_conformance.running.session import Run
+from kda_kernels import api, guard, registry, triton_interpret
+from kda_kernels.api import *  # noqa: F403  (the plugin face's names, re-exported: see __all__)
+from kda_kernels.api import Backend, BackendOutput, Envelope, KDAInputs, Support, stored
+from kda_kernels.envelope import CHUNK_KDA
+from kda_reports.findings import Finding
+
+# The plugin face's names (kda_kernels.api) and this module's own.
+__all__ = [
+    *api.__all__,
+    *("CallableBackend", "Checker", "as_backend", "assert_conforms", "conforms", "kda_cases", "kda_checker"),
+    "use_triton_interpreter_on_cpu",
+]
+
+Kernel = Callable[..., Any] | Backend | str
+
+
+class CallableBackend(Backend):
+    """A function with ``chunk_kda``'s signature as a backend: called the way FLA's adapter calls
+    ``chunk_kda`` (the case's inputs and keywords, an fp32 initial state, ``output_final_state=True``), with
+    ``safe_gate`` where its signature names it. Its envelope is ``chunk_kda``'s unless given."""
+
+    def __init__(self, function: Callable[..., Any], name: str | None = None, envelope: Envelope | None = None):
+        self.function = function
+        self.name = name or getattr(function, "__qualname__", None) or type(function).__name__
+        self.description = f"{self.name}, a chunk_kda-style callable checked from a test file"
+        self.envelope = envelope or CHUNK_KDA
+        try:
+            self._keywords = set(inspect.signature(function).parameters)
+        except (TypeError, ValueError):  # a builtin or a C++ op without a signature: pass what chunk_kda takes
+            self._keywords = {"safe_gate"}
+
+    def availability(self, device: torch.device) -> Support:
+        return Support.yes()
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        kwargs = {**inputs.kernel_kwargs(), **(inputs.host_metadata or {})}
+        state = inputs.initial_state
+        kwargs["initial_state"] = None if state is None else state.float()
+        if "safe_gate" in self._keywords:
+            kwargs["safe_gate"] = inputs.case.safe_gate
+        with torch.inference_mode():
+            o, final = self.function(
+                inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, output_final_state=True, **kwargs
+            )
+        return BackendOutput(o=o, final_state=stored(inputs.case, "final_state", final))
+
+
+def as_backend(kernel: Kernel, name: str | None = None, envelope: Envelope | None = None) -> Backend:
+    """``kernel`` as a backend: a :class:`Backend` as it is, a registered backend by its name, a callable with
+    ``chunk_kda``'s signature wrapped (:class:`CallableBackend`)."""
+    if isinstance(kernel, Backend):
+        return kernel
+    if isinstance(kernel, str):
+        try:
+            return registry.get(kernel)
+        except KeyError:
+            known = ", ".join(registry.names())
+            raise ValueError(f"kernel {kernel!r} is no registered backend; choose from {known}") from None
+    if not callable(kernel):
+        raise TypeError(f"kernel must be a callable with chunk_kda's signature, a Backend or a backend's name, "
+                        f"got {type(kernel).__name__}")  # fmt: skip
+    return CallableBackend(kernel, name, envelope)
+
+
+def _cases(cases: Case | Mapping | str | Iterable[Case | Mapping | str]) -> list[Case]:
+    if isinstance(cases, Case | Mapping | str):
+        cases = [cases]
+    found = []
+    for case in cases:
+        if isinstance(case, Mapping):
+            case = Case.from_json(json.dumps(dict(case)))
+        elif isinstance(case, str):
+            case = Case.from_json(case)
+        if not isinstance(case, Case):
+            raise TypeError(f"cases must be Case objects, their JSON or dicts, got {type(case).__name__}")
+        found.append(case)
+    return found
+
+
+@functools.cache
+def _run(device: str) -> Run:
+    """One run per device for the process, so that every call shares its truth cache; it writes nothing."""
+    return Run(RunConfig(device=torch.device(device), backends=()), journal=False)
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def assert_conforms(
+    kernel: Kernel,
+    cases: Case | Mapping | str | Iterable[Case | Mapping | str],
+    *,
+    checks: Sequence[str] = ("budget",),
+    params: Mapping[str, object] | None = None,
+    device: str | torch.device | None = None,
+    strict: bool = False,
+) -> list[Finding]:
+    """Check ``kernel`` on ``cases`` with the suite's ``checks`` (``budget``: within the limits of the float64
+    truth; any registered check, with its parameters in ``params``, e.g. ``checks=["split_resume"],
+    params={"at": 17}``) on ``device`` (default: a GPU if torch sees one). Returns every finding; raises
+    ``AssertionError`` with the suite's report when a check fails or errs (a warning too when ``strict``),
+    and ``ValueError`` for a case outside the kernel's envelope or a check's missing parameter."""
+    device = _device(device)
+    findings, reports = conforms(kernel, cases, _run(str(device)), checks=checks, params=params, strict=strict)
+    if reports:
+        raise AssertionError("\n\n".join(reports))
+    return findings
+
+
+def conforms(
+    kernel: Kernel,
+    cases: Case | Mapping | str | Iterable[Case | Mapping | str],
+    run: Run,
+    *,
+    checks: Sequence[str] = ("budget",),
+    params: Mapping[str, object] | None = None,
+    strict: bool = False,
+) -> tuple[list[Finding], list[str]]:
+    """:func:`assert_conforms` through ``run``: every finding, and the report of each failing check."""
+    backend = as_backend(kernel)
+    chosen = [get_check(name) for name in checks]
+    params = dict(params or {})
+    for check in chosen:
+        missing = [p for p in check.params if p.name not in params]
+        if missing:
+            said = "; ".join(f"{p.name}: {p.help}" for p in missing)
+            raise ValueError(f"params: check {check.name} takes {', '.join(p.name for p in missing)} ({said})")
+    fails = (lambda f: f.failed or f.verdict == "warn") if strict else (lambda f: f.failed)
+    findings, reports = [], []
+    for case in _cases(cases):
+        support = guard.supports(backend, case)  # the case as given: never moved into the envelope unasked
+        if not support:
+            raise ValueError(f"cases: {case.id} ({case.label}) is outside {backend.name}'s envelope: {support.reason}")
+        for check in chosen:
+            mine = {p.name: params[p.name] for p in check.params}
+            found = run_check(check, case, backend, run.config.device, mine, run)
+            if isinstance(backend, CallableBackend):  # no command line can load it: the repro is Python's
+                again = f"assert_conforms({backend.name}, Case.from_json({case.to_json()!r}), checks=[{check.name!r}]"
+                again += f", params={mine!r})" if mine else ")"
+                found = [dataclasses.replace(f, repro=again) for f in found]
+            findings += found
+            report = check_report(check, found, mine, fails)
+            if report:
+                reports.append(report)
+    return findings, reports
+
+
+def kda_cases(profile: str = "ci", envelope: Envelope | None = None, **fixed: object) -> st.SearchStrategy[Case]:
+    """The suite's strategy of cases for ``profile`` (``smoke``, ``ci``, ``nightly``, ``long``), drawn inside
+    ``envelope`` (a backend's, say ``as_backend(k).envelope``) with the :class:`Case` fields in ``fixed``
+    set (``kda_cases("ci", dtype="bf16", head_k_dim=128, head_v_dim=128)``); a drawn case that cannot take
+    them is rejected, not failed."""
+    fields = set(Case.__dataclass_fields__)
+    unknown = sorted(set(fixed) - fields)
+    if unknown:
+        raise ValueError(f"kda_cases: {', '.join(unknown)} are no Case fields; choose from {', '.join(sorted(fields))}")
+    drawn = profile_cases(get_profile(profile), envelope or ANY)
+    return drawn.map(functools.partial(_with_fields, fixed)) if fixed else drawn
+
+
+def _with_fields(fixed: Mapping[str, object], case: Case) -> Case:
+    try:
+        return case.replace(**fixed)
+    except ValueError:  # a drawn case the fixed fields do not fit (a bound past the gate's range, say)
+        reject()
+
+
+def use_triton_interpreter_on_cpu() -> None:
+    """Run Triton kernels (FLA's) in Triton's CPU interpreter, with the suite's workarounds
+    (``kda_kernels.triton_interpret``): call before anything imports triton or fla. Raises where the
+    interpreter cannot run here, saying why."""
+    problem = triton_interpret.problem()
+    if problem:
+        raise RuntimeError(f"Triton's interpreter cannot run here: {problem}")
+    triton_interpret.enable()
+
+
+class Checker:
+    """:func:`assert_conforms` on one run for a whole pytest session, whose records go to a run store."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def __call__(self, kernel: Kernel, cases: Any, **options: Any) -> list[Finding]:
+        findings, reports = conforms(kernel, cases, self.run, **options)
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0] or None
+        self.run.record(findings, test)
+        if reports:
+            raise AssertionError("\n\n".join(reports))
+        return findings
+
+
+@pytest.fixture(scope="session")
+def kda_checker() -> Iterator[Checker]:
+    """A session's :func:`assert_conforms` (``kda_checker(kernel, cases, checks=..., params=...)``), its
+    records written to the run store ``KDA_OUT`` (default ``out``) when the session ends: with
+    ``pytest_plugins = ["kda_conformance.testing"]`` in a conftest. ``KDA_DEVICE`` picks the device."""
+    out = Path(os.environ.get("KDA_OUT", "out"))
+    run = Run(RunConfig(device=_device(os.environ.get("KDA_DEVICE")), backends=(), out=out, command="pytest"))
+    yield Checker(run)
+    run.finish()

@@ -1,0 +1,55 @@
+"""A kernel's own test file, in the style of FLA's tests/ops/test_kda.py, checked by the suite: the float64
+truth instead of a hand-picked tolerance against an fp32 loop, and a report with every limit, ratio and first
+bad point when it fails. Run it as any pytest file (`pytest examples/test_kda_like_fla.py`); on a machine
+without a GPU FLA's Triton kernels run in Triton's interpreter (slow: keep the cases small)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from kda_conformance.testing import (
+    Case,
+    assert_conforms,
+    kda_cases,
+    kda_checker,  # noqa: F401  (the fixture: records into a run store)
+    use_triton_interpreter_on_cpu,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    use_triton_interpreter_on_cpu()  # before anything imports triton or fla
+
+
+def fused_recurrent_kda(q, k, v, g, beta, **kwargs):
+    """The kernel under test: any callable with chunk_kda's signature (here FLA's per-token kernel)."""
+    from fla.ops.kda import fused_recurrent_kda as kernel
+
+    return kernel(q, k, v, g, beta, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("T", "H", "D", "dtype", "initial_state"),
+    [(37, 1, 16, "bf16", "none"), (65, 2, 16, "fp32", "random")],
+)
+def test_fused_recurrent(T: int, H: int, D: int, dtype: str, initial_state: str) -> None:
+    case = Case(seq_lens=(T,), num_heads=H, num_v_heads=H, head_k_dim=D, head_v_dim=D, dtype=dtype,
+                initial_state=initial_state)  # fmt: skip
+    assert_conforms(fused_recurrent_kda, case, device=DEVICE)
+
+
+def test_fused_recurrent_varlen_resumes_from_a_split() -> None:
+    case = Case(seq_lens=(20, 0, 13), packed=True, num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
+    assert_conforms(fused_recurrent_kda, case, checks=["budget", "split_resume"], params={"at": 9}, device=DEVICE)
+
+
+@settings(max_examples=5, deadline=None)
+@given(case=kda_cases("smoke", dtype="bf16"))
+def test_the_baseline_on_drawn_cases(case: Case) -> None:
+    """The suite's own PyTorch baseline, by its registered name, on cases the suite's strategy draws."""
+    assert_conforms("torch_chunk", case, device=DEVICE)
+
+
+def test_with_the_fixture(kda_checker) -> None:  # noqa: F811
+    kda_checker("torch_chunk", [Case(seq_lens=(40,)), Case(seq_lens=(7, 9), packed=True)], checks=["budget"])

@@ -1,0 +1,88 @@
+"""The suite from a kernel engineer's own test file (conformance/testing.py): assert_conforms on a callable,
+a backend or a backend's name; the case strategy with fixed fields; the session fixture's records."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from kda_conformance.running.config import RunConfig
+from kda_conformance.running.session import Run
+from kda_conformance.testing import Case, Checker, Envelope, as_backend, assert_conforms, kda_cases
+from kda_kernels.torch_chunk import TorchChunk
+from kda_reports.store import load_store
+
+CASE = Case(seq_lens=(37,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
+BASELINE = TorchChunk()
+
+
+def test_a_registered_backend_passes_and_every_finding_comes_back() -> None:
+    findings = assert_conforms("torch_chunk", CASE, device="cpu")
+    assert {f.verdict for f in findings} == {"pass"} and {f.tensor for f in findings} == {"o", "final_state"}
+
+
+def test_a_wrong_callable_raises_the_suites_report_with_a_python_repro() -> None:
+    def zero_output(q, k, v, g, beta, *, initial_state=None, output_final_state=True, **kwargs):
+        state = torch.zeros(q.shape[0], v.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
+        return torch.zeros_like(v), state
+
+    with pytest.raises(AssertionError) as raised:
+        assert_conforms(zero_output, CASE, device="cpu")
+    report = str(raised.value)
+    assert "budget: kda-" in report and "backend " in report and "x its limit" in report
+    assert "first bad: seq 0 token 0 head 0" in report
+    assert "repro: assert_conforms(" in report and "Case.from_json(" in report and "kda-conformance run" not in report
+
+
+def test_a_callable_is_called_with_chunk_kdas_keywords() -> None:
+    seen = {}
+
+    def spy(q, k, v, g, beta, *, safe_gate=False, **kwargs):
+        seen.update(kwargs, safe_gate=safe_gate)
+        return torch.zeros_like(v), None
+
+    with pytest.raises(AssertionError):
+        assert_conforms(spy, CASE.replace(initial_state="random"), device="cpu")
+    assert seen["output_final_state"] is True and seen["safe_gate"] is True and seen["lower_bound"] == -5.0
+    assert seen["initial_state"].dtype == torch.float32 and seen["use_gate_in_kernel"] is True
+
+
+def test_bad_arguments_are_one_clear_error_each() -> None:
+    with pytest.raises(ValueError, match=r"kernel 'nope' is no registered backend; choose from .*torch_chunk"):
+        assert_conforms("nope", CASE, device="cpu")
+    with pytest.raises(TypeError, match="kernel must be a callable"):
+        assert_conforms(3, CASE, device="cpu")
+    narrow = as_backend(lambda *a, **k: None, name="bf16_only", envelope=Envelope(dtypes=("bf16",)))
+    with pytest.raises(ValueError, match=r"cases: kda-.* is outside bf16_only's envelope"):
+        assert_conforms(narrow, CASE.replace(dtype="fp32"), device="cpu")
+    with pytest.raises(ValueError, match="params: check split_resume takes at"):
+        assert_conforms("torch_chunk", CASE, checks=["split_resume"], device="cpu")
+    with pytest.raises(ValueError, match="check 'nope' unknown"):
+        assert_conforms("torch_chunk", CASE, checks=["nope"], device="cpu")
+    with pytest.raises(ValueError, match="kda_cases: dtyp are no Case fields"):
+        kda_cases("ci", dtyp="bf16")
+
+
+def test_a_check_with_parameters_and_a_case_as_json() -> None:
+    packed = {"seq_lens": [20, 0, 13], "packed": True, "num_heads": 1, "num_v_heads": 1, "head_k_dim": 16,
+              "head_v_dim": 16}  # fmt: skip
+    findings = assert_conforms(BASELINE, packed, checks=["split_resume"], params={"at": 9}, device="cpu")
+    assert findings and {f.check for f in findings} == {"split_resume"} and not any(f.failed for f in findings)
+
+
+@settings(max_examples=8, deadline=None)
+@given(case=kda_cases("smoke", dtype="fp16", num_heads=1, num_v_heads=1))
+def test_drawn_cases_keep_their_fixed_fields(case: Case) -> None:
+    assert case.dtype == "fp16" and case.num_heads == case.num_v_heads == 1
+
+
+def test_the_session_checker_records_into_a_store(tmp_path) -> None:
+    run = Run(RunConfig(device=torch.device("cpu"), backends=(), out=tmp_path, command="pytest"))
+    checker = Checker(run)
+    checker("torch_chunk", [CASE, CASE.replace(dtype="fp32")])
+    with pytest.raises(AssertionError):
+        checker(lambda q, k, v, g, beta, **kw: (torch.zeros_like(v), None), CASE)
+    run.finish()
+    records = load_store(tmp_path).records
+    assert set(records["verdict"]) == {"pass", "fail"} and records["case_id"].nunique() == 2
