@@ -163,3 +163,15 @@ def test_a_plugin_imports_everything_it_needs_from_one_module() -> None:
     for plugin in ("kda_example_plugin.py", "kda_narrow.py", "kda_declared.py"):
         source = (PLUGINS / plugin).read_text()
         assert "from kda_kernels.api import" in source and "kda_kernels.protocol" not in source, plugin
+
+
+def test_backends_lists_every_backend_as_json_with_its_library_version_and_why_not(capsys) -> None:
+    """A kernel engineer's first question: which backends are there, which run here and why not."""
+    assert main(["backends", "--device", "cpu", "--json"]) == 0
+    listed = {entry["name"]: entry for entry in json.loads(capsys.readouterr().out)}
+    assert {"torch_chunk", "fla_chunk", "flashkda_cuda", "aiter_flashkda"} <= set(listed)
+    assert listed["torch_chunk"]["runs_here"] and listed["torch_chunk"]["takes"] == "every case"
+    assert listed["fla_chunk"]["libraries"] == {"fla-core": "0.6.0"}
+    flashkda = listed["flashkda_cuda"]
+    assert not flashkda["runs_here"] and "cuda only" in flashkda["why_not"]
+    assert flashkda["envelope"]["dtypes"] == "bf16" and flashkda["declared_precision"].startswith("bf16 state")

@@ -5,6 +5,7 @@ libraries it comes from, the working precision it declares, and whether it runs 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from rich.console import Console
@@ -15,7 +16,8 @@ from kda_conformance.cli.common import add_device, config_from_args, say
 from kda_conformance.cli.exits import PASSED, USAGE
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault
-from kda_kernels.protocol import Backend
+from kda_kernels.protocol import Backend, Support
+from kda_reports.environment import library_version
 
 NAME = "backends"
 HELP = "list the registered backends: envelope, libraries, declared precision, and whether each runs here"
@@ -31,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plugin", action="append", default=[], metavar="MODULE", help="module that registers more backends"
     )
     parser.add_argument("--table", type=Path, default=None, help="write the envelopes as markdown to this file")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON list instead: each backend's name, description, "
+        "libraries with versions, availability here and why, envelope and declared precision",
+    )  # fmt: skip
 
 
 def _declared(backend: Backend) -> dict[str, str]:
@@ -78,6 +84,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         atomic_write_text(args.table, envelopes_markdown(builtin_names()))
         console.print(f"envelopes: {args.table}", highlight=False)
     device = config.device
+    listed = []
     for name in registry.names():
         backend = registry.get(name)
         try:
@@ -86,12 +93,32 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         except BackendFault as fault:
             say(console, f"{name}: raised instead of answering: {fault.reason}", "error:", "red")
             continue
-        here = "runs here" if available else f"not here: {available.reason}"
-        declared = _declared(backend)
-        console.print(f"{name} ({declared['library']}): {here}", highlight=False, markup=False, soft_wrap=True)
-        narrowed = {field: value for field, value in shown(envelope).items() if value not in ("any", "-")}
-        takes = "; ".join(f"{field} {value}" for field, value in narrowed.items()) or "every case"
-        console.print(f"  takes: {takes}", highlight=False, markup=False, soft_wrap=True)
-        if backend.working_precision is not None:
-            console.print(f"  declared precision: {declared['precision']}", highlight=False, soft_wrap=True)
+        listed.append(_entry(backend, available, envelope))
+    if args.json:
+        print(json.dumps(listed, indent=1))
+        return PASSED
+    for entry in listed:
+        libraries = "; ".join(f"{lib} {version}" for lib, version in entry["libraries"].items()) or "-"
+        here = "runs here" if entry["runs_here"] else f"not here: {entry['why_not']}"
+        console.print(f"{entry['name']} ({libraries}): {here}", highlight=False, markup=False, soft_wrap=True)
+        console.print(f"  takes: {entry['takes']}", highlight=False, markup=False, soft_wrap=True)
+        if entry["declared_precision"] != "-":
+            console.print(f"  declared precision: {entry['declared_precision']}", highlight=False, soft_wrap=True)
     return PASSED
+
+
+def _entry(backend: Backend, available: Support, envelope: Envelope) -> dict:
+    """One backend as data: what ``backends`` prints, and ``--json`` gives whole."""
+    shown_envelope = shown(envelope)
+    narrowed = {field: value for field, value in shown_envelope.items() if value not in ("any", "-")}
+    return {
+        "name": backend.name,
+        "description": getattr(backend, "description", ""),
+        "plugin": registry.plugin_of(backend.name),
+        "libraries": {lib.name: library_version(lib.distribution, lib.source_variable) for lib in backend.libraries},
+        "runs_here": bool(available),
+        "why_not": "" if available else available.reason,
+        "takes": "; ".join(f"{field} {value}" for field, value in narrowed.items()) or "every case",
+        "envelope": shown_envelope,
+        "declared_precision": _declared(backend)["precision"],
+    }
