@@ -93,15 +93,42 @@ def test_diff_says_whether_two_runs_recorded_the_same(tmp_path: Path, capsys: py
     for name in ("a", "b"):
         assert main([*args, "--out", str(tmp_path / name), "--no-dashboard"]) == 0
     capsys.readouterr()
-    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert main(["diff", "--exact", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     assert "identical: 6 records" in capsys.readouterr().out  # (h0 none, random) x 2 tensors + the packed case
     [changed] = (tmp_path / "b" / "runs").glob("*.parquet")
     frame = read_run(changed)
     frame.loc[0, "max_abs"] *= 1.0000001
     frame.to_parquet(changed, index=False)
-    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    assert main(["diff", "--exact", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
     out = capsys.readouterr().out
     assert "1 records only before" in out and "1 records only after" in out
+
+
+def test_diff_matches_findings_and_says_how_each_ratio_moved(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two runs of the same cases under other commands: the same findings, whatever their environment; a
+    ratio that moved is listed with both values, a new failure first, and only a new failure exits 1."""
+    from kda_conformance.cli import main
+
+    args = ["run", "--device", "cpu", "--backend", "torch_chunk", "--lengths", "37", "--dtypes", "bf16"]
+    assert main([*args, "--out", str(tmp_path / "a"), "--no-dashboard"]) == 0
+    assert main([*args, "--out", str(tmp_path / "b"), "--no-dashboard", "--seed", "0"]) == 0  # another command
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "6 findings in both runs, 0 changed verdict; 0 only before, 0 only after; 0 new failures" in out
+    [changed] = (tmp_path / "b" / "runs").glob("*.parquet")
+    frame = read_run(changed)
+    frame.loc[0, "rel_rms_ratio"] = frame.loc[0, "rel_rms_ratio"] * 1.38
+    frame.loc[1, ["verdict", "ratio"]] = ["fail", 2.5]
+    frame.to_parquet(changed, index=False)
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--env"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert "1 changed verdict" in lines[0] and "1 new failures or errors" in lines[0]
+    assert lines[1].endswith("of the limit") and ": pass -> fail, " in lines[1] and "-> 2.5 of the limit" in lines[1]
+    assert ": pass -> pass, 0.5 -> 0.69 of the limit" in lines[2]
+    assert any(line.startswith("environment env_command: ") for line in lines)
 
 
 def test_the_environment_records_what_moves_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
