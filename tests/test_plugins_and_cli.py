@@ -263,3 +263,45 @@ def test_a_plugin_that_breaks_at_import_is_one_line_and_exit_2(
     assert code == 2, output
     assert said in output.out + output.err and "Traceback" not in output.out + output.err
     assert registry.get("fla_chunk").name == "fla_chunk", "the built-in keeps its name"
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["run", "--growth", "-1"], "argument --growth: --growth must be a finite number > 0, got -1"),
+        (["dashboard", "--window", "0"], "argument --window: --window must be an integer >= 1, got 0"),
+        (["diff", "a", "b", "--show", "x"], "argument --show"),
+    ],
+)
+def test_an_option_out_of_its_range_is_one_line_and_exit_2(argv: list[str], said: str, capsys) -> None:
+    with pytest.raises(SystemExit) as ended:
+        main(argv)
+    assert ended.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_the_options_take_what_a_case_takes_and_run_takes_its_run_id(tmp_path: Path) -> None:
+    """--head-dim 50 was refused while --case '{"head_k_dim": 50}' ran; run --run-id, which docs/cli.md lists,
+    was refused."""
+    argv = ["run", "--device", "cpu", "--backend", "torch_chunk", "--lengths", "9", "--dtypes", "bf16"]
+    assert main([*argv, "--head-dim", "50", "--run-id", "k50", "--out", str(tmp_path), "--no-dashboard"]) == 0
+    records = pd.read_parquet(tmp_path / "runs" / "k50.parquet")
+    assert set(records["case_head_k_dim"]) == {50} and set(records["run_id"]) == {"k50"}
+
+
+def test_a_plugin_backend_whose_name_is_not_its_registered_name_is_one_line_and_exit_2(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    (tmp_path / "kda_misnamed_plugin.py").write_text(
+        "from kda_kernels.api import register\n"
+        "from kda_kernels.torch_chunk import TorchChunk\n"
+        "class Misnamed(TorchChunk):\n    name = 'something_else'\n"
+        "register('misnamed', Misnamed)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["run", "--device", "cpu", "--plugin", "kda_misnamed_plugin", "--backend", "misnamed", "--lengths", "9"]
+    try:
+        assert main([*argv, "--out", str(tmp_path / "out"), "--no-dashboard"]) == 2
+    finally:
+        registry.unregister("misnamed")
+    out = capsys.readouterr().out
+    assert "error: backend registered as 'misnamed' names itself 'something_else'" in out and "Traceback" not in out

@@ -27,9 +27,10 @@ from kda_conformance.cli import (
     run,
     shards,
 )
-from kda_conformance.cli.exits import INTERRUPTED
+from kda_conformance.cli.exits import INTERRUPTED, USAGE
 from kda_conformance.running.config import release_claims
 from kda_conformance.running.interrupts import sigterm_interrupts
+from kda_kernels.registry import PluginError
 from kda_reports.environment import suite_commit
 
 COMMANDS: tuple[ModuleType, ...] = (
@@ -86,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("interrupted", highlight=False)
         return INTERRUPTED
+    except PluginError as exc:  # a plugin's backend that breaks the registry's rules, met when first asked for
+        console.print(f"error: {exc}", highlight=False)
+        return USAGE
     finally:
         release_claims()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -22,23 +23,13 @@ from kda_conformance.running.config import (
     RunConfig,
     build_config,
     parse_choices,
+    parse_count,
+    parse_positive,
 )
-from kda_conformance.running.options import add_options
+from kda_conformance.running.options import add_options, typed
 from kda_reports.runfile import DEFAULT_OUT
 
 CLI_DEFAULT_BACKENDS = ("fla_chunk", "fla_recurrent")
-
-
-def typed(parse: Callable[[str], object]) -> Callable[[str], object]:
-    """``parse`` as an argparse type: its ValueError becomes argparse's message naming the option."""
-
-    def convert(text: str) -> object:
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return convert
 
 
 def choices(what: str, allowed: tuple[str, ...]) -> Callable[[str], object]:
@@ -126,13 +117,14 @@ def add_strict(parser: argparse.ArgumentParser) -> None:
 
 
 def add_regressions(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--window", type=int, default=5, help="earlier runs a run is compared with (default: 5)")
     parser.add_argument(
-        "--growth",
-        type=float,
-        default=1.5,
-        help="flag a worst error/limit grown past this times the median (default: 1.5)",
-    )
+        "--window", type=typed(functools.partial(parse_count, "--window")), default=5,
+        help="earlier runs a run is compared with, 1 or more (default: 5)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--growth", type=typed(functools.partial(parse_positive, "--growth")), default=1.5,
+        help="flag a worst error/limit grown past this times the median, a number > 0 (default: 1.5)",
+    )  # fmt: skip
 
 
 def add_reference_form(parser: argparse.ArgumentParser) -> None:
@@ -180,6 +172,7 @@ def config_from_args(args: argparse.Namespace, console: Console, writes: bool = 
             isolate=getattr(args, "isolate", None),
             case_timeout=getattr(args, "case_timeout", None),
             strict=getattr(args, "strict", None),
+            run_id=getattr(args, "run_id", None),
             command=args.command_line,
         )
     except ConfigError as exc:

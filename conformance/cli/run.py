@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_grid(parser, default_dtypes=("bf16", "fp32"))
     add_options(
         parser,
-        ["profile", "examples"],
+        ["profile", "examples", "run-id"],
         notes={"profile": "instead of the first sweep: the committed corpus plus cases drawn for this profile"},
     )
     parser.add_argument(

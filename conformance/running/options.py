@@ -77,7 +77,7 @@ class Option:
         if self.repeat:
             kwargs["action"] = "append"
         if self.parse is not None:
-            kwargs["type"] = _typed(self.parse)
+            kwargs["type"] = typed(self.parse)
         if self.choices is not None:
             kwargs["choices"] = list(self.choices)
         if self.metavar:
@@ -85,7 +85,7 @@ class Option:
         return kwargs
 
 
-def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+def typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """``parse`` as an argparse type: its ValueError becomes argparse's message naming the option."""
 
     def convert(text: str) -> Any:
@@ -142,7 +142,10 @@ OPTIONS: dict[str, Option] = {
                "list"),
         Option("heads", "first-sweep query/key heads (= value heads)", 2, lambda t: parse_count("heads", t),
                "number"),
-        Option("head-dim", "first-sweep K = V, a multiple of 16 up to 256", 64, parse_head_dim, "number"),
+        Option(
+            "head-dim", "first-sweep K = V (any size a case takes: a backend refuses those its envelope does not)",
+            64, parse_head_dim, "number",
+        ),
     )
 }  # fmt: skip
 
