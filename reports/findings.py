@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +128,15 @@ def ratio(value: float, limit: float) -> float:
     if limit > 0:
         return value / limit
     return 0.0 if value == 0 else math.inf
+
+
+def message_kind(reason: str) -> str:
+    """What kind of failure a reason is, without its numbers, paths, backend and check: the key that groups
+    findings (one abort met by two checks is one finding)."""
+    found = re.search(r"(CUDA|HIP) error: ([^\n;(]+)", reason)
+    text = found.group(0) if found else reason.splitlines()[0] if reason else ""
+    text = re.sub(r"during \S+'s call in check \S+", "during the backend's call", text)
+    return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", text).strip()[:100]
 
 
 def worst_ratio(max_abs_ratio: Any, rel_rms_ratio: Any) -> Any:
@@ -287,6 +297,38 @@ def failure_report(
     if shared:
         lines.append(f"  repro: {repros[0]}")
     return "\n".join(lines)
+
+
+def finding_kind(finding: Finding) -> str:
+    """What went wrong, without the case: a tensor past its limits or not finite, what a check observed, or
+    the kind of an error's message."""
+    if finding.verdict in ("error", "resource") or not (finding.tensor or finding.observed):
+        return message_kind(finding.reason)
+    if finding.tensor:
+        finite = not any("non-finite" in problem for problem in finding.problems)
+        return f"tensor {finding.tensor} {'past its limits' if finite else 'not finite'}"
+    return finding.observed
+
+
+def grouped_failures(findings: Iterable[Finding]) -> list[tuple[str, str]]:
+    """The failures and errors of a run as one block per finding (backend, check, verdict, kind), most cases
+    first: ``(label, text)``, the label ``FAIL`` or ``ERROR``, the text saying how many cases, the worst
+    error/limit, and the whole report of the smallest case (fewest tokens, then heads and head size)."""
+    groups: dict[tuple[str, str, str, str], list[Finding]] = {}
+    for finding in findings:
+        if finding.failed:
+            key = (finding.backend, finding.check, finding.verdict, finding_kind(finding))
+            groups.setdefault(key, []).append(finding)
+    blocks = []
+    for (backend, check, verdict, kind), members in sorted(groups.items(), key=lambda item: -len(item[1])):
+        cases = len({f.case.id for f in members})
+        smallest = min(members, key=lambda f: (f.case.total_tokens, f.case.num_v_heads, f.case.head_k_dim))
+        worst = max((f.worst for f in members if not math.isnan(f.worst)), default=float("nan"))
+        how_bad = "" if math.isnan(worst) else f", worst {worst:.3g}x its limit"
+        text = f"{backend}, check {check}: {kind}: {cases} case{'s' if cases != 1 else ''}{how_bad}; the smallest:\n"
+        text += "\n".join("  " + line for line in smallest.message().splitlines())
+        blocks.append(("ERROR" if verdict == "error" else "FAIL", text))
+    return blocks
 
 
 def stale_known_issues(records: pd.DataFrame) -> pd.DataFrame:

@@ -305,3 +305,27 @@ def test_a_plugin_backend_whose_name_is_not_its_registered_name_is_one_line_and_
         registry.unregister("misnamed")
     out = capsys.readouterr().out
     assert "error: backend registered as 'misnamed' names itself 'something_else'" in out and "Traceback" not in out
+
+
+def test_run_says_each_finding_once_with_its_cases_and_prints_each_record_once(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """One planted bug failed 17 cases and printed 17 FAIL blocks; -v printed every record twice; an error
+    printed as FAIL. Now: one block per (backend, check, what went wrong), errors as ERROR."""
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    argv = ["run", "--device", "cpu", "--plugin", "kda_planted_bugs", "--plugin", "kda_planted_crashes"]
+    argv += ["--backend", "planted_nan_at_one_position", "--backend", "planted_raises", "--lengths", "37,64"]
+    monkeypatch.setenv("KDA_PLANTED_MESSAGE", "no kernel for this shape")
+    assert main([*argv, "-v", "--out", str(tmp_path), "--no-dashboard"]) == 1
+    out = capsys.readouterr().out
+    fails = [line for line in out.splitlines() if line.startswith(("FAIL ", "ERROR "))]
+    assert fails == [
+        "FAIL planted_nan_at_one_position, check budget: tensor o not finite: 9 cases, worst infx its limit; "
+        "the smallest:",
+        "ERROR planted_raises, check budget: RuntimeError: no kernel for this shape (at kda_planted_crashes.py:N): "
+        "9 cases; the smallest:",
+    ], fails
+    smallest = out.split(fails[0], 1)[1].splitlines()[1]
+    assert "(T37 " in smallest and "first bad: seq 0 token 33" in out
+    rows = [line for line in out.splitlines() if line.startswith("kda-") and "planted_nan_at_one_position" in line]
+    assert len(rows) == len(set(rows)) == 18, "each record once (9 cases x 2 tensors)"

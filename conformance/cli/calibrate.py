@@ -16,6 +16,7 @@ from kda_conformance.cli.exits import INTERRUPTED, verdict_exit
 from kda_conformance.cli.sweep import sweep
 from kda_conformance.running.session import Run
 from kda_reports.calibration import calibration_markdown, calibration_table
+from kda_reports.findings import grouped_failures
 from kda_reports.runfile import read_run
 
 NAME = "calibrate"
@@ -75,8 +76,8 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         seed=args.seed or 0,
     )
     result = sweep(Run(config), cases, console, args.verbose)
-    for message in result.failures:
-        say(console, f"{message}", "FAIL", "red")
+    for label, text in grouped_failures(result.failures):
+        say(console, text, label, "red")
     write_table(result.frame, [args.command_line], args.table, console)
     console.print(f"records: {result.paths['records']}")
     if result.interrupted:

@@ -33,7 +33,7 @@ from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
 from kda_kernels import registry
 from kda_reports.console import record_table, stale_lines
-from kda_reports.findings import stale_known_issues
+from kda_reports.findings import grouped_failures, stale_known_issues
 from kda_reports.precision import precision_lines
 
 NAME = "run"
@@ -99,7 +99,9 @@ def profile_cases(config: RunConfig, examples: int | None, console: Console, see
     return pinned + drawn
 
 
-def report(result: SweepResult, console: Console, allow_empty: bool = False, strict: bool = False) -> int:
+def report(
+    result: SweepResult, console: Console, allow_empty: bool = False, strict: bool = False, verbose: bool = False
+) -> int:
     """The summary of a finished sweep on the terminal; the exit code (cli/exits.py: 1 when a check failed,
     3 when nothing failed but something raised, crashed or hung, 5 when nothing ran, unless ``allow_empty``,
     130 when the sweep was stopped; under ``strict`` a warning or a retired known issue fails)."""
@@ -107,12 +109,14 @@ def report(result: SweepResult, console: Console, allow_empty: bool = False, str
     if result.interrupted:
         console.print(f"partial records: {paths['records']}")
         return INTERRUPTED
-    for line in record_table(frame.to_dict("records")):
-        console.print(line, highlight=False, markup=False, soft_wrap=True)
+    if not verbose:  # with -v every record was printed as it was measured
+        for line in record_table(frame.to_dict("records")):
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
     for row in frame[frame["verdict"] == "skip"].itertuples():
         say(console, f"{row.backend} {row.case_id} ({row.label}): {row.reason}", "skip", "yellow")
-    for message in result.failures:
-        say(console, f"{message}", "FAIL", "red")
+    # One block per finding (backend, check, what went wrong), not one per failing tensor of every case.
+    for label, text in grouped_failures(result.failures):
+        say(console, text, label, "red")
     if result.stopped:
         say(console, f"{result.stopped}", "stopped:", "red")
     counts = frame["verdict"].value_counts().to_dict()
@@ -163,7 +167,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     # A given --case runs exactly as given (a repro line); the grid and the profile's cases are moved into
     # each backend's envelope, so a narrow backend gets them too.
     result = sweep(run, cases, console, args.verbose, fit=not args.cases)
-    code = report(result, console, args.allow_empty, config.strict)
+    code = report(result, console, args.allow_empty, config.strict, args.verbose)
     if args.dashboard and code != INTERRUPTED:
         code = after_run(config.out, args.window, args.growth, console, code)
     return code

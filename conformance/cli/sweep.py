@@ -35,7 +35,7 @@ PROGRESS_EVERY_S = 30.0
 class SweepResult:
     frame: pd.DataFrame
     paths: dict[str, Path]
-    failures: list[str] = field(default_factory=list)  # one message per failed tensor or error
+    failures: list[Finding] = field(default_factory=list)  # every failed tensor and error
     interrupted: bool = False
     stopped: str = ""  # why the sweep stopped before its end (a sticky device error), if it did
 
@@ -101,7 +101,7 @@ def sweep(run: Run, cases: Sequence[Case], console: Console, verbose: bool = Fal
     or a time limit's SIGTERM (raised as KeyboardInterrupt) stops it and keeps what was measured, the run
     marked incomplete."""
     CLOCK.drain()  # the run's timing file holds this run's time only
-    failures: list[str] = []
+    failures: list[Finding] = []
     interrupted, stopped = False, ""
     calls = planned_calls(cases, run.config.backends, fit)
     total, done, started, said = len(calls), 0, time.monotonic(), time.monotonic()
@@ -122,7 +122,7 @@ def sweep(run: Run, cases: Sequence[Case], console: Console, verbose: bool = Fal
                     lines = [record_line(row) for row in rows]
                     for line in [RECORD_LINE_HEADER, *lines] if done == 0 else lines:
                         progress.console.print(line, highlight=False, markup=False, soft_wrap=True)
-                failures += [f.message() for f in findings if f.failed]
+                failures += [f for f in findings if f.failed]
                 done += 1
                 progress.update(task, advance=1, description=f"{findings[0].backend} {findings[0].case.label}")
                 # Off a terminal (a CI log, | tee) the bar is not drawn: a line every so often instead.
@@ -139,7 +139,7 @@ def sweep(run: Run, cases: Sequence[Case], console: Console, verbose: bool = Fal
         except DeviceLost as lost:
             # This process's device context is dead: record the case that killed it and stop, saying so.
             run.record(lost.findings)
-            failures += [f.message() for f in lost.findings if f.failed]
+            failures += [f for f in lost.findings if f.failed]
             stopped = f"{lost}\n  the rest of the sweep needs a fresh process: --isolate runs each case in one"
         finally:
             stream.close()  # an isolated worker ends with the sweep

@@ -35,7 +35,7 @@ from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.session import NOT_LAUNCHED, Run
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault
-from kda_reports.findings import FAILED, worst_ratio
+from kda_reports.findings import FAILED, message_kind, worst_ratio
 
 STATUSES = ("open", "new", "fixed", "not seen")
 # Not a kernel's finding: the suite's own failures and the machine's.
@@ -83,18 +83,9 @@ def _worst(rows: pd.DataFrame) -> str:
         worst = "non-finite values" if top == float("inf") else f"{top:.3g}x the limit"
     errors = rows[rows["verdict"] == "error"]
     if not errors.empty:
-        message = _message_kind(str(errors.iloc[0]["reason"]))
+        message = message_kind(str(errors.iloc[0]["reason"]))
         worst = f"{worst}; error: {message}" if worst else f"error: {message}"
     return worst or "-"
-
-
-def _message_kind(reason: str) -> str:
-    """What kind of failure a reason is, without its numbers, paths, backend and check: the key that groups
-    new findings (one abort met by two checks is one finding)."""
-    found = re.search(r"(CUDA|HIP) error: ([^\n;(]+)", reason)
-    text = found.group(0) if found else reason.splitlines()[0] if reason else ""
-    text = re.sub(r"during \S+'s call in check \S+", "during the backend's call", text)
-    return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", text).strip()[:100]
 
 
 def _quarantined(rows: pd.DataFrame) -> pd.Series:
@@ -213,7 +204,7 @@ def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> 
     # An error is one finding whatever check met it (a crash is the kernel's, not the check's), grouped by
     # the kind of its message; a failure past the limit is one per check.
     errors = fresh["verdict"] == "error"
-    kinds = fresh["reason"].fillna("").astype(str).map(_message_kind)
+    kinds = fresh["reason"].fillna("").astype(str).map(message_kind)
     fresh = fresh.assign(group=kinds.where(errors, fresh["check"].astype(str) + " past the limit"), raised=errors)
     taken = {row.id for row in rows}
     for (backend, group), part in fresh.groupby(["backend", "group"], sort=True):
