@@ -329,3 +329,22 @@ def test_run_says_each_finding_once_with_its_cases_and_prints_each_record_once(
     assert "(T37 " in smallest and "first bad: seq 0 token 33" in out
     rows = [line for line in out.splitlines() if line.startswith("kda-") and "planted_nan_at_one_position" in line]
     assert len(rows) == len(set(rows)) == 18, "each record once (9 cases x 2 tensors)"
+
+
+def test_run_writes_junit_xml_a_ci_reads_whatever_text_a_backend_raised(tmp_path: Path, monkeypatch) -> None:
+    import xml.etree.ElementTree as ET
+
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    monkeypatch.setenv("KDA_PLANTED_MESSAGE", "bad \x01 bytes \udcff from a file name")
+    argv = ["run", "--device", "cpu", "--plugin", "kda_planted_bugs", "--plugin", "kda_planted_crashes"]
+    argv += ["--backend", "planted_nan_at_one_position", "--backend", "planted_raises", "--backend", "torch_chunk"]
+    argv += ["--lengths", "37", "--dtypes", "bf16", "--out", str(tmp_path), "--no-dashboard"]
+    assert main([*argv, "--junit-xml", str(tmp_path / "junit.xml")]) == 1
+    suite = ET.parse(tmp_path / "junit.xml").getroot()
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("9", "3", "3")
+    failed = next(c for c in suite if c.find("failure") is not None)
+    assert failed.get("classname") == "kda.planted_nan_at_one_position.budget"
+    properties = {p.get("name"): p.get("value") for p in failed.find("properties")}
+    assert properties["worst_ratio"] == "inf" and properties["repro"].startswith("kda-conformance run")
+    erred = next(c for c in suite if c.find("error") is not None)
+    assert "bad ? bytes \\udcff from a file name" in erred.find("error").get("message")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rich.console import Console
 
@@ -34,6 +35,7 @@ from kda_conformance.running.stages import CLOCK
 from kda_kernels import registry
 from kda_reports.console import record_table, stale_lines
 from kda_reports.findings import grouped_failures, stale_known_issues
+from kda_reports.junit import write_junit
 from kda_reports.precision import precision_lines
 
 NAME = "run"
@@ -57,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="rebuild OUT/dashboard.html from every run under OUT afterwards (default: on)",
     )
+    parser.add_argument(
+        "--junit-xml", type=Path, default=None, metavar="FILE",
+        help="also write the run as JUnit XML (one test case per case, backend and check) for a CI's test report",
+    )  # fmt: skip
     parser.add_argument(
         "--allow-empty",
         action="store_true",
@@ -168,6 +174,8 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     # each backend's envelope, so a narrow backend gets them too.
     result = sweep(run, cases, console, args.verbose, fit=not args.cases)
     code = report(result, console, args.allow_empty, config.strict, args.verbose)
+    if args.junit_xml is not None and not result.frame.empty:
+        console.print(f"JUnit XML: {write_junit(result.frame, args.junit_xml)}", highlight=False)
     if args.dashboard and code != INTERRUPTED:
         code = after_run(config.out, args.window, args.growth, console, code)
     return code
