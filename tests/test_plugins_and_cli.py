@@ -348,3 +348,20 @@ def test_run_writes_junit_xml_a_ci_reads_whatever_text_a_backend_raised(tmp_path
     assert properties["worst_ratio"] == "inf" and properties["repro"].startswith("kda-conformance run")
     erred = next(c for c in suite if c.find("error") is not None)
     assert "bad ? bytes \\udcff from a file name" in erred.find("error").get("message")
+
+
+def test_a_long_sweep_says_how_long_it_expects_before_it_starts_and_what_is_left(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """--lengths 1000000 worked for 3 minutes without a word: past ANNOUNCE_WORK a sweep first probes the
+    largest case's shape and says how long it expects; its progress lines say what is left."""
+    from kda_conformance.cli import sweep
+
+    monkeypatch.setattr(sweep, "ANNOUNCE_WORK", 2**16)
+    monkeypatch.setattr(sweep, "PROBE_WORK", (2**20, 2**21))
+    argv = ["run", "--device", "cpu", "--backend", "torch_chunk", "--lengths", "300", "--dtypes", "bf16"]
+    assert main([*argv, "--out", str(tmp_path), "--no-dashboard"]) == 0
+    out = capsys.readouterr().out
+    planned = next(line for line in out.splitlines() if line.startswith("planned: "))
+    assert "3 case x backend runs, 1217 tokens in all, the largest T300+0+300+17" in planned and "about " in planned
+    assert "progress: 3 of 3 case x backend runs, 0 failures" in out and "s left" in out
