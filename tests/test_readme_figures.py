@@ -1,0 +1,69 @@
+"""The README's figures stay true: the counts it gives are the code's, and the default sweep's errors on this
+CPU are what it says (recomputed in the interpreter tier, where FLA's kernels run)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from kda_cases.sentinels import load_sentinels
+from kda_conformance.cli import main
+from kda_conformance.running.config import build_config
+
+ROOT = Path(__file__).resolve().parent.parent
+README = " ".join((ROOT / "README.md").read_text().split())  # line breaks as spaces
+
+
+def test_the_counts_the_readme_gives_are_the_codes(planted_zoo: dict) -> None:
+    assert f" {len(load_sentinels())} sentinels (" in README
+    assert f" {len(planted_zoo)} planted-bug backends (" in README
+    committed = sorted((ROOT / "findings").glob("test_*.py"))
+    assert f"holds the {len(committed)} standalone tests" in README
+    header = (ROOT / "docs" / "findings.md").read_text()
+    statuses = re.search(r"\((\d+) open, (\d+) new, \d+ fixed, (\d+) not seen\)", header)
+    assert statuses, "docs/findings.md names its statuses in its header"
+    opened, new, unseen = statuses.groups()
+    assert f"({opened} open, {new} new, {unseen} not seen;" in README
+    cases = build_config(device="cpu").grid.cases()
+    lengths = [case.seq_lens[0] for case in cases if not case.packed]  # the grid's; one packed batch beside
+    records = len(cases) * 2 * 2  # the default backends (fla_chunk, fla_recurrent) x (o, final state)
+    assert f"(17 cases, T = {min(lengths)} to {max(lengths)}, {records} records)" in README
+    assert len(cases) == 17
+
+
+@pytest.mark.interpreter
+def test_the_default_sweeps_errors_on_this_cpu_are_the_readmes(tmp_path: Path) -> None:
+    assert main(["run", "--device", "cpu", "--out", str(tmp_path), "--no-dashboard"]) == 0
+    records = pd.read_parquet(next((tmp_path / "runs").glob("*.parquet")))
+    records["worst"] = records[["ratio", "rel_rms_ratio"]].max(axis=1)
+    assert len(records) == 68 and set(records["verdict"]) == {"pass"}
+
+    def part(backend: str, dtype: str, tensor: str | None = None) -> pd.DataFrame:
+        chosen = records[(records["backend"] == backend) & (records["case_dtype"] == dtype)]
+        return chosen if tensor is None else chosen[chosen["tensor"] == tensor]
+
+    def span(backend: str, dtype: str, tensor: str) -> str:
+        values = part(backend, dtype, tensor)["max_abs"]
+        return f"{values.min():.1e} to {values.max():.1e}"
+
+    def most(backend: str, dtype: str, tensor: str) -> str:
+        return f"at most {part(backend, dtype, tensor)['max_abs'].max():.1e}"
+
+    def worst(backend: str, dtype: str) -> str:
+        return f"{part(backend, dtype)['worst'].max():.2g}"
+
+    expected = [
+        f"`fla_chunk` bf16 output max-abs {span('fla_chunk', 'bf16', 'o')}, state "
+        f"{span('fla_chunk', 'bf16', 'final_state')} (worst ratio to its limit {worst('fla_chunk', 'bf16')})",
+        f"fp32 output {span('fla_chunk', 'fp32', 'o')}, state {span('fla_chunk', 'fp32', 'final_state')} "
+        f"(worst {worst('fla_chunk', 'fp32')})",
+        f"`fla_recurrent` bf16 output {span('fla_recurrent', 'bf16', 'o')} (worst {worst('fla_recurrent', 'bf16')}), "
+        f"state {most('fla_recurrent', 'bf16', 'final_state')}",
+        f"fp32 output {most('fla_recurrent', 'fp32', 'o')}, state {most('fla_recurrent', 'fp32', 'final_state')} "
+        f"(worst {worst('fla_recurrent', 'fp32')})",
+    ]
+    for figure in expected:
+        assert figure in README, figure
