@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import plotly.colors
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
@@ -98,6 +99,8 @@ class Plots:
 
 
 PLOTLY_JS = "plotly.min.js"  # the name Plotly's include_plotlyjs="directory" loads
+PALETTE = plotly.colors.qualitative.D3
+FAIL_COLOUR = "#b00020"
 
 
 def _ceiling(values: pd.Series) -> float:
@@ -113,7 +116,7 @@ def _non_finite_trace(x: list, y: float, text: list[str], name: str) -> go.Scatt
         mode="markers",
         name=name,
         text=text,
-        marker=dict(symbol="x", size=11, color="#b00020"),
+        marker=dict(symbol="x", size=11, color=FAIL_COLOUR),
     )
 
 
@@ -138,23 +141,34 @@ def error_vs_length(records: pd.DataFrame) -> go.Figure:
         text = list((bad["backend"] + " " + bad["tensor"] + " " + bad["label"].astype(str)).map(html.escape))
         figure.add_trace(_non_finite_trace(list(bad["length"]), ceiling, text, f"non-finite (drawn at {ceiling:.3g})"))
         measured = measured[~non_finite]
-    for (backend, tensor), part in measured.groupby(["backend", "tensor"]):
+    for index, ((backend, tensor), part) in enumerate(measured.groupby(["backend", "tensor"])):
         part = part.sort_values("length")
+        colour = PALETTE[index % len(PALETTE)]  # a series and its limits in one colour
         label = html.escape(f"{backend} {tensor}")  # the page's text: a tag or a label is never markup
         text = (part["case_id"].astype(str) + " " + part["label"].astype(str)).map(html.escape)
-        figure.add_trace(go.Scatter(x=part["length"], y=part["max_abs"], mode="markers", name=label, text=text))
         figure.add_trace(
             go.Scatter(
-                x=part["length"],
-                y=part["budget"],
-                mode="markers",
-                name=f"{label} limit",
-                text=text,
-                marker=dict(symbol="line-ew-open", size=12),
+                x=part["length"], y=part["max_abs"], mode="markers", name=label, text=text, legendgroup=label,
+                marker=dict(color=colour),
             )
-        )
+        )  # fmt: skip
+        figure.add_trace(
+            go.Scatter(
+                x=part["length"], y=part["budget"], mode="markers", name=f"{label} limit", text=text,
+                legendgroup=label, showlegend=False, marker=dict(symbol="line-ew-open", size=12, color=colour),
+            )
+        )  # fmt: skip
+    failing = measured[measured["verdict"] == "fail"]
+    if len(failing):  # ringed in red over their series' points: a failure is seen without reading the legend
+        text = (failing["backend"] + " " + failing["tensor"] + " " + failing["label"].astype(str)).map(html.escape)
+        figure.add_trace(
+            go.Scatter(
+                x=failing["length"], y=failing["max_abs"], mode="markers", name="over its limit", text=list(text),
+                marker=dict(symbol="circle-open", size=15, color=FAIL_COLOUR, line=dict(width=2)),
+            )
+        )  # fmt: skip
     figure.update_xaxes(type="log", title="longest sequence (tokens)")
-    figure.update_yaxes(type="log", title="max-abs error (limit: dashes)")
+    figure.update_yaxes(type="log", title="max-abs error (its limit: a dash of its colour)")
     figure.update_layout(title="Error against length (the budget check), last run")
     return figure
 
@@ -179,7 +193,7 @@ def trends(groups: pd.DataFrame, runs: pd.DataFrame) -> go.Figure:
         nights_bad = [nights[r] for r in bad["run_id"]]
         figure.add_trace(_non_finite_trace(nights_bad, ceiling, text, f"error or non-finite (drawn at {ceiling:.3g})"))
     if figure.data:
-        figure.add_hline(y=1.0, line_dash="dash", line_color="#b00020", annotation_text="limit")
+        figure.add_hline(y=1.0, line_dash="dash", line_color=FAIL_COLOUR, annotation_text="limit")
     figure.update_yaxes(type="log", title="worst error / limit")
     figure.update_xaxes(title="night", type="category", categoryorder="array", categoryarray=list(nights.values()))
     figure.update_layout(title="Trends per case family (backend, check, family, tensor)")
@@ -240,9 +254,9 @@ def night_walls(nights: pd.DataFrame, runs: pd.DataFrame) -> go.Figure:
     return figure
 
 
-def coverage_by_backend(records: pd.DataFrame) -> pd.DataFrame:
+def coverage_by_backend(records: pd.DataFrame, night: bool = True) -> pd.DataFrame:
     """The required axis values per backend (reports/reach.py): how many it reached, how many lie outside its
-    envelope, and the ones the night missed, named."""
+    envelope, and the ones the night missed, named (for a run that is not a night: the ones not drawn)."""
     table = backend_coverage(records)
     rows = []
     for backend, part in table.groupby("backend"):
@@ -256,7 +270,9 @@ def coverage_by_backend(records: pd.DataFrame) -> pd.DataFrame:
                     f"{a} {v}"
                     for a, v in part[part["status"] == "not supported"][["axis", "value"]].itertuples(index=False)
                 ),
-                "NOT REACHED": ", ".join(f"{a} {v}" for a, v in missed[["axis", "value"]].itertuples(index=False)),
+                "NOT REACHED" if night else "not drawn": ", ".join(
+                    f"{a} {v}" for a, v in missed[["axis", "value"]].itertuples(index=False)
+                ),
             }
         )
     return pd.DataFrame(rows)
@@ -283,7 +299,7 @@ def sentinel_trends(records: pd.DataFrame, runs: pd.DataFrame) -> go.Figure:
             )
         )
     if figure.data:
-        figure.add_hline(y=1.0, line_dash="dash", line_color="#b00020", annotation_text="limit")
+        figure.add_hline(y=1.0, line_dash="dash", line_color=FAIL_COLOUR, annotation_text="limit")
         figure.add_hline(y=ceiling, line_dash="dot", line_color="#999", annotation_text="error or non-finite")
     figure.update_yaxes(type="log", title="worst error / limit")
     figure.update_xaxes(title="night", type="category", categoryorder="array", categoryarray=list(nights.values()))
@@ -345,6 +361,8 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
         last = records[records["run_id"] == last_id]
         compared = complete if not complete.empty else runs[runs["run_id"] == last_id]  # the trends' runs
         which = "last complete run" if not complete.empty else "newest run (not complete)"
+        # A night is a run `kda-conformance nightly` made (it writes a night file); a quick `run` is a run.
+        night = not _of_run(store.nights, last_id).empty
         history = records[records["run_id"].isin(compared["run_id"])]
         if complete.empty:
             green, status = False, f"No run in the store has finished yet: below, the newest ({last_id}), not compared."
@@ -397,13 +415,15 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
                 error_vs_length(last), "error-vs-length", "No budget-check record with a measured error in this run."
             ),
             "<h2>Trends</h2>",
-            plots.html(trends(nightly_groups(history), compared), "trends", "No measured record to trend."),
+            plots.html(trends(nightly_groups(history), compared), "trends", "No measured record to trend.")
+            if len(compared) > 1
+            else "<p class='note' id='trends'>One run: a trend needs two or more.</p>",
             "<h2>Sentinel trends</h2>",
             "<p class='note'>The sentinels (cases/sentinels.json) run with the same inputs every night: each "
             f"line is one sentinel on one backend; growth past {SENTINEL_GROWTH:g} times its median is flagged "
             "above, within the budget or not.</p>",
             plots.html(
-                sentinel_trends(history, compared),
+                sentinel_trends(history, compared) if len(compared) > 1 else go.Figure(),
                 "sentinel-trends",
                 "No sentinel ran in these runs: the sentinels run in the nightly and long profiles "
                 "(kda-conformance nightly), not in the ci or smoke profile nor the first sweep.",
@@ -414,7 +434,7 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
             "<p class='note'>Beyond pass and fail: batch invariance, padded tails, metadata patterns, "
             "determinism, known issues (cases per backend, check and observation).</p>",
             _table(observations(last), "observations"),
-            f"<h2>The night's time, {which}</h2>",
+            f"<h2>The {'night' if night else 'run'}'s time, {which}</h2>",
             "<p class='note'>Per backend: the night's wall time (its parts summed), the compile stage's seconds "
             "(kda-conformance nightly compiles every kernel configuration up front), seconds in the backend's "
             "calls, cases run and skipped, and kernel configurations quarantined after a crash (their later "
@@ -441,8 +461,15 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
             "backend that supports it: gate forms, dtypes, state dtypes and layouts, default and explicit scale, "
             "head dims, head counts, batches with an initial state, packed zero-length members, chunk and "
             "segment edges, checkpoints on and off chunk boundaries, 128K tokens in each dtype. A value whose "
-            "cases a backend only skipped is outside its envelope; NOT REACHED is a hole in the night.</p>",
-            _table(coverage_by_backend(last), "coverage-by-backend"),
+            "cases a backend only skipped is outside its envelope; NOT REACHED is a hole in the night."
+            + (
+                ""
+                if night
+                else " This run is not a night (kda-conformance nightly): the values it did not "
+                "draw are listed as not drawn, not as holes."
+            )
+            + "</p>",
+            _table(coverage_by_backend(last, night), "coverage-by-backend"),
             f"<h2>Axis coverage, {which}</h2>",
             "<p class='note'>Distinct cases per value of each axis (cases/coverage.py): the values a run "
             "did not reach are where its bugs could hide.</p>",

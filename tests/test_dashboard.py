@@ -371,3 +371,24 @@ def test_a_sentinel_flags_an_error_grown_within_budget(tmp_path: Path, monkeypat
     assert (grown["tonight"] / grown["before"]).between(SENTINEL_GROWTH, 1.5).all()
     assert main(["dashboard", "--store", str(tmp_path)]) == 0
     assert "Sentinels: the same inputs every night" in (tmp_path / "dashboard.html").read_text()
+
+
+def test_a_quick_run_is_shown_as_a_run_with_its_failures_ringed_in_its_series_colours(
+    one_run: pd.DataFrame, tmp_path: Path
+) -> None:
+    """One CPU run read as a night: a one-point trend, "The night's time", NOT REACHED 12/40. Now a run is a run
+    (a night is what kda-conformance nightly wrote), one run draws no trend, and a failing point is ringed."""
+    from kda_reports.dashboard import PALETTE, error_vs_length
+
+    frame = one_run.copy()
+    frame.loc[frame.index[0], ["verdict", "max_abs"]] = ["fail", frame["budget"].iloc[0] * 3]
+    write_run(frame, {"run_id": frame["run_id"].iloc[0]}, tmp_path, frame["run_id"].iloc[0])
+    page, _ = build_dashboard(load_store(tmp_path), tmp_path / "dashboard.html")
+    text = page.read_text()
+    assert "One run: a trend needs two or more." in text and "The run's time" in text
+    assert "not drawn" in text and "NOT REACHED</th>" not in text and "The night's time" not in text
+    figure = error_vs_length(frame)
+    series = [t for t in figure.data if not t.name.endswith("over its limit")]
+    assert series[0].marker.color == series[1].marker.color == PALETTE[0], "a series and its limits: one colour"
+    ringed = next(t for t in figure.data if t.name == "over its limit")
+    assert len(ringed.x) == 1 and ringed.marker.symbol == "circle-open"
