@@ -341,11 +341,37 @@ def status_line(last: pd.DataFrame, run: pd.Series, regressions: pd.DataFrame) -
     return text, green
 
 
+def repro_runs(records: pd.DataFrame) -> set[str]:
+    """The runs of given cases (``run --case``: a repro line pasted), as their command lines say."""
+    if records.empty or "env_command" not in records:
+        return set()
+    commands = records.groupby("run_id")["env_command"].first().fillna("").astype(str)
+    return set(commands[commands.str.contains(" --case ", regex=False)].index)
+
+
+def _repro_line(newest: pd.DataFrame, records: pd.DataFrame) -> str:
+    if newest.empty:
+        return ""
+    run_id = newest["run_id"].iloc[0]
+    counts = records[records["run_id"] == run_id]["verdict"].value_counts()
+    verdicts = ", ".join(f"{counts[v]} {v}" for v in VERDICTS if counts.get(v, 0))
+    return (
+        f"<p class='note' id='repro'>Newest repro run (given cases, kept apart from the sweeps): "
+        f"<code>{html.escape(str(run_id))}</code>: {html.escape(verdicts)}.</p>"
+    )
+
+
 def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.5) -> tuple[Path, pd.DataFrame]:
     """Write the dashboard for ``store`` to ``out``; returns the path and the regression table (the last
     complete run against the complete runs before it: runs in progress or cut short are shown, labelled,
     and compared with nothing)."""
     records, runs, complete = store.records, store.runs, store.complete_runs
+    # A pasted repro line (run --case ...) is a run of its own kind: the headline, the tables and the trends
+    # follow the sweeps, and the newest repro is said apart (one repro made the page read "Red: 1 pass,
+    # 1 fail" and hid the sweep).
+    repros = repro_runs(records)
+    if not complete[~complete["run_id"].isin(repros)].empty:
+        complete = complete[~complete["run_id"].isin(repros)]
     parts = [
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
         "<meta name='viewport' content='width=device-width, initial-scale=1'>",
@@ -369,6 +395,7 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
         else:
             regressions = find_regressions(history, complete, window, growth)
             status, green = status_line(last, complete.iloc[-1], regressions)
+        newest_repro = runs[runs["run_id"].isin(repros) & (runs["run_id"] != last_id)].tail(1)
         unfinished = runs[runs["status"] != COMPLETE]
         after = unfinished[unfinished.index > runs.index[runs["run_id"] == last_id][0]]
         newer = "; ".join(
@@ -389,6 +416,7 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
         parts += [
             f"<p id='status' class='{'pass' if green else 'fail'}'>{html.escape(status)}</p>",
             f"<p class='note'>Newer runs, not compared: {html.escape(newer)}</p>" if newer else "",
+            _repro_line(newest_repro, records),
             "<h2>Overview</h2>",
             f"<p>{len(runs)} runs ({len(complete)} complete); {which} <code>{html.escape(last_id)}</code>.</p>",
             _table(runs, "runs"),

@@ -392,3 +392,15 @@ def test_a_quick_run_is_shown_as_a_run_with_its_failures_ringed_in_its_series_co
     assert series[0].marker.color == series[1].marker.color == PALETTE[0], "a series and its limits: one colour"
     ringed = next(t for t in figure.data if t.name == "over its limit")
     assert len(ringed.x) == 1 and ringed.marker.symbol == "circle-open"
+
+
+def test_a_pasted_repro_line_does_not_become_the_headline(tmp_path: Path) -> None:
+    """A repro line pasted into the sweep's store made the headline "Red: 1 pass, 1 fail" and hid the sweep."""
+    sweep = ["run", "--device", "cpu", "--backend", "torch_chunk", "--lengths", "37", "--dtypes", "bf16"]
+    assert main([*sweep, "--out", str(tmp_path), "--no-dashboard"]) == 0
+    case = '{"seq_lens": [9], "num_heads": 1, "num_v_heads": 1, "head_k_dim": 16, "head_v_dim": 16}'
+    assert main(["run", "--device", "cpu", "--backend", "torch_chunk", "--case", case, "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "dashboard.html").read_text()
+    status = re.search(r"<p id='status' class='(\w+)'>(.*?)</p>", text)
+    assert status and "6 pass" in status.group(2), status
+    assert "Newest repro run (given cases, kept apart from the sweeps)" in text and "2 pass" in text
