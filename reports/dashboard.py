@@ -87,7 +87,15 @@ class Plots:
     def html(self, figure: go.Figure, div_id: str, empty: str) -> str:
         if not figure.data:
             return f'<p class="note" id="{div_id}">{html.escape(empty)}</p>'
-        figure.update_layout(margin=dict(l=50, r=10, t=40, b=40), height=420, legend=dict(font=dict(size=10)))
+        # Readable at 420 px too: the legend below the plot (at the side it took half a phone's width), the
+        # toolbar down the side (across the top it covered the title), run labels slanted (level, they ran
+        # into each other).
+        figure.update_layout(
+            margin=dict(l=50, r=30, t=50, b=40), height=480, title=dict(x=0, xanchor="left", font=dict(size=14)),
+            legend=dict(font=dict(size=10), orientation="h", yanchor="top", y=-0.25, x=0),
+            modebar=dict(orientation="v"),
+        )  # fmt: skip
+        figure.update_xaxes(automargin=True, tickangle=-30)
         self.drawn += 1
         return figure.to_html(
             full_html=False,
