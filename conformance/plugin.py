@@ -9,7 +9,8 @@ import os
 import shlex
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NoReturn
 
 import pytest
@@ -81,7 +82,7 @@ def _run_config(config: pytest.Config):
             strict=option("--kda-strict"),
             batch_invariant=option("--kda-batch-invariant"),
             reference_form=option("--kda-reference-form"),
-            command="pytest " + " ".join(shlex.quote(a) for a in config.invocation_params.args),
+            command="pytest " + " ".join(shlex.quote(a) for a in _recorded_args(config.invocation_params.args)),
             run_id=run_id,
             shard=option("--kda-shard"),
             case_timeout=option("--kda-case-timeout"),
@@ -90,6 +91,31 @@ def _run_config(config: pytest.Config):
         raise pytest.UsageError(exc.shown_as("kda-")) from None
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
+
+
+# The checkout the suite runs from: its test files' paths are recorded relative to it.
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+def _recorded_args(args: Sequence[str]) -> list[str]:
+    """pytest's arguments as a run records them: the same on every machine (the suite's test files relative
+    to its checkout, as `kda-conformance nightly` passes them absolute), the output folder left out (where a
+    run was written is not part of what it ran)."""
+    recorded, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        if arg == "--kda-out":
+            skip = True
+            continue
+        if arg.startswith("--kda-out="):
+            continue
+        path = Path(arg.split("::", 1)[0])
+        if path.is_absolute() and path.is_relative_to(CHECKOUT):
+            arg = str(Path(arg).relative_to(CHECKOUT)) if "::" not in arg else arg.replace(f"{CHECKOUT}/", "", 1)
+        recorded.append(arg)
+    return recorded
 
 
 def pytest_configure(config: pytest.Config) -> None:

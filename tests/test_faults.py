@@ -311,6 +311,13 @@ def test_shards_split_the_tests_and_the_store_merges_them_into_one_run(tmp_path:
         assert done.returncode in (0, 5), done.stdout[-2000:]
     store = load_store(tmp_path)
     assert list(store.runs["run_id"]) == ["night-1"] and store.records["case_id"].nunique() == 9
+    # What a run records of its command is the same on every machine: no output folder, no checkout path.
+    assert set(store.records["env_command"]) == {
+        "pytest -q -p no:randomly --kda-device cpu conformance/test_first_sweep.py --kda-backend torch_chunk "
+        f"--kda-lengths 37,40 --kda-run-id night-1 "
+        f"--kda-shard {shard}"
+        for shard in ("1/2", "2/2")
+    }
     # One backend, heavier than half the night: its tests are split over both shards.
     assert set(store.records["env_shard"]) == {"1/2", "2/2"}
     tests = [json.loads((tmp_path / "runs" / f"night-1.s{i}of2.timing.json").read_text())["tests"] for i in (1, 2)]
