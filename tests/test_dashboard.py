@@ -232,6 +232,7 @@ def test_nightly_command_adds_a_run_and_rebuilds_the_dashboard(tmp_path: Path) -
     assert main([*argv, "--backend", "torch_chunk", "--device", "cpu", "--workers", "2"]) == 0
     store = load_store(tmp_path)
     assert len(store.runs) == 2 and (tmp_path / "dashboard.html").stat().st_size > 20_000
+    assert not store.problems, store.problems  # --workers 2 is a number in the night file, read as one
     assert len(store.nights) == 2 and (store.nights["compile_seconds"] > 0).all()
     for night_file in (tmp_path / "runs").glob("*.night.json"):
         night = json.loads(night_file.read_text())

@@ -174,7 +174,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     night = {
         "part": config.part or "",
         "wall_seconds": round(time.monotonic() - started, 3),
-        "workers": workers,
+        "workers": int(workers) if str(workers).isdigit() else workers,
         "memory_plan": plan.line() if plan is not None else "",
         "kernel_configs": len(config.kernel_configs(planned)),
         "compile": compiled,
