@@ -167,8 +167,22 @@ def test_a_plugin_imports_everything_it_needs_from_one_module() -> None:
 
 def test_backends_lists_every_backend_as_json_with_its_library_version_and_why_not(capsys) -> None:
     """A kernel engineer's first question: which backends are there, which run here and why not."""
-    assert main(["backends", "--device", "cpu", "--json"]) == 0
+    from kda_kernels.protocol import Support
+    from kda_kernels.torch_chunk import TorchChunk
+
+    class Raises(TorchChunk):
+        name = "raises_when_asked"
+
+        def availability(self, device) -> Support:
+            raise RuntimeError("asked")
+
+    registry.register("raises_when_asked", Raises)
+    try:
+        assert main(["backends", "--device", "cpu", "--json"]) == 0
+    finally:
+        registry.unregister("raises_when_asked")
     listed = {entry["name"]: entry for entry in json.loads(capsys.readouterr().out)}
+    assert "raised instead of answering" in listed["raises_when_asked"]["error"], "an entry, and the JSON whole"
     assert {"torch_chunk", "fla_chunk", "flashkda_cuda", "aiter_flashkda"} <= set(listed)
     assert listed["torch_chunk"]["runs_here"] and listed["torch_chunk"]["takes"] == "every case"
     assert listed["fla_chunk"]["libraries"] == {"fla-core": "0.6.0"}

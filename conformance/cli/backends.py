@@ -91,12 +91,15 @@ def execute(args: argparse.Namespace, console: Console) -> int:
             available = guard.availability(backend, device)
             envelope = guard.envelope(backend)
         except BackendFault as fault:
-            say(console, f"{name}: raised instead of answering: {fault.reason}", "error:", "red")
+            listed.append({"name": name, "runs_here": False, "error": f"raised instead of answering: {fault.reason}"})
             continue
         listed.append(_entry(backend, available, envelope))
-    if args.json:
+    if args.json:  # the whole answer is the JSON on stdout: a backend that raised is an entry with its error
         print(json.dumps(listed, indent=1))
         return PASSED
+    for entry in [e for e in listed if "error" in e]:
+        say(console, f"{entry['name']}: {entry['error']}", "error:", "red")
+    listed = [e for e in listed if "error" not in e]
     for entry in listed:
         libraries = "; ".join(f"{lib} {version}" for lib, version in entry["libraries"].items()) or "-"
         here = "runs here" if entry["runs_here"] else f"not here: {entry['why_not']}"
