@@ -283,7 +283,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         ours = set(plan.shards[index - 1])
         config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in ours])
         items[:] = [item for item in items if item.nodeid in ours]
-        config.stash[SHARD_LINE] = plan.line(index, run.config.shard_costs())
+        config.stash[SHARD_LINE] = plan.line(index)
     # Conformance tests run on the chosen device: mark them so `-m cpu` / `-m cuda` select them; a backend's
     # own markers (AITER on a gfx950: `gfx950`) go on its tests.
     marker = "cpu" if device.type == "cpu" else ("rocm" if torch.version.hip else "cuda")

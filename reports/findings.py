@@ -30,6 +30,8 @@ SUITE_BACKEND = "(suite)"
 VERDICTS = ("pass", "fail", "skip", "error", "resource", "warn", "known")
 # What a run counts as the backend's failure.
 FAILED = ("fail", "error")
+# The verdicts worst first: a group of records (a check's tensors and variants) is as bad as its worst.
+WORST_FIRST = ("error", "fail", "warn", "known", "resource", "skip", "pass")
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,20 @@ def ratio(value: float, limit: float) -> float:
     if limit > 0:
         return value / limit
     return 0.0 if value == 0 else math.inf
+
+
+def worst_first_rank(verdicts: pd.Series) -> pd.Series:
+    """Each verdict's place in WORST_FIRST (unknown ones last): sort by it, and the first row is the worst."""
+    return verdicts.map({v: i for i, v in enumerate(WORST_FIRST)}).fillna(len(WORST_FIRST))
+
+
+def worst_ratios(records: pd.DataFrame) -> pd.Series:
+    """Each record's error/limit, the larger of its max-abs and rel-RMS ratios (NaN where none was measured)."""
+    numbers = [
+        pd.to_numeric(records[c], errors="coerce") if c in records else pd.Series(float("nan"), records.index)
+        for c in ("ratio", "rel_rms_ratio")
+    ]
+    return worst_ratio(*numbers)
 
 
 def message_kind(reason: str) -> str:

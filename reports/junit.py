@@ -12,13 +12,10 @@ from pathlib import Path
 import pandas as pd
 
 from kda_cases.files import atomic_write_text
-from kda_reports.findings import worst_ratio
+from kda_reports.findings import worst_first_rank, worst_ratios
 
 # Characters XML 1.0 cannot hold (control characters; a lone surrogate is escaped before this).
 NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
-
-# The worst first: a test case is as bad as its worst record (a check's tensors and variants).
-ORDER = ("error", "fail", "warn", "known", "resource", "skip", "pass")
 
 
 def junit_xml(records: pd.DataFrame, suite: str = "kda-conformance") -> str:
@@ -26,8 +23,7 @@ def junit_xml(records: pd.DataFrame, suite: str = "kda-conformance") -> str:
     cases = []
     keys = ["case_id", "backend", "check"]
     for (case_id, backend, check), part in records.groupby(keys, sort=False):
-        part = part.assign(rank=part["verdict"].map({v: i for i, v in enumerate(ORDER)}).fillna(len(ORDER)))
-        worst_row = part.sort_values("rank").iloc[0]
+        worst_row = part.assign(rank=worst_first_rank(part["verdict"])).sort_values("rank").iloc[0]
         cases.append((case_id, backend, check, part, worst_row))
     root = ET.Element("testsuite", name=suite, tests=str(len(cases)))
     counts = {"failures": 0, "errors": 0, "skipped": 0}
@@ -39,9 +35,7 @@ def junit_xml(records: pd.DataFrame, suite: str = "kda-conformance") -> str:
             time=f"{float(seconds):.3f}",
         )  # fmt: skip
         properties = ET.SubElement(element, "properties")
-        worst = worst_ratio(
-            pd.to_numeric(part.get("ratio"), errors="coerce"), pd.to_numeric(part.get("rel_rms_ratio"), errors="coerce")
-        ).max()
+        worst = worst_ratios(part).max()
         for name, value in (("backend", backend), ("check", check), ("case_id", case_id),
                             ("worst_ratio", "" if math.isnan(worst) else f"{worst:.4g}"),
                             ("repro", str(row.get("repro", "") or ""))):  # fmt: skip

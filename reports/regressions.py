@@ -19,7 +19,7 @@ import math
 import pandas as pd
 
 from kda_cases.sentinels import SENTINEL_GROWTH, sentinel_ids
-from kda_reports.findings import FAILED, worst_ratio
+from kda_reports.findings import FAILED, worst_ratios
 
 ENV_KEYS = {
     "env_torch": "torch",
@@ -44,8 +44,7 @@ def longest(records: pd.DataFrame) -> pd.Series:
 
 def record_worst(records: pd.DataFrame) -> pd.Series:
     """Each record's error/limit: the larger of the max-abs and rel-RMS ratios; inf where the backend erred."""
-    ratio = worst_ratio(records["ratio"].astype(float), records["rel_rms_ratio"].astype(float))
-    return ratio.where(records["verdict"] != "error", math.inf)
+    return worst_ratios(records).where(records["verdict"] != "error", math.inf)
 
 
 def family(records: pd.DataFrame) -> pd.Series:

@@ -148,10 +148,7 @@ def _nights(runs_dir: Path, problems: list[str]) -> tuple[pd.DataFrame, pd.DataF
                 "run_id": run_id_of(path),
                 "part": _field(night, "part", str, "", path, problems),
                 "wall_seconds": wall,
-                # A number, or "auto" (pytest-xdist's own count); nights before 2026-12-04 wrote --workers N as text.
-                "workers": night.get("workers")
-                if night.get("workers") == "auto"
-                else _field(_digits(night, "workers"), "workers", int, None, path, problems),
+                "workers": _workers(night, path, problems),
                 "compile_seconds": number(compiled.get("seconds")) or 0.0,
                 "compile_wall_seconds": number(compiled.get("wall_seconds")) or 0.0,
                 "compile_by_backend": {str(k): v for k, v in by_backend.items() if number(v) is not None},
@@ -169,9 +166,15 @@ def _nights(runs_dir: Path, problems: list[str]) -> tuple[pd.DataFrame, pd.DataF
     return pd.DataFrame(nights), pd.DataFrame(quarantined)
 
 
-def _digits(data: dict, name: str) -> dict:
-    value = data.get(name)
-    return {**data, name: int(value)} if isinstance(value, str) and value.isdigit() else data
+def _workers(night: dict, path: Path, problems: list[str]) -> int | str | None:
+    """A night's workers: a number, or "auto" (pytest-xdist's own count); nights before 2026-12-04 wrote
+    --workers N as text."""
+    value = night.get("workers")
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return _field(night, "workers", int, None, path, problems)
 
 
 def _field(data: dict, name: str, kind: type, default: object, path: Path, problems: list[str]) -> object:

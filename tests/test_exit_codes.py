@@ -15,6 +15,14 @@ PLUGINS = Path(__file__).with_name("plugins")
 CASE = '{"seq_lens": [9], "num_heads": 1, "num_v_heads": 1, "head_k_dim": 16, "head_v_dim": 16}'
 
 
+def ledger_of(monkeypatch: pytest.MonkeyPatch, **fields: object) -> None:
+    """The ledger, for one test, of one entry with these fields (the others a test needs not say)."""
+    from kda_conformance.judging import known
+
+    entry = known.KnownIssue(**{"upstream": "nowhere", "added": "2026-12-01", "confirmed": "by hand", **fields})
+    monkeypatch.setattr(known, "ledger", lambda: (entry,))
+
+
 def test_the_documented_table_is_the_codes() -> None:
     documented = DOCS.read_text()
     for code, meaning in MEANINGS.items():
@@ -57,18 +65,7 @@ def test_the_nightly_passes_strict_mode_to_its_workers() -> None:
 def test_a_known_issue_that_no_longer_reproduces_is_a_warning_and_fails_under_strict(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kda_conformance.judging import known
-
-    gone = known.KnownIssue(
-        id="gone-on-cpu",
-        backends=("torch_chunk",),
-        description="a problem since fixed",
-        upstream="nowhere",
-        added="2026-12-01",
-        worst=10.0,
-        confirmed="by hand",
-    )
-    monkeypatch.setattr(known, "ledger", lambda: (gone,))
+    ledger_of(monkeypatch, id="gone-on-cpu", backends=("torch_chunk",), description="a problem since fixed", worst=10.0)
     argv = ["run", "--device", "cpu", "--backend", "torch_chunk", "--case", CASE]
     assert main([*argv, "--out", str(tmp_path / "a")]) == PASSED
     said = capsys.readouterr().out
@@ -109,20 +106,10 @@ def test_every_command_and_every_code_it_returns_is_in_the_docs() -> None:
 def test_an_error_a_ledger_entry_names_by_its_message_is_known(tmp_path: Path, monkeypatch) -> None:
     """FLA's FlashKDA dispatch raising "all tensors must be contiguous" on strided inputs is a known upstream
     problem, not an error of the night; another message of the same backend stays an error."""
-    from kda_conformance.judging import known
     from kda_reports.store import load_store
 
-    raising = known.KnownIssue(
-        id="raises-on-cpu",
-        backends=("planted_raises",),
-        description="a backend that raises",
-        upstream="nowhere",
-        added="2026-12-04",
-        worst=1.0,
-        confirmed="by hand",
-        raises=("planted message",),
-    )
-    monkeypatch.setattr(known, "ledger", lambda: (raising,))
+    ledger_of(monkeypatch, id="raises-on-cpu", backends=("planted_raises",), description="a backend that raises",
+              worst=1.0, raises=("planted message",))  # fmt: skip
     argv = ["run", "--device", "cpu", "--plugin", "kda_planted_crashes", "--backend", "planted_raises", "--case", CASE]
     monkeypatch.syspath_prepend(str(PLUGINS))
     monkeypatch.setenv("KDA_PLANTED_MESSAGE", "a planted message from the kernel")

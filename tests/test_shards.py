@@ -30,7 +30,7 @@ def test_each_backend_goes_whole_to_one_shard_heaviest_first_onto_the_lightest()
     assert [sorted({shards.backend_of(n) for n in shard}) for shard in plan.shards] == [["a", "d", "e"], ["b", "c"]]
     assert plan.loads == (16.0, 14.0)
     assert plan.shards[0][0] == names[0], "a shard keeps the collection's order (the drawn tests first)"
-    assert plan.line(1, costs).startswith("shard 1/2: 21 tests of a, d, e; 53% of the night by cost")
+    assert plan.line(1).startswith("shard 1/2: 21 tests of a, d, e; 53% of the night by cost")
 
 
 def test_without_a_cost_file_each_test_weighs_the_same_and_an_unknown_backend_the_mean() -> None:

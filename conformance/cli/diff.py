@@ -20,7 +20,7 @@ import pandas as pd
 from rich.console import Console
 
 from kda_conformance.cli.common import say
-from kda_reports.findings import worst_ratio
+from kda_reports.findings import FAILED, worst_first_rank, worst_ratios
 from kda_reports.runfile import read_run
 from kda_reports.store import load_store
 
@@ -29,9 +29,6 @@ HELP = "what changed between two runs, by finding: verdicts and error/limit rati
 # What differs between two runs of the same code on the same inputs by design.
 IGNORED = ("seconds", "reference_seconds", "run_id", "env_run_id", "env_date", "env_suite_commit", "env_hostname")
 KEY = ("case_id", "backend", "check", "tensor", "subject")
-# The worst first: one match may hold several records (a check's variants of one tensor).
-SEVERITY = ("error", "fail", "warn", "known", "resource", "skip", "pass")
-FAILING = ("fail", "error")
 EXAMPLE = "kda-conformance diff out/runs/BEFORE.parquet out/runs/AFTER.parquet"
 
 
@@ -78,7 +75,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     both = both.sort_values("change", ascending=False, kind="stable")
     matched = both.dropna(subset=["verdict_before", "verdict_after"])
     moved = matched[matched["verdict_before"] != matched["verdict_after"]]
-    new_failures = both[both["verdict_after"].isin(FAILING) & ~both["verdict_before"].isin(FAILING)]
+    new_failures = both[both["verdict_after"].isin(FAILED) & ~both["verdict_before"].isin(FAILED)]
     only_before = int(both["verdict_after"].isna().sum())
     only_after = int(both["verdict_after"].notna().sum() - len(matched))
     console.print(
@@ -101,29 +98,20 @@ def execute(args: argparse.Namespace, console: Console) -> int:
 def findings(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per finding (KEY): its worst verdict and worst error/limit over its records."""
     columns = [c for c in KEY if c in frame]
-    frame = frame.assign(
-        worst=worst_ratio(
-            pd.to_numeric(frame.get("ratio"), errors="coerce"),
-            pd.to_numeric(frame.get("rel_rms_ratio"), errors="coerce"),
-        ),
-        severity=frame["verdict"].map({v: i for i, v in enumerate(SEVERITY)}).fillna(len(SEVERITY)),
-    )
+    # One match may hold several records (a check's variants of one tensor): its worst verdict stands.
+    frame = frame.assign(worst=worst_ratios(frame), severity=worst_first_rank(frame["verdict"]))
     frame[columns] = frame[columns].fillna("").astype(str)
     grouped = frame.sort_values("severity").groupby(columns, sort=False)
     return pd.DataFrame({"verdict": grouped["verdict"].first(), "worst": grouped["worst"].max()})
-
-
-def _numbers(frame: pd.DataFrame, column: str) -> pd.Series:
-    return pd.to_numeric(frame[column], errors="coerce") if column in frame else pd.Series(float("nan"), frame.index)
 
 
 def _change(row) -> float:
     """How much a finding moved: a verdict change, a finding on one side only, then the ratio's relative move."""
     before, after = row.verdict_before, row.verdict_after
     if not isinstance(before, str) or not isinstance(after, str):
-        return 1e12 if after in FAILING else 1e9
+        return 1e12 if after in FAILED else 1e9
     if before != after:
-        return 1e15 if after in FAILING else 1e10
+        return 1e15 if after in FAILED else 1e10
     old, new = row.worst_before, row.worst_after
     if math.isnan(old) and math.isnan(new):
         return 0.0

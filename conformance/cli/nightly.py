@@ -148,6 +148,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     planned = [case for cases in config.planned_cases().values() for case in cases]
     plan = _plan(args, config, planned)
     workers = plan.workers if plan is not None and args.workers == "auto" else args.workers
+    workers = int(workers) if str(workers).isdigit() else workers  # --workers N arrives as text
     command = pytest_command(args, config.run_id, workers)
     console.print(f"nightly run {config.run_id}: {shlex.join(command)}", highlight=False, soft_wrap=True)
     for line in config.kernel_config_lines():
@@ -174,7 +175,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     night = {
         "part": config.part or "",
         "wall_seconds": round(time.monotonic() - started, 3),
-        "workers": int(workers) if str(workers).isdigit() else workers,
+        "workers": workers,
         "memory_plan": plan.line() if plan is not None else "",
         "kernel_configs": len(config.kernel_configs(planned)),
         "compile": compiled,
@@ -236,8 +237,7 @@ def _compile_stage(
         say(console, f"compile stage: skipped ({reason})")
         return {}
     configs = list(config.kernel_configs(planned).values())
-    # --workers N arrives as text: the stage takes as many processes as the night has workers.
-    processes = int(workers) if str(workers).isdigit() else (os.cpu_count() or 1)
+    processes = workers if isinstance(workers, int) else (os.cpu_count() or 1)
     if config.shard is None:
         jobs = compile_jobs(config.backends, configs)
         which = f"{len(configs)} kernel configurations x {len(config.backends)} backends"

@@ -65,7 +65,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     for name, value in sorted(seconds.items(), key=lambda item: -item[1]):
         console.print(f"  {name:<28} {value:8.0f} s", highlight=False)
     for index in range(1, args.count + 1):
-        console.print(plan.line(index, costs), highlight=False, soft_wrap=True)
+        console.print(plan.line(index), highlight=False, soft_wrap=True)
     if args.write is not None:
         if args.write == "default" and not device:
             say(console, "--write: the run was not on a GPU; name the file (--write FILE)", "error:", "red")

@@ -51,6 +51,10 @@ class KnownIssue:
         """The worst error/limit a matching failure may reach and still be this issue."""
         return self.worst * self.growth
 
+    def names_error(self, reason: str) -> bool:
+        """Whether this entry names an error by words of its message (``raises``)."""
+        return any(words in reason for words in self.raises)
+
     def matches(self, finding: Finding) -> bool:
         if finding.backend not in self.backends or (self.checks and finding.check not in self.checks):
             return False
@@ -135,7 +139,7 @@ def apply_known(findings: Iterable[Finding], issues: Iterable[KnownIssue] | None
 def _known_error(finding: Finding, issues: tuple[KnownIssue, ...]) -> Finding:
     """A backend's error that an entry names by words of its message is ``known``, its message kept."""
     for issue in issues:
-        if issue.raises and issue.matches(finding) and any(words in finding.reason for words in issue.raises):
+        if issue.names_error(finding.reason) and issue.matches(finding):
             reason = f"known issue {issue.id}: {finding.reason} ({issue.upstream})"
             return dataclasses.replace(
                 finding, verdict="known", observed=f"known: {issue.id}", reason=reason, known_issue=issue.id

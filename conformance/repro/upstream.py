@@ -121,7 +121,7 @@ def _claimed(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> pd.Series
     for index, row in unclaimed.iterrows():
         if row["verdict"] == "error":  # an error is an entry's where the entry names words of its message
             reason = "" if pd.isna(row.get("reason")) else str(row.get("reason"))
-            claims = [i for i in ledger if i.raises and any(w in reason for w in i.raises) and _claims(i, row)]
+            claims = [i for i in ledger if i.names_error(reason) and _claims(i, row)]
             if claims:
                 matched.at[index] = claims[0].id
             continue

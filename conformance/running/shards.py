@@ -59,14 +59,18 @@ def costs_for(device_name: str | None, folder: Path = FOLDER) -> Costs:
     if not device_name:
         return Costs({})
     path = folder / f"{gpu_slug(device_name)}.json"
-    try:
-        data = json.loads(path.read_text())
-        backends = {str(k): float(v) for k, v in data["backends"].items()}
-    except FileNotFoundError:
-        return Costs({}, f"no cost file for {device_name} ({path.name}): each test weighs the same")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        return Costs({}, f"{path.name} unreadable ({exc}): each test weighs the same")
-    return Costs(backends, f"{path.name} (run {data.get('run_id', '?')}, {data.get('date', '?')})")
+    problems: list[str] = []
+    data = read_object(path, problems)
+    if data is None:
+        why = problems[0] if problems else f"no cost file for {device_name} ({path.name})"
+        return Costs({}, f"{why}: each test weighs the same")
+    backends = data.get("backends")
+    if not isinstance(backends, dict) or any(number(v) is None for v in backends.values()):
+        return Costs({}, f"{path.name}: backends is no mapping of seconds: each test weighs the same")
+    return Costs(
+        {str(k): float(v) for k, v in backends.items()},
+        f"{path.name} (run {data.get('run_id', '?')}, {data.get('date', '?')})",
+    )
 
 
 @dataclass(frozen=True)
@@ -76,14 +80,15 @@ class Plan:
     shards: tuple[tuple[str, ...], ...]
     loads: tuple[float, ...]
     groups: tuple[tuple[str, ...], ...]  # each shard's backends (a split one: "name (part 2 of 3)")
+    source: str  # where its costs came from (Costs.source)
 
-    def line(self, index: int, costs: Costs) -> str:
+    def line(self, index: int) -> str:
         """What shard ``index`` (1-based) runs, for the night's header."""
         total = sum(self.loads) or 1.0
         share = self.loads[index - 1] / total
         return (
             f"shard {index}/{len(self.shards)}: {len(self.shards[index - 1])} tests of "
-            f"{', '.join(self.groups[index - 1]) or 'no backend'}; {share:.0%} of the night by cost ({costs.source})"
+            f"{', '.join(self.groups[index - 1]) or 'no backend'}; {share:.0%} of the night by cost ({self.source})"
         )
 
 
@@ -120,6 +125,7 @@ def plan(nodeids: Sequence[str], count: int, costs: Costs) -> Plan:
         tuple(tuple(sorted(s, key=order.__getitem__)) for s in shards),
         tuple(loads),
         tuple(tuple(n) for n in names),
+        costs.source,
     )
 
 
@@ -149,16 +155,17 @@ def write(path: Path, device_name: str, run_id: str, seconds: Mapping[str, float
 def run_tests(timing_files: Iterable[Path], problems: list[str] | None = None) -> dict[str, float]:
     """Seconds per test over a run's timing files (one per part; the workers' own parts hold none). A file
     that cannot be read, or an entry that is not a test's seconds, is left out and named in ``problems``."""
+    said = problems if problems is not None else []
     tests: dict[str, float] = {}
     for path in timing_files:
-        timing = read_object(path, problems) or {}
+        timing = read_object(path, said) or {}
         entries = timing.get("tests", {})
         if not isinstance(entries, dict):
-            (problems if problems is not None else []).append(f"{path.name}: tests is not a mapping; left out")
+            said.append(f"{path.name}: tests is not a mapping; left out")
             continue
         for nodeid, seconds in entries.items():
             if number(seconds) is None:
-                (problems if problems is not None else []).append(f"{path.name}: {nodeid}: not seconds; left out")
+                said.append(f"{path.name}: {nodeid}: not seconds; left out")
                 continue
             tests[nodeid] = tests.get(nodeid, 0.0) + float(seconds)
     return tests
