@@ -1,7 +1,8 @@
 """Named sweep profiles: how many cases, how large, how they are searched.
 
 ``smoke`` takes seconds, ``ci`` is the CPU tier (minutes, derandomized, so CI
-runs the same cases every time), ``nightly`` is the GPU sweep (a few cases per
+runs the same cases every time), ``cpu-nightly`` the nightly's search at CPU sizes,
+``nightly`` is the GPU sweep (a few cases per
 property from a few kernel configurations, up to 128K tokens x 16 heads, the
 corpus' 128K case for every backend, a fresh seed each night, searching toward the worst
 error/budget), ``long`` only 32K tokens and more. Pytest selects one with
@@ -140,6 +141,26 @@ PROFILES: dict[str, Profile] = {
             corpus_max_work=2**23,
             max_v_heads=4,
             server_batch_seqs=40,  # with 4 value heads, up to 160 (sequence, head) pairs in 96 tokens
+        ),
+        # The nightly's search on a CPU: a fresh seed, steered toward the worst error/limit, server batches,
+        # head sizes past the CI tier's, at sizes the CPU computes in minutes (no 128K cases, no sentinels).
+        # The correct controls are held to passing it (tests/test_correct_variants.py).
+        Profile(
+            "cpu-nightly",
+            12,
+            1024,
+            1,
+            6,
+            4,
+            (32, 64),
+            DTYPES,
+            False,
+            True,
+            corpus_max_tokens=256,
+            corpus_max_work=2**23,
+            max_work=2**23,
+            server_batch_seqs=64,
+            max_v_heads=8,
         ),
         # 12 examples per check and backend: with five backends, 500 drawn cases and more a night.
         Profile(

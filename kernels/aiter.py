@@ -46,7 +46,7 @@ from kda_cases.materialize import KDAInputs
 from kda_kernels import triton_interpret
 from kda_kernels.envelope import CHUNK_KDA, FLASH_KDA, SAFE_LOWER_BOUND_RANGE
 from kda_kernels.libraries import AITER
-from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported
+from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported, WorkingPrecision
 
 ENTRY = "aiter.ops.triton.kimi_delta_attn"
 FLASH_KDA_SWITCHES = ("AITER_FDA_ENABLE", "CHUNK_DELTA_ATTN_USE_FLASH_KDA")
@@ -230,6 +230,14 @@ class AiterFlashKDAUnsegmented(AiterFlashKDA):
 class AiterDefault(AiterBackend):
     name = "aiter_default"
     description = "AITER chunk_kimi_delta_attn, the FLA-derived default pipeline (FlashKDA switched off)"
+    # Its intra-chunk inverse's dots are TF32 on NVIDIA by its own code, as FLA's are; its FlashKDA path pins
+    # IEEE dots (flash_kda.py), so only the default pipeline declares TF32.
+    working_precision = WorkingPrecision.tf32_on_nvidia(
+        "ROCm/aiter e4048607a5 aiter/ops/triton/_triton_kernels/chunk_delta_attn/intra_attn.py lines 37-40 "
+        "(SOLVE_TRIL_DOT_PRECISION = 'tf32' where IS_TF32_SUPPORTED, chunk_delta_attn_utils.py line 98: CUDA, "
+        "compute capability 8 and up), its other float32 tl.dot calls at Triton's default (TF32 on NVIDIA)",
+        "e4048607a5",
+    )
 
 
 class AiterNative(AiterBackend):

@@ -22,12 +22,23 @@ from kda_cases.materialize import KDAInputs
 from kda_kernels import triton_interpret
 from kda_kernels.envelope import CHUNK_KDA, MAX_HEAD_K_DIM
 from kda_kernels.libraries import FLA
-from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported
+from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported, WorkingPrecision
 
 # What importing and calling FLA sets in the environment (Backend.sets_environment): the suite's switch to
 # its Triton path, the interpreter on a CPU, and the fp32 dot precision fla/utils/hardware.py sets at import
 # on NVIDIA cards without TF32.
 FLA_ENVIRONMENT = ("FLA_DISABLE_BACKEND_DISPATCH", triton_interpret.VARIABLE, "TRITON_F32_DEFAULT")
+
+
+# FLA's chunk pipeline chooses TF32 for its float32 matmuls on NVIDIA Ampere and later, in its own code: the
+# intra-chunk inverse's dots by a hard-coded precision that TRITON_F32_DEFAULT cannot reach, its other float32
+# dots (every dot of an fp32 call) at Triton's default, TF32. Its recurrent kernel has no dots.
+TF32_DOTS = WorkingPrecision.tf32_on_nvidia(
+    "fla-core 0.6.0 fla/ops/kda/chunk_intra.py lines 22-25 (SOLVE_TRIL_DOT_PRECISION = tl.constexpr('tf32') "
+    "if IS_TF32_SUPPORTED, fla/utils/hardware.py line 111: NVIDIA, compute capability 8 and up; since FLA PR #703, "
+    "commit d1097c60, v0.4.2), its other float32 tl.dot calls at Triton's default (TF32 on NVIDIA)",
+    "0.6.0",
+)
 
 
 def _import_fla_kda(device: torch.device) -> ModuleType:
@@ -84,6 +95,7 @@ class FlaChunk(Backend):
     envelope = CHUNK_KDA.narrowed(host_metadata=("cu_seqlens_cpu",))
     libraries = (FLA,)
     sets_environment = FLA_ENVIRONMENT
+    working_precision = TF32_DOTS
 
     def __init__(self, chunk_size: int = 64) -> None:
         if chunk_size not in (32, 64):

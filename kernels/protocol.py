@@ -51,29 +51,82 @@ class Library:
     install: str = ""  # how to get it
 
 
+# Where a declared design holds: the platform a kernel runs on (``platform_of``).
+PLATFORMS = ("cpu", "nvidia", "amd")
+DOT_PRECISIONS = ("ieee", "tf32")
+
+
+def platform_of(device: torch.device) -> str:
+    """``cpu``, ``nvidia`` or ``amd``: what a declared design's ``platforms`` name (ROCm's torch calls its GPUs
+    ``cuda`` too)."""
+    if device.type != "cuda":
+        return "cpu"
+    return "amd" if torch.version.hip is not None else "nvidia"
+
+
 @dataclass(frozen=True)
 class WorkingPrecision:
-    """Where a kernel computes below the case's precision by its documented design, declared with the document
-    that says so: its recurrent state kept in ``state_dtype`` between updates, one update per ``chunk``
-    tokens (FlashKDA: bf16, 16). Its budgets then come from the baseline run at that precision, and every
-    record keeps its ratio to the strict baseline's limits beside it (docs/tolerance.md). A declaration is
-    never a way to retire a finding: what a kernel's users do not expect stays in the ledger."""
+    """Where a kernel computes below the case's precision by a design its library states, declared with the
+    document, file or PR that states it: its recurrent state kept in ``state_dtype`` between updates, one
+    update per ``chunk`` tokens (FlashKDA: bf16, 16), and its float32 matmuls' operands rounded to ``dots``
+    (``tf32``: FLA's and SGLang's chunk kernels on NVIDIA GPUs). Its budgets then come from the baseline run
+    at that precision, and every record keeps its ratio to the strict baseline's limits beside it
+    (docs/tolerance.md): the design's cost, shown apart from the findings. It holds on ``platforms`` (empty:
+    every one) and for the library ``versions`` its source was read in (empty: any; on another version the
+    backend is judged strictly until someone reads the new source). A declaration is never a way to retire a
+    finding: what a kernel's users do not expect stays in the ledger."""
 
-    state_dtype: str
-    chunk: int
-    source: str  # the document that states the design: project, file, section
+    state_dtype: str | None = None
+    chunk: int = 64
+    source: str = ""  # the document that states the design: project, file and line, section or PR
+    dots: str = "ieee"
+    platforms: tuple[str, ...] = ()
+    versions: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.state_dtype not in ("bf16", "fp16"):
-            raise ValueError(f"WorkingPrecision.state_dtype {self.state_dtype!r} not allowed; choose bf16 or fp16")
+        if self.state_dtype not in (None, "bf16", "fp16"):
+            raise ValueError(
+                f"WorkingPrecision.state_dtype {self.state_dtype!r} not allowed; choose bf16, fp16 or None"
+            )
         if not (isinstance(self.chunk, int) and self.chunk >= 1):
             raise ValueError(f"WorkingPrecision.chunk must be a positive number of tokens, got {self.chunk!r}")
+        if self.dots not in DOT_PRECISIONS:
+            raise ValueError(f"WorkingPrecision.dots {self.dots!r} not allowed; choose {' or '.join(DOT_PRECISIONS)}")
+        if self.state_dtype is None and self.dots == "ieee":
+            raise ValueError("WorkingPrecision declares nothing: give a state_dtype, dots='tf32', or both")
+        unknown = [p for p in self.platforms if p not in PLATFORMS]
+        if unknown:
+            raise ValueError(f"WorkingPrecision.platforms {unknown} not allowed; choose from {', '.join(PLATFORMS)}")
         if not self.source.strip():
             raise ValueError("WorkingPrecision.source must cite the document that states the design")
 
+    @classmethod
+    def tf32_on_nvidia(cls, source: str, version: str) -> WorkingPrecision:
+        """The design FLA's chunk kernels and their copies state: float32 matmuls in TF32 on NVIDIA GPUs (the
+        intra-chunk inverse's by a hard-coded precision, the rest at Triton's default), read in ``version``."""
+        return cls(dots="tf32", source=source, platforms=("nvidia",), versions=(version,))
+
     @property
     def label(self) -> str:
-        return f"{self.state_dtype} state every {self.chunk} tokens"
+        parts = [f"{self.state_dtype} state every {self.chunk} tokens"] if self.state_dtype else []
+        return ", ".join([*([f"{self.dots} dots"] if self.dots != "ieee" else []), *parts])
+
+    @property
+    def unit_roundoff(self) -> float:
+        """The coarsest rounding the design adds (TF32's 2^-11, a bf16 state's 2^-8): part of the working
+        precision a budget's cap is taken from."""
+        units = {"bf16": 2.0**-8, "fp16": 2.0**-11, "tf32": 2.0**-11}
+        return max(
+            units[self.state_dtype] if self.state_dtype else 0.0, units[self.dots] if self.dots != "ieee" else 0.0
+        )
+
+    def holds_on(self, device: torch.device, version: str = "") -> bool:
+        """Whether the design holds for a run on ``device`` with the library at ``version`` (as the run records
+        it: ``0.6.0``, or ``vllm 0.33.0 (KDA_VLLM_SRC)`` for a source tree): on a listed platform, and a listed
+        version (a whole word of ``version``)."""
+        if self.platforms and platform_of(device) not in self.platforms:
+            return False
+        return not self.versions or any(wanted in version.split() for wanted in self.versions)
 
 
 @dataclass(frozen=True)

@@ -22,16 +22,29 @@ class TorchChunk(Backend):
     description = "pure-PyTorch chunked KDA in working precision (input-dtype operands, fp32 state): the baseline"
     produces_checkpoints = True
 
-    def __init__(self, chunk_size: int = DEFAULT_CHUNK, carried_state_dtype: str | None = None) -> None:
+    def __init__(
+        self,
+        chunk_size: int = DEFAULT_CHUNK,
+        carried_state_dtype: str | None = None,
+        tf32_dots: bool = False,
+        state_pass: str = "serial",
+    ) -> None:
         self.chunk_size = self.chunk_tokens = chunk_size
-        # A declared working precision's baseline keeps its state in this dtype between chunks.
+        # A declared working precision's baseline keeps its state in this dtype between chunks, and rounds its
+        # matmuls' operands to TF32 where the design's dots are TF32.
         self.carried_state_dtype = carried_state_dtype
+        self.tf32_dots = tf32_dots
+        # How the state passes from chunk to chunk (reference/chunked.py STATE_PASSES): a correct variant's
+        # choice, never the budgets' baseline's.
+        self.state_pass = state_pass
 
     @classmethod
     def at_precision(cls, precision: WorkingPrecision) -> TorchChunk:
         """The baseline at a declared working precision: its state kept in ``precision.state_dtype`` between
-        chunks of ``precision.chunk`` tokens."""
-        return cls(chunk_size=precision.chunk, carried_state_dtype=precision.state_dtype)
+        chunks of ``precision.chunk`` tokens, its matmul operands rounded to ``precision.dots``."""
+        return cls(
+            chunk_size=precision.chunk, carried_state_dtype=precision.state_dtype, tf32_dots=precision.dots == "tf32"
+        )
 
     def availability(self, device: torch.device) -> Support:
         return Support.yes()
@@ -49,6 +62,8 @@ class TorchChunk(Backend):
                 chunk_size=self.chunk_size,
                 working_dtype=TORCH_DTYPES[case.dtype],
                 carried_state_dtype=TORCH_DTYPES[self.carried_state_dtype] if self.carried_state_dtype else None,
+                tf32_dots=self.tf32_dots,
+                state_pass=self.state_pass,
             )
         return BackendOutput(
             o=stored(case, "o", result.o),

@@ -48,7 +48,15 @@ from kda_kernels import libraries as libs
 from kda_kernels import triton_interpret
 from kda_kernels.envelope import CHUNK_KDA
 from kda_kernels.guard import suite_work
-from kda_kernels.protocol import CALLER_BUFFER_FILL, Backend, BackendOutput, Support, Unsupported, relayout
+from kda_kernels.protocol import (
+    CALLER_BUFFER_FILL,
+    Backend,
+    BackendOutput,
+    Support,
+    Unsupported,
+    WorkingPrecision,
+    relayout,
+)
 
 
 class VendoredMissing(RuntimeError):
@@ -529,6 +537,16 @@ class VllmChunk(VendoredBackend):
     description = "vLLM's vendored KDA chunk kernels (KDA_VLLM_SRC), called as vLLM's KDA layer calls them"
     tree = VLLM
     libraries = (libs.VLLM,)
+    # Kimi K3's NVIDIA copy (FLA 0.5.0's kernels, adapted) chooses TF32 for its inverse on CUDA in its own code.
+    # GLM-5.3-Flash's copies state IEEE (DOT_PRECISION="ieee", allow_tf32=False) and declare nothing: their
+    # TF32 at Triton's default is a finding. The AMD copy runs only on ROCm, where it chooses IEEE.
+    working_precision = WorkingPrecision.tf32_on_nvidia(
+        "vllm 0.33.0 vllm/models/kimi_k3/nvidia/ops/third_party/kda/chunk_intra.py (solve_tril_dot_precision "
+        '= "tf32" if current_platform.is_cuda() and current_platform.has_device_capability(80) else "ieee", '
+        '"we used tf32 to maintain matrix inverse\'s precision whenever possible"), its other float32 tl.dot calls '
+        "at Triton's default (TF32 on NVIDIA)",
+        "0.33.0",
+    )
     entry_points = ("chunk_kda_with_fused_gate", "chunk_kda")
 
     def _fused_parameters(self) -> set[str]:
@@ -634,6 +652,12 @@ class SglangChunk(VendoredBackend):
     description = "SGLang's vendored KDA chunk kernels (KDA_SGLANG_SRC), called as SGLang's TritonKDAKernel calls them"
     tree = SGLANG
     libraries = (libs.SGLANG,)
+    working_precision = WorkingPrecision.tf32_on_nvidia(
+        "sglang 0.5.23 sglang/kernels/ops/attention/fla/chunk_intra.py (SOLVE_TRIL_DOT_PRECISION 'tf32' if "
+        "is_tf32_supported, fla/utils.py: NVIDIA, compute capability 8 and up; kda.py passes DOT_PRECISION='tf32' "
+        "to recompute_w_u), its other float32 tl.dot calls at Triton's default (TF32 on NVIDIA)",
+        "0.5.23",
+    )
 
     def _takes_graph_tables(self) -> bool:
         try:
@@ -709,6 +733,7 @@ class VllmKimiChunkAmd(VllmChunk):
     name = "vllm_kimi_chunk_amd"
     description = "vLLM 0.33's Kimi K3 AMD copy (vllm/models/kimi_k3/amd), Triton, called as the Kimi layer calls it"
     tree = VLLM_KIMI_AMD
+    working_precision = None  # it chooses TF32 on CUDA only, and runs on ROCm only
 
     def availability(self, device: torch.device) -> Support:
         if device.type == "cuda" and torch.version.hip is None:

@@ -25,6 +25,12 @@ tolerance policy measures kernels against: float32 arithmetic and state, with
 every matmul operand (and every intermediate a kernel would store: u, w, the
 corrected values, the per-chunk state it multiplies) rounded to that dtype,
 and A and L from the pairwise decays themselves, as the kernels round them.
+
+Two options give the baseline of a kernel that computes otherwise by design, or rounds in other places:
+``tf32_dots`` rounds every matmul operand to TF32 (float32 with a 10-bit mantissa, as NVIDIA's tensor cores
+take float32 operands: what FLA's and SGLang's chunk kernels choose for their float32 dots), and
+``state_pass="scan"`` computes the states entering the chunks by a parallel (Hillis-Steele) scan of the
+chunks' affine maps instead of one chunk after another, as a kernel whose inter-chunk pass is a tree does.
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ from kda_reference.prepared import Raw, check_inputs
 from kda_reference.recurrent import ReferenceResult
 
 DEFAULT_CHUNK = 64
+# How the working-precision baseline passes the state from chunk to chunk: one chunk after another, or a
+# parallel scan of the chunks' affine maps.
+STATE_PASSES = ("serial", "scan")
 # The widest range of G within one chunk (per key) the float64 form factors as exp(G_t - m) exp(m - G_s):
 # both exponents stay within +-600, far inside float64's +-709, so neither factor overflows or goes subnormal.
 FACTORED_SPAN = 1200.0
@@ -64,6 +73,8 @@ def kda_chunked(
     working_dtype: torch.dtype | None = None,
     carried_state_dtype: torch.dtype | None = None,
     block_elements: int | None = None,
+    tf32_dots: bool = False,
+    state_pass: str = "serial",
 ) -> ReferenceResult:
     """KDA with ``kda_recurrent``'s arguments and conventions, computed chunk by chunk.
 
@@ -75,7 +86,8 @@ def kda_chunked(
     ``carried_state_dtype`` (a working precision only) keeps the state between chunks in that dtype: it is
     rounded to it as it enters each chunk and as it leaves the last (a sequence with no tokens gives back its
     initial state so rounded), the baseline of a kernel that declares such a state (FlashKDA holds a bf16
-    state on chip between its 16-token chunks).
+    state on chip between its 16-token chunks). ``tf32_dots`` and ``state_pass`` (a working precision only):
+    see the module's docstring.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
@@ -83,11 +95,15 @@ def kda_chunked(
         raise ValueError(f"working_dtype must be None, bfloat16, float16 or float32, got {working_dtype}")
     if block_elements is not None and block_elements < 1:
         raise ValueError(f"block_elements must be a positive integer, got {block_elements}")
-    if carried_state_dtype is not None and working_dtype is None:
-        raise ValueError("carried_state_dtype needs a working_dtype: the exact form keeps its state in float64")
+    if state_pass not in STATE_PASSES:
+        raise ValueError(f"state_pass must be one of {', '.join(STATE_PASSES)}, got {state_pass!r}")
+    if working_dtype is None and (carried_state_dtype is not None or tf32_dots or state_pass != "serial"):
+        raise ValueError(
+            "carried_state_dtype, tf32_dots and state_pass need a working_dtype: the exact form computes in float64"
+        )
     compute = torch.float64 if working_dtype is None else torch.float32
     raw = check_inputs(q, k, v, g, beta, options or KDAOptions(), compute)
-    rounded = Rounding(working_dtype or compute, compute, carried_state_dtype)
+    rounded = Rounding(working_dtype or compute, compute, carried_state_dtype, tf32_dots, state_pass == "scan")
     exact = working_dtype is None
     block = (block_elements or EXACT_BLOCK_ELEMENTS) if exact else None
     return _chunked(raw, chunk_size, rounded, exact, block)
@@ -169,9 +185,9 @@ def _block(
     else:
         # Kernels invert I + L and store the inverse, u and w at their own precision.
         eye = torch.eye(C, dtype=dtype, device=device).expand_as(L)
-        inverse = r(torch.linalg.solve_triangular(L, eye, upper=False, unitriangular=True))
-        u = r(inverse @ r(beta * v))
-        w = r(inverse @ r(beta_k_decayed))
+        inverse = r.dot(r(torch.linalg.solve_triangular(r.dot(L), eye, upper=False, unitriangular=True)))
+        u = r(inverse @ r.dot(r(beta * v)))
+        w = r(inverse @ r.dot(r(beta_k_decayed)))
     del L, beta_k_decayed
     q_decayed = r(q * torch.exp(G))
     k_to_end = r(k * torch.exp(G_last - G)).transpose(1, 2)  # [X, K, C]
@@ -186,8 +202,9 @@ def _block(
         U, entering = _exact_states(steps, u, w, k_to_end, decay_end)
         out = torch.baddbmm(A @ U, q_decayed, S_in)
     else:
-        U, entering = _rounded_states(steps, r, u, w, k_to_end, decay_end)
-        out = q_decayed @ r(S_in) + A @ U
+        states = _scanned_states if r.scan else _rounded_states
+        U, entering = states(steps, r, u, w, k_to_end, decay_end)
+        out = r.dot(q_decayed) @ r.dot(r(S_in)) + r.dot(A) @ r.dot(U)
     for number, (seq, tokens) in enumerate(raw.checkpoints):
         if tokens == 0:
             saved[number] = raw.h0[seq]
@@ -200,8 +217,8 @@ def _block(
         at = (plan.offsets[step] - c0 + plan.rank[seq]) * HV
         here = slice(at, at + HV)
         G_at = G[here, t - 1 : t, :]
-        to_at = r(k[here, :t] * torch.exp(G_at - G[here, :t]))
-        saved[number] = torch.exp(G_at).transpose(-1, -2) * S_in[here] + to_at.transpose(-1, -2) @ U[here, :t]
+        to_at = r.dot(r(k[here, :t] * torch.exp(G_at - G[here, :t])))
+        saved[number] = torch.exp(G_at).transpose(-1, -2) * S_in[here] + to_at.transpose(-1, -2) @ r.dot(U[here, :t])
 
     o[rows] = out.reshape(c1 - c0, HV, C, V).transpose(1, 2)
     return entering
@@ -283,14 +300,14 @@ def _rounded_states(
         if r.carried not in (None, r.compute):  # a declared state precision: kept so between chunks
             S_in[here] = r.state(S_in[here])
         S = S_in[here]
-        U[here] = r(u[here] - w[here] @ r(S))
+        U[here] = r(u[here] - r.dot(w[here]) @ r.dot(r(S)))
         decayed = decay_end[here] * S
         going_on = plan.active[j + 1] if j + 1 < len(plan.active) else 0
         if going_on == active and j + 1 < last:
             following = slice((plan.offsets[j + 1] - c0) * HV, (plan.offsets[j + 1] - c0 + active) * HV)
-            S_in[following] = decayed + k_to_end[here] @ U[here]
+            S_in[following] = decayed + r.dot(k_to_end[here]) @ r.dot(U[here])
             continue
-        nxt = decayed + k_to_end[here] @ U[here]
+        nxt = decayed + r.dot(k_to_end[here]) @ r.dot(U[here])
         if going_on and j + 1 < last:
             start = (plan.offsets[j + 1] - c0) * HV
             S_in[start : start + going_on * HV] = nxt[: going_on * HV]
@@ -371,9 +388,9 @@ def _pairwise(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, r: Rounding) ->
             hi = min(X, lo + step)
             exponent = G[lo:hi, t0:t1, None, :] - G[lo:hi, None, :t1, :]  # [x, t, s, K]
             D = torch.exp(exponent.masked_fill_(above, -math.inf))
-            keys = k[lo:hi, None, :t1, :]
-            A[lo:hi, t0:t1, :t1] = (r.product(q[lo:hi, t0:t1, None, :], D) * keys).sum(-1)
-            L[lo:hi, t0:t1, :t1] = (r.product(k[lo:hi, t0:t1, None, :], D) * keys).sum(-1)
+            keys = r.dot(k[lo:hi, None, :t1, :])
+            A[lo:hi, t0:t1, :t1] = (r.dot(r.product(q[lo:hi, t0:t1, None, :], D)) * keys).sum(-1)
+            L[lo:hi, t0:t1, :t1] = (r.dot(r.product(k[lo:hi, t0:t1, None, :], D)) * keys).sum(-1)
             del exponent, D
     return A, L
 
@@ -386,9 +403,16 @@ class Rounding:
     store: torch.dtype
     compute: torch.dtype
     carried: torch.dtype | None = None  # the dtype the state is kept in between chunks (None: ``compute``)
+    tf32: bool = False  # matmul operands rounded to TF32 (``dot``)
+    scan: bool = False  # the states entering the chunks by a parallel scan (``_scanned_states``)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.store == self.compute else x.to(self.store).to(self.compute)
+
+    def dot(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as a matmul takes it: rounded to TF32 where the dots are TF32, else unchanged (a bf16 or fp16
+        value is a TF32 value already, so only float32 operands move)."""
+        return round_to_tf32(x) if self.tf32 else x
 
     def state(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (a carried state) rounded to the dtype the state is kept in."""
@@ -402,3 +426,66 @@ class Rounding:
             return a * b
         shape = torch.broadcast_shapes(a.shape, b.shape)
         return torch.mul(a, b, out=torch.empty(shape, dtype=self.store, device=a.device))
+
+
+def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` rounded to the nearest TF32 value (10 mantissa bits, ties to even), kept in float32: what a
+    tensor core multiplies when handed float32 operands. Infinities and NaN stay as they are."""
+    bits = x.float().contiguous().view(torch.int32)
+    keep = (bits >> 13) & 1  # the last kept bit: ties go to the even one
+    rounded = ((bits + 0xFFF + keep) & ~0x1FFF).view(torch.float32)
+    return torch.where(x.isfinite(), rounded, x.float()).view(x.shape)
+
+
+def _scanned_states(
+    steps: _Steps,
+    r: Rounding,
+    u: torch.Tensor,
+    w: torch.Tensor,
+    k_to_end: torch.Tensor,
+    decay_end: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_rounded_states`` with the states entering the chunks from a parallel scan: each chunk's state map is
+    affine, ``S' = M S + b`` (``M = diag(exp(G_C)) - K_end^T w``, ``b = K_end^T u``, in float32), and the maps
+    of each sequence's chunks are composed in log2(chunks) rounds of a Hillis-Steele scan, as a kernel whose
+    inter-chunk pass is a tree (AITER's segmented FlashKDA) composes them; the corrected values ``U`` then
+    come from those states. The same algebra as the serial pass, rounded in other places. The working
+    precision takes every chunk in one block, so the block is the whole plan."""
+    plan, first, last, c0, HV, S_in, final, entering = steps.fields()
+    K, V = S_in.shape[-2:]
+    if first != 0 or last != len(plan.active) or c0 != 0:
+        raise ValueError("the scanned state pass takes the whole plan in one block")
+    M = -(r.dot(k_to_end) @ r.dot(w))
+    M.diagonal(dim1=-2, dim2=-1).add_(decay_end.squeeze(-1))
+    b = r.dot(k_to_end) @ r.dot(u)
+    n, depth = len(plan.order), len(plan.active)
+    # [sequence rank, step] -> the (chunk, head) rows of its chunk; steps past a sequence's end are identity maps.
+    maps_M = torch.eye(K, dtype=M.dtype, device=M.device).repeat(n, depth, HV, 1, 1)
+    maps_b = M.new_zeros(n, depth, HV, K, V)
+    for j in range(depth):
+        at = plan.offsets[j] * HV
+        active = plan.active[j]
+        maps_M[:active, j] = M[at : at + active * HV].reshape(active, HV, K, K)
+        maps_b[:active, j] = b[at : at + active * HV].reshape(active, HV, K, V)
+    reach = 1
+    while reach < depth:  # inclusive scan: after it, step j holds the composition of steps 0..j
+        later_M, later_b = maps_M[:, reach:], maps_b[:, reach:]
+        earlier_M, earlier_b = maps_M[:, :-reach], maps_b[:, :-reach]
+        composed_b = later_M @ earlier_b + later_b
+        composed_M = later_M @ earlier_M
+        maps_M = torch.cat([maps_M[:, :reach], composed_M], dim=1)
+        maps_b = torch.cat([maps_b[:, :reach], composed_b], dim=1)
+        reach *= 2
+    h0 = entering.reshape(plan.active[0], HV, K, V) if depth else entering
+    h0 = torch.cat([h0, h0.new_zeros(n - h0.shape[0], HV, K, V)]) if h0.shape[0] < n else h0
+    for j in range(depth):
+        at, active = plan.offsets[j] * HV, plan.active[j]
+        start = h0[:active] if j == 0 else maps_M[:active, j - 1] @ h0[:active] + maps_b[:active, j - 1]
+        S_in[at : at + active * HV] = r.state(start.reshape(active * HV, K, V))
+    U = r(u - r.dot(w) @ r.dot(r(S_in)))
+    for rank, sequence in enumerate(plan.order):
+        count = sum(1 for a in plan.active if a > rank)
+        if count == 0:  # no tokens: its final state is its initial state, set already
+            continue
+        final[sequence] = r.state(maps_M[rank, count - 1] @ h0[rank] + maps_b[rank, count - 1])
+    return U, entering

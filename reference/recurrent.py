@@ -36,6 +36,7 @@ def kda_recurrent(
     g: torch.Tensor,
     beta: torch.Tensor,
     options: KDAOptions | None = None,
+    compute_dtype: torch.dtype = torch.float64,
 ) -> ReferenceResult:
     """Run the KDA recurrence in float64 with chunk_kda's conventions.
 
@@ -43,8 +44,14 @@ def kda_recurrent(
     ``options.initial_state [N,HV,K,V]`` (``[N,HV,V,K]`` when ``state_v_first``).
     ``options.checkpoints`` lists ``(sequence, tokens)`` pairs: the state of that sequence
     after its first ``tokens`` tokens (0 gives its initial state).
+
+    ``compute_dtype=torch.float32`` runs the same loop in float32: a token-serial float32 kernel (the
+    arithmetic of FLA's fused recurrent kernel), one of the correct implementations the suite's own tests hold
+    to passing. The definition is float64.
     """
-    return _token_loop(check_inputs(q, k, v, g, beta, options or KDAOptions(), torch.float64).prepared())
+    if compute_dtype not in (torch.float64, torch.float32):
+        raise ValueError(f"compute_dtype must be float64 or float32, got {compute_dtype}")
+    return _token_loop(check_inputs(q, k, v, g, beta, options or KDAOptions(), compute_dtype).prepared())
 
 
 def _token_loop(p: Prepared) -> ReferenceResult:
@@ -56,10 +63,10 @@ def _token_loop(p: Prepared) -> ReferenceResult:
     for index, (seq, tokens) in enumerate(p.checkpoints):
         wanted.setdefault(seq, []).append((tokens, index))
 
-    f64 = torch.float64
-    o = torch.zeros(B, T, HV, V, dtype=f64, device=q.device)
-    final = torch.zeros(len(p.bounds), HV, K, V, dtype=f64, device=q.device)
-    saved = torch.zeros(len(p.checkpoints), HV, K, V, dtype=f64, device=q.device)
+    dtype = q.dtype
+    o = torch.zeros(B, T, HV, V, dtype=dtype, device=q.device)
+    final = torch.zeros(len(p.bounds), HV, K, V, dtype=dtype, device=q.device)
+    saved = torch.zeros(len(p.checkpoints), HV, K, V, dtype=dtype, device=q.device)
     for n, (row, start, end) in enumerate(p.bounds):
         S = p.h0[n].clone()
         marks = sorted(wanted.get(n, []))

@@ -13,10 +13,10 @@ from collections.abc import Collection, Mapping
 
 import pandas as pd
 
-from kda_reports.findings import Finding
+from kda_reports.findings import Finding, worst_ratios
 
 CORPUS = "corpus"  # the log's name for the pinned-case tests (the budget check on every corpus case)
-COLUMNS = ["backend", "caught by", "cases run", "first bad"]
+COLUMNS = ["backend", "caught by", "cases run", "first bad", "worst ratio"]
 
 
 def first_location(entry: dict) -> str:
@@ -36,9 +36,24 @@ def _first_line(entries: list[dict]) -> str:
     return "no finding"
 
 
-def detection_table(entries: Mapping[str, dict], backends: list[str], titles: Mapping[str, str]) -> pd.DataFrame:
+def worst_ratio_of(records: pd.DataFrame | None, backend: str) -> str:
+    """The worst error/limit over ``backend``'s judged records (max-abs or rel-RMS, whichever is larger): how
+    close a correct control came to its limits, how far past them a planted bug went."""
+    if records is None or records.empty or "backend" not in records:
+        return "-"
+    ratios = worst_ratios(records[records["backend"].astype(str) == backend]).dropna()
+    return "-" if ratios.empty else f"{float(ratios.max()):.3g}"
+
+
+def detection_table(
+    entries: Mapping[str, dict],
+    backends: list[str],
+    titles: Mapping[str, str],
+    records: pd.DataFrame | None = None,
+) -> pd.DataFrame:
     """Per backend: the checks that flagged it (``titles``: check name -> title, in table order) with the
-    case at which each first failed, the cases run, and the first bad point of the first check that failed."""
+    case at which each first failed, the cases run, the first bad point of the first check that failed, and
+    the worst error/limit of its records in the run (``records``, where given)."""
     order = list(titles)
     rows = []
     for backend in backends:
@@ -61,6 +76,7 @@ def detection_table(entries: Mapping[str, dict], backends: list[str], titles: Ma
                 "caught by": ", ".join(caught) or "nothing",
                 "cases run": cases_run + len(corpus),
                 "first bad": first_bad or ("-" if not caught else f"(no position: {_first_line(mine)})"),
+                "worst ratio": worst_ratio_of(records, backend),
             }
         )
     return pd.DataFrame(rows, columns=COLUMNS)
@@ -89,5 +105,8 @@ def detection_markdown(table: pd.DataFrame, descriptions: Mapping[str, str], sho
         "at which each first failed; for the corpus, how many pinned cases failed. *cases run*: property "
         "examples checked plus corpus cases run. *first bad*: the first point past its limit in the first "
         "failure (`seq S token T head H` for outputs, `seq S head H` for states, `row R token T head H` where "
-        "outputs before a change point moved).\n\n" + table.to_markdown(index=False) + "\n"
+        "outputs before a change point moved). *worst ratio*: the largest error/limit (max-abs or rel-RMS) of "
+        "the backend's records in the run: a correct control's margin, a planted bug's distance past it.\n\n"
+        + table.to_markdown(index=False)
+        + "\n"
     )

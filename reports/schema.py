@@ -61,10 +61,11 @@ RECORD_COLUMNS: dict[str, str] = {
     "budget_rel_rms": "rel-RMS limit from the tolerance rule",
     "rel_rms_ratio": "rel_rms / budget_rel_rms",
     "budget_baseline": "max-abs error of the same-precision baseline (torch_chunk) on this case",
-    "budget_floor": "max-abs rounding floor: (u(stored dtype) + sqrt(25 + 2 ln N) sqrt(longest sequence) u(fp32)) "
-    "x max|truth|, N the tensor's elements",
+    "budget_floor": "max-abs rounding floor: (max(u(stored dtype), u(working dtype) / 4) + sqrt(25 + 2 ln N) "
+    "sqrt(longest sequence + 128) u(fp32)) x max|truth|, N the tensor's elements",
     "budget_cap": "max-abs cap: sqrt(u(working dtype)) x max|truth|",
-    "budget_binding": "which term set the max-abs limit: `baseline`, `floor` or `cap`",
+    "budget_binding": "which term set the max-abs limit: `baseline`, `floor`, `cap` or `breakdown` (the baseline "
+    "itself past the cap: the limit is its own error)",
     "baseline_rel_rms": "rel-RMS error of the same-precision baseline on this case",
     "budget_rel_rms_binding": "which term set the rel-RMS limit",
     "precision": "the working precision the backend declares by its documented design (`bf16 state every 16 "

@@ -24,9 +24,9 @@ def planted_zoo() -> dict[str, tuple[str, str]]:
     return kda_planted_bugs.ZOO
 
 
-# The slowest module first: its one detection run (about 3 minutes in one process) then overlaps the rest of
-# the suite on the other pytest-xdist workers instead of running alone at the end.
-FIRST = ("test_planted_bugs.py",)
+# The slowest modules first: their detection runs (a few minutes each in one process) then overlap the rest
+# of the suite on the other pytest-xdist workers instead of running alone at the end.
+FIRST = ("test_planted_bugs.py", "test_correct_variants.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

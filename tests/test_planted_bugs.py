@@ -54,7 +54,8 @@ def test_the_correct_baseline_passes_every_case(detection: DetectionRun) -> None
 
 def test_detection_fails_when_a_planted_bug_is_missed_or_a_correct_backend_fails() -> None:
     table = pd.DataFrame(
-        [["planted_x", "nothing", 30, "-"], ["good", "budget (case 2)", 30, "seq 0 head 0"]], columns=COLUMNS
+        [["planted_x", "nothing", 30, "-", "-"], ["good", "budget (case 2)", 30, "seq 0 head 0", "1.5"]],
+        columns=COLUMNS,
     )
     assert detection_problems(table, planted={"planted_x"}) == [
         "planted bug planted_x was not caught (30 cases run)",

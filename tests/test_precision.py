@@ -1,6 +1,7 @@
 """Declared working precisions (kernels/protocol.py WorkingPrecision): a backend that keeps its state in bf16
-by its documented design is judged against the baseline at that precision, every record keeping its ratio to
-the strict limits; a planted bug on top is still caught; a declaration that hides nothing is reported."""
+by its documented design, or computes its float32 matmuls in TF32, is judged against the baseline at that
+precision, every record keeping its ratio to the strict limits; a planted bug on top is still caught; a
+declaration that hides nothing is reported; a declaration holds only where the library states it."""
 
 from __future__ import annotations
 
@@ -19,7 +20,15 @@ from kda_kernels.torch_chunk import TorchChunk
 from kda_reports.precision import precision_costs
 
 PLUGINS = Path(__file__).with_name("plugins")
-BACKENDS = ("declared_bf16_state", "undeclared_bf16_state", "declared_bf16_state_and_a_bug", "declared_needlessly")
+BACKENDS = (
+    "declared_bf16_state",
+    "undeclared_bf16_state",
+    "declared_bf16_state_and_a_bug",
+    "declared_needlessly",
+    "declared_tf32_dots",
+    "undeclared_tf32_dots",
+    "declared_tf32_dots_and_twice_its_error",
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +39,7 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
         chosen = [arg for name in BACKENDS for arg in ("--backend", name)]
         code = main(["run", "--device", "cpu", "--plugin", "kda_declared", *chosen, "--out", str(out),
                      "--no-dashboard"])  # fmt: skip
-    assert code == 1  # the planted bug and the undeclared bf16 state fail
+    assert code == 1  # the planted bugs and the undeclared designs fail
     [parquet] = (out / "runs").glob("*.parquet")
     return pd.read_parquet(parquet)
 
@@ -81,3 +90,42 @@ def test_flashkda_declares_its_documented_state_precision() -> None:
         assert "flashkda-v1-deep-dive.md" in precision.source and "section 3" in precision.source
     with pytest.raises(ValueError, match="source"):
         WorkingPrecision("bf16", 16, " ")
+
+
+def test_tf32_dots_declared_pass_their_fp32_cases_with_their_cost_shown(records: pd.DataFrame) -> None:
+    declared = records[records["backend"] == "declared_tf32_dots"]
+    assert set(declared["verdict"]) == {"pass"} and set(declared["precision"]) == {"tf32 dots"}
+    fp32 = declared[declared["case_dtype"] == "fp32"]
+    assert fp32["strict_ratio"].max() > 100  # TF32's 10-bit mantissa against float32's limits
+    undeclared = records[records["backend"] == "undeclared_tf32_dots"]
+    assert set(undeclared[undeclared["case_dtype"] == "fp32"]["verdict"]) == {"fail"}
+    costs = precision_costs(records).set_index("backend")
+    assert costs.loc["declared_tf32_dots", "over_strict"] > 0
+
+
+def test_a_kernel_worse_than_its_declared_tf32_design_still_fails(records: pd.DataFrame) -> None:
+    worse = records[records["backend"] == "declared_tf32_dots_and_twice_its_error"]
+    failed = worse[(worse["verdict"] == "fail") & (worse["case_dtype"] == "fp32")]
+    assert not failed.empty and failed["rel_rms_ratio"].min() > 1.2
+
+
+def test_a_declaration_holds_only_on_its_platforms_and_library_versions() -> None:
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    nvidia = WorkingPrecision(dots="tf32", source="a test", platforms=("nvidia",), versions=("0.6.0",))
+    assert not nvidia.holds_on(cpu, "0.6.0")  # Triton's CPU interpreter computes IEEE dots
+    if torch.version.hip is None:
+        assert nvidia.holds_on(gpu, "0.6.0") and not nvidia.holds_on(gpu, "0.7.0")
+    assert nvidia.holds_on.__doc__ and WorkingPrecision(dots="tf32", source="a test").holds_on(cpu, "")
+    assert nvidia.label == "tf32 dots" and nvidia.unit_roundoff == 2.0**-11
+    with pytest.raises(ValueError, match="declares nothing"):
+        WorkingPrecision(source="a test")
+    with pytest.raises(ValueError, match="platforms"):
+        WorkingPrecision(dots="tf32", source="a test", platforms=("tpu",))
+
+
+def test_the_libraries_that_state_tf32_dots_declare_them_with_the_line_that_states_it() -> None:
+    for name in ("fla_chunk", "fla_chunk32"):
+        precision = registry.get(name).working_precision
+        assert precision is not None and precision.dots == "tf32" and precision.platforms == ("nvidia",)
+        assert "fla/ops/kda/chunk_intra.py" in precision.source and "0.6.0" in precision.versions
+    assert registry.get("fla_recurrent").working_precision is None

@@ -125,7 +125,9 @@ def test_a_seed_draws_the_same_cases_and_another_seed_others() -> None:
 
 
 def test_unknown_profile_is_named() -> None:
-    with pytest.raises(ValueError, match="profile 'weekly' is not defined; choose from smoke, ci, nightly, long"):
+    with pytest.raises(
+        ValueError, match="profile 'weekly' is not defined; choose from smoke, ci, cpu-nightly, nightly, long"
+    ):
         get_profile("weekly")
 
 

@@ -75,7 +75,7 @@ def test_zero_baseline_error_still_gives_a_positive_budget() -> None:
     exact = tensor_error("o", torch.ones(1, 4, 1, 2, dtype=F64), torch.ones(1, 4, 1, 2, dtype=F64))
     assert exact.max_abs == 0.0
     budget = derive_budget(CASE, "o", exact, reference_max_abs=3.0)
-    floor = UNIT_ROUNDOFF["bf16"] + 5 * 2.0 * UNIT_ROUNDOFF["fp32"]  # lambda sqrt(4 tokens) float32 steps
+    floor = UNIT_ROUNDOFF["bf16"] + 5 * math.sqrt(4 + 128) * UNIT_ROUNDOFF["fp32"]  # 4 tokens and one 128-chunk
     assert budget.max_abs.binding == "floor" and budget.max_abs.value == pytest.approx(floor * 3.0)
     assert budget.rel_rms.binding == "floor" and budget.rel_rms.value == pytest.approx(floor)
 
@@ -103,13 +103,32 @@ def test_a_non_finite_truth_or_baseline_makes_the_case_invalid_not_the_budget_lo
 
 def test_state_budgets_use_the_state_dtype() -> None:
     zero = tensor_error("final_state", torch.zeros(1, 1, 4, 2, dtype=F64), torch.zeros(1, 1, 4, 2, dtype=F64))
-    fp32_state = derive_budget(CASE, "final_state", zero, reference_max_abs=1.0)
-    bf16_state = derive_budget(CASE.replace(state_dtype="bf16"), "final_state", zero, reference_max_abs=1.0)
-    assert fp32_state.max_abs.value == pytest.approx(11 * 2.0**-24)
-    assert bf16_state.max_abs.value == pytest.approx(2.0**-8 + 10 * 2.0**-24)
+    growth = 5 * math.sqrt(4 + 128) * 2.0**-24
+    fp32_case = CASE.replace(dtype="fp32")
+    fp32_state = derive_budget(fp32_case, "final_state", zero, reference_max_abs=1.0)
+    bf16_state = derive_budget(fp32_case.replace(state_dtype="bf16"), "final_state", zero, reference_max_abs=1.0)
+    assert fp32_state.max_abs.value == pytest.approx(2.0**-24 + growth)
+    assert bf16_state.max_abs.value == pytest.approx(2.0**-8 + growth)
+    # An fp32 state computed from bf16 inputs: a quarter of bf16's unit roundoff, not float32's.
+    from_bf16 = derive_budget(CASE, "final_state", zero, reference_max_abs=1.0)
+    assert from_bf16.max_abs.value == pytest.approx(2.0**-10 + growth)
 
 
-@pytest.mark.parametrize("field", ["max_abs_factor", "rel_rms_factor", "floor_ulps", "floor_lambda"])
+def test_where_the_baseline_breaks_down_past_the_cap_no_kernel_is_held_beyond_it() -> None:
+    """A case the working precision cannot compute (the baseline past the cap): the limit is the baseline's own
+    error, not the cap below it (a correct kernel as good as the baseline passes) nor a multiple of it."""
+    want = torch.ones(1, 4, 1, 2, dtype=F64)
+    broken = tensor_error("o", want + 0.5, want)  # 50 %: past bf16's cap of sqrt(2^-8) = 6.25 %
+    budget = derive_budget(CASE, "o", broken, reference_max_abs=1.0)
+    for limit in budget.limits:
+        assert limit.binding == "breakdown" and limit.value == pytest.approx(limit.baseline) and limit.value > limit.cap
+    message = judge(want + 0.6, want, budget, torch.bfloat16).message()
+    assert "the working precision breaks down past the cap" in message
+
+
+@pytest.mark.parametrize(
+    "field", ["max_abs_factor", "rel_rms_factor", "floor_ulps", "floor_lambda", "working_fraction"]
+)
 def test_rule_constants_must_be_positive(field: str) -> None:
     with pytest.raises(ValueError, match=f"BudgetRule.{field} must be a positive finite number"):
         BudgetRule(**{field: 0.0})

@@ -5,11 +5,13 @@ for leaking the future. Otherwise the largest change of the outputs before p is 
 to the case's max-abs limit and where it starts relative to the chunk (of the backend's ``chunk_tokens``)
 that holds token p. Two tiers:
 
-- a change beyond the limit, or one that reaches tokens before that chunk (or another sequence), is a
-  causal leak: a failure;
-- a change within the limit inside that chunk is "not batch-invariant" (a chunked kernel may round a
-  chunk's outputs differently when its later tokens differ): a warning, failed under
-  --kda-batch-invariant (for kernels that promise batch invariance) and --kda-strict.
+- a change beyond the limit is a causal leak: a failure;
+- a change within the limit is "not batch-invariant", wherever it starts: a warning, failed under
+  --kda-batch-invariant (for kernels that promise batch invariance) and --kda-strict. A chunked kernel may
+  round a chunk's outputs differently when its later tokens differ, and one whose batched matmuls or
+  inter-chunk scan take every chunk of the call together may round earlier chunks differently too (the
+  baseline at 16- and 32-token chunks moved token 0 by 0.047 of the limit when tokens from 55 on changed):
+  a change the limit allows is rounding, not the future reaching the past.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> lis
         if token < start
         else f"from token {token}, inside the {backend.chunk_tokens}-token chunk that holds token {p} (from {start})"
     )
-    leak = change > limit or token < start
+    leak = change > limit
     text = f"outputs before token {p} changed by max-abs {change:.3e} ({change / limit:.3g} of the limit) {where}"
     finding = judge.problem(subject, text, Location(row=row, token=token, head=head), "o")
     if leak:
@@ -115,8 +117,7 @@ CHECK = Check(
     suite="properties",
     test_name="test_prefix_outputs_ignore_later_tokens",
     summary="Changing every token at and after p leaves the outputs before p unchanged: a change beyond the "
-    "limit or before p's chunk is a causal leak; one within the limit inside p's chunk is reported as not "
-    "batch-invariant.",
+    "limit is a causal leak; one within the limit, wherever it starts, is reported as not batch-invariant.",
     draw=draw,
     run=run,
     ci_seed=0x412B4B5CD4EE363F85931D8E9BCF41C442DC362756D820DA475117D06B6CE6EB8F27689F5E33B921ECE8569F85CDEA80,

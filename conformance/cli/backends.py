@@ -42,10 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _declared(backend: Backend) -> dict[str, str]:
     libraries = ", ".join(library.name for library in backend.libraries) or "-"
     precision = backend.working_precision
-    return {
-        "library": libraries,
-        "precision": "-" if precision is None else f"{precision.label} ({precision.source})",
-    }
+    if precision is None:
+        return {"library": libraries, "precision": "-"}
+    where = f" on {', '.join(precision.platforms)}" if precision.platforms else ""
+    versions = f", read in {', '.join(precision.versions)}" if precision.versions else ""
+    return {"library": libraries, "precision": f"{precision.label}{where}{versions} ({precision.source})"}
 
 
 def envelopes_markdown(names: list[str]) -> str:

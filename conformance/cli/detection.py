@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", choices=list(PROFILES), default="ci", help="sweep profile (default: ci)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     parser.add_argument("--seed", type=int, default=None, help="seed of a randomized profile")
+    parser.add_argument(
+        "--examples", type=int, default=None, metavar="N", help="cases per check and backend (default: the profile's)"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: ./out)")
     parser.add_argument("--table", type=Path, default=None, help="also write the markdown table to this file")
 
@@ -90,13 +93,14 @@ def pytest_command(
     out: Path,
     seed: int | None = None,
     strict: bool = False,
+    examples: int | None = None,
 ) -> list[str]:
     """The pytest command line the detection run uses (the plugin loads itself through ``-p``), its options
     from the one table of run options."""
     command = [sys.executable, "-m", "pytest", *(str(CONFORMANCE / name) for name in SUITES)]
     command += ["-q", "-p", "kda_conformance.plugin", "-p", "no:cacheprovider", "--import-mode=importlib"]
     values = {"device": device, "profile": profile, "out": out, "plugin": plugins, "backend": backends}
-    return command + pytest_argv({**values, "seed": seed, "strict": strict})
+    return command + pytest_argv({**values, "seed": seed, "strict": strict, "examples": examples})
 
 
 def run_detection(
@@ -109,10 +113,11 @@ def run_detection(
     env: dict[str, str] | None = None,
     echo: Callable[[str], None] | None = None,
     strict: bool = False,
+    examples: int | None = None,
 ) -> DetectionRun:
     """Run the checks and the corpus for ``backends`` and tabulate what caught each; ``echo`` gets pytest's
     output line by line as it comes (its progress), for a run that takes minutes; ``strict``: warnings fail."""
-    command = pytest_command(backends, plugins, profile, device, out, seed, strict)
+    command = pytest_command(backends, plugins, profile, device, out, seed, strict, examples)
     lines = []
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as process:
         assert process.stdout is not None
@@ -126,7 +131,10 @@ def run_detection(
         raise RuntimeError(f"the detection run wrote no checks file (exit {process.returncode}):\n{output[-3000:]}")
     entries = json.loads(files[-1].read_text())
     titles = {name: check.title for name, check in CHECKS.items()}
-    return DetectionRun(detection_table(entries, backends, titles), entries, process.returncode, output, command)
+    runs = sorted((Path(out) / "runs").glob("*.parquet"), key=lambda p: p.stat().st_mtime)
+    records = read_run(runs[-1]) if runs else None
+    table = detection_table(entries, backends, titles, records)
+    return DetectionRun(table, entries, process.returncode, output, command)
 
 
 def execute(args: argparse.Namespace, console: Console) -> int:
@@ -164,6 +172,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         args.seed,
         echo=lambda line: print(line, flush=True),
         strict=args.strict,
+        examples=args.examples,
     )
     markdown = detection_markdown(run.table, {n: b.description for n, b in backends.items()}, args.command_line)
     runs = sorted((Path(args.out) / "runs").glob("*.parquet"), key=lambda p: p.stat().st_mtime)

@@ -13,6 +13,14 @@ from kda_conformance.judging.metrics import Measurement, Tensors, locate, locate
 from kda_conformance.judging.repro import repro_line
 from kda_reports.findings import Budget, Finding, Location
 
+# How a failure names the term that set its limit (kda_reports.findings.Limit.binding).
+SET_BY = {
+    "baseline": "set by the baseline",
+    "floor": "set by the floor",
+    "cap": "set by the cap",
+    "breakdown": "the baseline's own error: the working precision breaks down past the cap here",
+}
+
 
 def problems_of(case: Case, measurement: Measurement, budget: Budget, dtype: torch.dtype | None) -> list[str]:
     """Why a tensor fails, hard checks first (shape, dtype, non-finite values), then each limit it passes."""
@@ -28,7 +36,7 @@ def problems_of(case: Case, measurement: Measurement, budget: Budget, dtype: tor
     for limit in budget.limits:
         value = getattr(errors, limit.metric)
         if errors.shape_ok and not value <= limit.value:
-            problems.append(f"{limit.metric} {value:.3e} > limit {limit.value:.3e} (set by the {limit.binding})")
+            problems.append(f"{limit.metric} {value:.3e} > limit {limit.value:.3e} ({SET_BY[limit.binding]})")
     return problems
 
 

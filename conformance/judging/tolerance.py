@@ -51,15 +51,19 @@ class BudgetRule:
     rel_rms_factor: float = 2.0
     floor_ulps: float = 1.0
     floor_lambda: float = 5.0
+    working_fraction: float = 0.25
 
     def __post_init__(self) -> None:
-        for name in ("max_abs_factor", "rel_rms_factor", "floor_ulps", "floor_lambda"):
+        for name in ("max_abs_factor", "rel_rms_factor", "floor_ulps", "floor_lambda", "working_fraction"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"BudgetRule.{name} must be a positive finite number, got {value!r}")
 
 
 DEFAULT_RULE = BudgetRule()
+# The largest chunk a KDA kernel is known to take (AITER's chunk_size, the baseline's 128-token variant): its
+# triangular solve and sums of that length round in float32 whatever the sequence's length.
+LARGEST_CHUNK = 128
 
 
 class InvalidTruth(ValueError):
@@ -71,6 +75,8 @@ class InvalidTruth(ValueError):
 def _limit(metric: str, factor: float, baseline: float, floor: float, cap: float) -> Limit:
     cap = max(cap, floor)
     scaled = factor * baseline
+    if baseline > cap:  # the working precision itself breaks down here: no kernel is held past the baseline
+        return Limit(metric, baseline, baseline, floor, cap, "breakdown")
     if scaled >= cap:
         return Limit(metric, cap, baseline, floor, cap, "cap")
     if scaled >= floor:
@@ -85,18 +91,21 @@ def derive_budget(
     reference_max_abs: float,
     rule: BudgetRule = DEFAULT_RULE,
     elements: int = 1,
-    declared_dtype: str | None = None,
+    declared_roundoff: float = 0.0,
 ) -> Budget:
     """Apply the rule to one tensor, given the baseline's errors on it, the reference's largest magnitude
     and the tensor's number of elements (the max-abs floor covers the largest of that many errors). A
-    ``declared_dtype`` (a backend's declared working precision: its state's dtype) is part of the working
-    precision the cap is taken from."""
+    ``declared_roundoff`` (a backend's declared working precision: the unit roundoff of its state's dtype or
+    of its TF32 dots) is part of the working precision the cap is taken from."""
     stored = UNIT_ROUNDOFF[stored_dtype_name(case, tensor)]
-    working = max(UNIT_ROUNDOFF[case.dtype], stored, UNIT_ROUNDOFF[declared_dtype] if declared_dtype else 0.0)
-    growth = math.sqrt(max(case.seq_lens)) * UNIT_ROUNDOFF["fp32"]
-    floor_rel_rms = rule.floor_ulps * stored + rule.floor_lambda * growth
+    working = max(UNIT_ROUNDOFF[case.dtype], stored, declared_roundoff)
+    # A state stored in float32 is computed from intermediates kept in the input dtype: no correct kernel is
+    # held below a quarter of that dtype's unit roundoff.
+    resolution = max(stored, rule.working_fraction * working)
+    growth = math.sqrt(max(case.seq_lens) + LARGEST_CHUNK) * UNIT_ROUNDOFF["fp32"]
+    floor_rel_rms = rule.floor_ulps * resolution + rule.floor_lambda * growth
     lambda_max = math.sqrt(rule.floor_lambda**2 + 2 * math.log(max(elements, 1)))
-    floor_max_abs = (rule.floor_ulps * stored + lambda_max * growth) * reference_max_abs
+    floor_max_abs = (rule.floor_ulps * resolution + lambda_max * growth) * reference_max_abs
     cap = math.sqrt(working)
     return Budget(
         tensor,
@@ -110,9 +119,9 @@ def case_budgets(
     truth: Tensors,
     baseline: Iterable[Measurement],
     rule: BudgetRule = DEFAULT_RULE,
-    declared_dtype: str | None = None,
+    declared_roundoff: float = 0.0,
 ) -> dict[str, Budget]:
-    """Budgets for every tensor the baseline was measured on, keyed by tensor name (``declared_dtype``: see
+    """Budgets for every tensor the baseline was measured on, keyed by tensor name (``declared_roundoff``: see
     ``derive_budget``)."""
     budgets = {}
     for measured in baseline:
@@ -128,6 +137,12 @@ def case_budgets(
             )
         ref_max = float(ref.abs().max()) if ref.numel() else 0.0
         budgets[measured.tensor] = derive_budget(
-            case, measured.tensor, measured.errors, ref_max, rule, elements=ref.numel(), declared_dtype=declared_dtype
+            case,
+            measured.tensor,
+            measured.errors,
+            ref_max,
+            rule,
+            elements=ref.numel(),
+            declared_roundoff=declared_roundoff,
         )
     return budgets

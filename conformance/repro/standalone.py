@@ -17,7 +17,7 @@ from kda_cases.case import Case
 from kda_cases.files import atomic_write_text
 from kda_cases.materialize import cu_seqlens_tensor
 from kda_conformance.checking.served import serving_case
-from kda_conformance.running.truth import case_truth
+from kda_conformance.running.truth import case_truth, declared_precision
 from kda_kernels import registry
 from kda_kernels.protocol import Backend
 from kda_kernels.serving import NULL_SLOT, build_pool, new_out, plan_pool
@@ -135,7 +135,8 @@ def write_standalone(
     ``check`` (the finding's check), holding every limit the suite judges on it: max-abs and rel-RMS of the
     output, the final states and the checkpoint states, at the backend's declared working precision."""
     served = serving_case(case, backend)
-    truth = case_truth(served, device, precision=backend.working_precision)
+    declared = declared_precision(backend, device)
+    truth = case_truth(served, device, precision=declared)
     plan = plan_pool(served)
     # The pool and buffer the serving harness starts from, built without calling the backend: a kernel that
     # crashes (a sticky device error) still gets its file.
@@ -267,7 +268,6 @@ def write_standalone(
             assert not problems, "\\n".join(problems)
         """
     )
-    declared = backend.working_precision
     # The finding names its case (the test function takes its id); the file holds it as the server is handed it.
     as_served = f" (the finding's {case.id}, as served)" if served.id != case.id else ""
     precision = f" at its declared working precision ({declared.label})" if declared is not None else ""

@@ -29,7 +29,7 @@ from kda_conformance.running.quarantine import Quarantine
 from kda_conformance.running.runner import blamed, fault_finding
 from kda_conformance.running.search import ExampleLog
 from kda_conformance.running.stages import CLOCK
-from kda_conformance.running.truth import CaseTruth
+from kda_conformance.running.truth import CaseTruth, declared_precision
 from kda_conformance.running.truths import TruthCache
 from kda_kernels import registry
 from kda_kernels.guard import BackendFault, end_process
@@ -126,7 +126,7 @@ class Run:
                     dataclasses.replace(judge.outcome(quarantined.verdict, quarantined.reason), observed=NOT_LAUNCHED)
                 ]
             else:
-                precision = backend.working_precision
+                precision = declared_precision(backend, self.config.device)
                 findings = self._attempts(judge, check_run, precision)
         except BaseException:
             self.calls.settle()  # an interrupt: nothing of this call is recorded, and nothing died in it

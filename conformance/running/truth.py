@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -16,10 +17,11 @@ from kda_conformance.judging.tolerance import DEFAULT_RULE, BudgetRule, case_bud
 from kda_conformance.running.stages import CLOCK
 from kda_kernels import registry, world
 from kda_kernels.guard import run_backend_call
-from kda_kernels.protocol import WorkingPrecision
+from kda_kernels.protocol import Backend, WorkingPrecision
 from kda_kernels.torch_chunk import TorchChunk
 from kda_reference.recurrent import ReferenceResult
 from kda_reference.run import reference_form, run_reference
+from kda_reports.environment import library_version
 from kda_reports.findings import Budget
 
 # The same-precision baseline the tolerance rule scales (kernels/torch_chunk.py), by its registered name.
@@ -82,12 +84,28 @@ def at_precision(strict: CaseTruth, precision: WorkingPrecision, rule: BudgetRul
         baseline = run_backend_call(TorchChunk.at_precision(precision), inputs)
     with CLOCK.stage("compare", device):
         measured = measure_result(case, strict.reference, baseline)
-        declared = case_budgets(case, strict.reference, measured, rule, declared_dtype=precision.state_dtype)
+        declared = case_budgets(case, strict.reference, measured, rule, declared_roundoff=precision.unit_roundoff)
     budgets = {
         name: dataclasses.replace(budget, precision=precision.label, strict=strict.budgets[name])
         for name, budget in declared.items()
     }
     return _watched(dataclasses.replace(strict, budgets=budgets, precision=precision))
+
+
+def declared_precision(backend: Backend, device: torch.device) -> WorkingPrecision | None:
+    """The working precision ``backend`` declares, where its design holds for this run: on ``device``'s
+    platform and the installed version of its libraries (``WorkingPrecision.holds_on``); None (the strict
+    baseline) elsewhere. FLA's TF32 dots are NVIDIA's: in Triton's CPU interpreter its dots are IEEE."""
+    precision = backend.working_precision
+    if precision is None:
+        return None
+    versions = " ".join(_version(library.distribution, library.source_variable) for library in backend.libraries)
+    return precision if precision.holds_on(device, versions) else None
+
+
+@functools.cache
+def _version(distribution: str, source_variable: str) -> str:
+    return library_version(distribution, source_variable)
 
 
 REFERENCE_TENSORS = ("o", "final_state", "checkpoint_states")

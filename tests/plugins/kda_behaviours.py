@@ -109,7 +109,8 @@ class NotBatchInvariant(TorchChunk):
 
 
 class TinyFarLeak(TorchChunk):
-    """Outputs move by a hair with the token 64 places later: tiny, but from beyond their own chunk."""
+    """Outputs move by a hair with the token 64 places later: from beyond their own chunk, but within the limit,
+    where the prefix check cannot tell it from rounding (a warning)."""
 
     name = "test_tiny_far_leak"
 

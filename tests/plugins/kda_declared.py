@@ -1,13 +1,20 @@
 """Backends that declare a working precision (kda_kernels.api WorkingPrecision) for the tests of declared
 precisions (tests/test_precision.py): a kernel that keeps its state in bf16 between 16-token chunks by
-design, the same kernel with a planted bug on top, and a kernel that declares a bf16 state it does not have."""
+design, the same kernel with a planted bug on top, a kernel that declares a bf16 state it does not have; a
+kernel whose float32 matmuls take TF32 operands by design, undeclared, and with twice its own error added."""
 
 from __future__ import annotations
 
+import torch
+
+from kda_cases.dtypes import stored
 from kda_kernels.api import BackendOutput, KDAInputs, WorkingPrecision, register
 from kda_kernels.torch_chunk import TorchChunk
+from kda_reference.chunked import kda_chunked
 
-BF16_STATE = WorkingPrecision(state_dtype="bf16", chunk=16, source="tests/plugins/kda_declared.py (a test's design)")
+SOURCE = "tests/plugins/kda_declared.py (a test's design)"
+BF16_STATE = WorkingPrecision(state_dtype="bf16", chunk=16, source=SOURCE)
+TF32_DOTS = WorkingPrecision(dots="tf32", source=SOURCE)
 
 
 class Bf16StateByDesign(TorchChunk):
@@ -40,5 +47,45 @@ class DeclaresWhatItDoesNotDo(TorchChunk):
     working_precision = BF16_STATE
 
 
-for backend in (Bf16StateByDesign, Bf16StateUndeclared, Bf16StateAndABug, DeclaresWhatItDoesNotDo):
+class Tf32DotsByDesign(TorchChunk):
+    name = "declared_tf32_dots"
+    description = "chunked KDA with its matmul operands rounded to TF32, declared"
+    working_precision = TF32_DOTS
+
+    def __init__(self) -> None:
+        super().__init__(tf32_dots=True)
+
+
+class Tf32DotsUndeclared(Tf32DotsByDesign):
+    name = "undeclared_tf32_dots"
+    description = "the same kernel, its TF32 dots not declared"
+    working_precision = None
+
+
+class Tf32DotsTripleError(Tf32DotsByDesign):
+    name = "declared_tf32_dots_and_twice_its_error"
+    description = "the declared TF32 kernel with twice its own error added on top (its error tripled)"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        x, case = inputs, inputs.case
+        exact = kda_chunked(x.q, x.k, x.v, x.g, x.beta, x.options)  # float64
+
+        def off(got: torch.Tensor, truth: torch.Tensor, tensor: str) -> torch.Tensor:
+            return stored(case, tensor, (truth + 3 * (got.double() - truth)).float())
+
+        return BackendOutput(
+            o=off(out.o, exact.o, "o"), final_state=off(out.final_state, exact.final_state, "final_state")
+        )
+
+
+for backend in (
+    Bf16StateByDesign,
+    Bf16StateUndeclared,
+    Bf16StateAndABug,
+    DeclaresWhatItDoesNotDo,
+    Tf32DotsByDesign,
+    Tf32DotsUndeclared,
+    Tf32DotsTripleError,
+):
     register(backend.name, backend)

@@ -1,0 +1,67 @@
+"""Correct implementations that round elsewhere never go red (tests/plugins/kda_correct_variants.py).
+
+One detection run of every control over every check of the ``ci`` profile and the corpus, with 25 examples
+per test: the baseline's algebra in 16-, 32- and 128-token chunks, a token-serial float32 loop, a parallel
+scan of the chunks' state maps, and TF32 dots declared as a design. Each must pass everything, the worst
+error/limit of each is in the table (docs/detection.md), and the planted zoo is still caught by the same rules
+(tests/test_planted_bugs.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from kda_conformance.cli.detection import DetectionRun, run_detection
+from kda_reports.detection import detection_problems
+
+PLUGINS = Path(__file__).with_name("plugins")
+EXAMPLES = 25
+
+
+@pytest.fixture(scope="module")
+def variants() -> dict[str, str]:
+    sys.path.insert(0, str(PLUGINS))
+    try:
+        import kda_correct_variants
+    finally:
+        sys.path.remove(str(PLUGINS))
+    return kda_correct_variants.VARIANTS
+
+
+@pytest.fixture(scope="module")
+def detection(variants: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> DetectionRun:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
+    out = tmp_path_factory.mktemp("controls")
+    return run_detection(
+        list(variants), ["kda_correct_variants"], out, profile="ci", device="cpu", env=env, examples=EXAMPLES
+    )
+
+
+def test_the_controls_are_the_variants_the_rules_were_changed_for(variants: dict[str, str]) -> None:
+    assert set(variants) == {
+        "correct_chunk16", "correct_chunk32", "correct_chunk128", "correct_token_loop_fp32", "correct_parallel_scan",
+        "correct_tf32_dots",
+    }  # fmt: skip
+
+
+def test_every_correct_variant_passes_every_check_with_25_examples(detection: DetectionRun) -> None:
+    table = detection.table.set_index("backend")
+    assert detection_problems(detection.table, planted=()) == [], detection.output[-4000:]
+    assert detection.returncode == 0, detection.output[-4000:]
+    for name, row in table.iterrows():
+        # Every property test ran its 25 examples (a control that failed would have stopped early).
+        assert row["cases run"] >= 9 * EXAMPLES, (name, row["cases run"])
+        assert float(row["worst ratio"]) <= 1.0, (name, row["worst ratio"])  # 1: the baseline itself, broken down
+
+
+def test_each_property_test_ran_every_example(detection: DetectionRun) -> None:
+    short = [
+        (test, entry["examples"])
+        for test, entry in detection.entries.items()
+        if entry["check"] != "corpus" and entry["examples"] and entry["examples"] < EXAMPLES
+    ]
+    assert not short, short
