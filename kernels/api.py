@@ -10,7 +10,16 @@ from kda_cases.case import Case
 from kda_cases.dtypes import stored
 from kda_cases.envelope import Envelope
 from kda_cases.materialize import KDAInputs
-from kda_kernels.protocol import Backend, BackendOutput, Library, Support, Unsupported, WorkingPrecision, relayout
+from kda_kernels.protocol import (
+    Backend,
+    BackendOutput,
+    Library,
+    LibraryTolerance,
+    Support,
+    Unsupported,
+    WorkingPrecision,
+    relayout,
+)
 from kda_kernels.registry import register
 
 __all__ = [
@@ -20,6 +29,7 @@ __all__ = [
     "Envelope",
     "KDAInputs",
     "Library",
+    "LibraryTolerance",
     "Support",
     "Unsupported",
     "WorkingPrecision",

@@ -39,6 +39,32 @@ def relayout(state: torch.Tensor, v_first: bool, to_v_first: bool) -> torch.Tens
 
 
 @dataclass(frozen=True)
+class LibraryTolerance:
+    """The tolerance a library's own tests assert on its kernel, with the file they are in: what its
+    maintainers accept. Every record of its backends carries its ratio to it beside the suite's limits, and
+    every finding says whether it is beyond it (reports/findings.py ``Finding.tier``). The metric is the
+    suite's rel-RMS (RMS of the error over RMS of the reference), the one FLA's ``get_err_ratio`` and AITER's
+    relative L2 norm compute; their references are float32 loops, the suite's float64."""
+
+    rel_rms: float
+    tensors: tuple[str, ...]  # the tensors the library's tests hold to it ("o", "final_state")
+    source: str  # the test file and the assertion
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.rel_rms, int | float) and self.rel_rms > 0):
+            raise ValueError(f"LibraryTolerance.rel_rms must be a positive number, got {self.rel_rms!r}")
+        unknown = [t for t in self.tensors if t not in ("o", "final_state", "checkpoint_states")]
+        if not self.tensors or unknown:
+            raise ValueError(f"LibraryTolerance.tensors {self.tensors!r}: name o, final_state or checkpoint_states")
+        if not self.source.strip():
+            raise ValueError("LibraryTolerance.source must cite the test that asserts it")
+
+    def limit(self, tensor: str) -> float:
+        """Its rel-RMS limit on ``tensor`` (NaN where its tests do not hold that tensor)."""
+        return self.rel_rms if tensor in self.tensors else float("nan")
+
+
+@dataclass(frozen=True)
 class Library:
     """The library a backend's kernel comes from, declared once: the run's environment records its version
     (or its source tree's commit), every record names it, the findings page's kernel column and a standalone
@@ -49,6 +75,7 @@ class Library:
     source_variable: str = ""  # the KDA_*_SRC variable that names its source tree, where it may run from one
     module: str = ""  # its import name (a standalone file imports it, or skips naming what is missing)
     install: str = ""  # how to get it
+    tolerance: LibraryTolerance | None = None  # what its own tests assert (None: not established)
 
 
 # Where a declared design holds: the platform a kernel runs on (``platform_of``).
@@ -169,7 +196,8 @@ class Backend(ABC):
     envelope: Envelope = ANY
     # Where it computes below the case's precision by its documented design (None: nowhere).
     working_precision: WorkingPrecision | None = None
-    # The libraries its kernel comes from (FLA's dispatch to FlashKDA: both); empty for the suite's own.
+    # The libraries its kernel comes from (FLA's dispatch to FlashKDA: both); empty for the suite's own. The
+    # first that states a tolerance of its own tests is the one its records are held to beside the suite's.
     libraries: tuple[Library, ...] = ()
     # Whether ``run`` returns the states at the case's checkpoints (prefix caching); the serving harness
     # plans checkpoint slots only for backends that do.
@@ -181,6 +209,11 @@ class Backend(ABC):
     # The environment variables ``run`` (or the library it imports) sets on purpose; a change to any other is
     # put back after the call and is the backend's failure (kernels/world.py). Never a ``KDA_*`` variable.
     sets_environment: tuple[str, ...] = ()
+
+    @property
+    def library_tolerance(self) -> LibraryTolerance | None:
+        """The tolerance the first of its libraries that states one asserts in its own tests."""
+        return next((lib.tolerance for lib in self.libraries if lib.tolerance is not None), None)
 
     @abstractmethod
     def availability(self, device: torch.device) -> Support:

@@ -22,7 +22,7 @@ from plotly.offline import get_plotlyjs
 from kda_cases.files import atomic_write
 from kda_cases.sentinels import SENTINEL_GROWTH
 from kda_reports.environment import SUITE_BASELINE
-from kda_reports.findings import VERDICTS, stale_known_issues
+from kda_reports.findings import TIERS, VERDICTS, stale_known_issues
 from kda_reports.precision import precision_costs
 from kda_reports.reach import MISSED, backend_coverage
 from kda_reports.regressions import GROUP, find_regressions, longest, nightly_groups, record_worst, sentinel_worst
@@ -315,6 +315,17 @@ def sentinel_trends(records: pd.DataFrame, runs: pd.DataFrame) -> go.Figure:
     return figure
 
 
+def tier_counts(records: pd.DataFrame) -> pd.DataFrame:
+    """Failing and known records per backend and tier (reports/findings.py TIERS), worst tier first."""
+    if records.empty or "tier" not in records:
+        return pd.DataFrame(columns=["backend", *TIERS])
+    tiered = records[records["tier"].fillna("").astype(str) != ""]
+    if tiered.empty:
+        return pd.DataFrame(columns=["backend", *TIERS])
+    counts = pd.crosstab(tiered["backend"], tiered["tier"])
+    return counts.reindex(columns=[t for t in TIERS if t in counts.columns]).reset_index()
+
+
 def observations(records: pd.DataFrame) -> pd.DataFrame:
     """Cases per backend x check x observation (the records' ``observed`` column), with their verdicts."""
     if "observed" not in records:
@@ -419,6 +430,8 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
         measured["worst"] = record_worst(measured)
         worst = measured.sort_values("worst", ascending=False).head(15)
         columns = ["case_id", "label", "backend", "check", "subject", "tensor", "verdict", "max_abs", "budget", "worst"]
+        if "tier" in worst:  # older stores' records have none
+            columns.append("tier")
         worst_table = worst[[*columns, "repro"]]
         plots = Plots()
         parts += [
@@ -436,11 +449,18 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
             f"<p class='note'>Worst error/limit per backend, case family and tensor against the median of up to "
             f"{window} earlier complete runs; growth flagged past {growth:g} times the median.</p>",
             _table(regressions, "regressions", code_columns=("repro",)),
-            f"<h2>Declared working precisions, {which}</h2>",
-            "<p class='note'>Backends that declare where their kernel computes below the case's precision by its "
-            "documented design (FlashKDA: a bf16 state between 16-token chunks) are judged against the baseline "
-            "at that precision; this is what the design costs against the strict limits, apart from the "
-            "verdicts. A declaration under which every record passes the strict limits is unnecessary.</p>",
+            f"<h2>Failures by tier, {which}</h2>",
+            "<p class='note'>Failing and known records per backend and tier: broken (non-finite, a crash, a wrong "
+            "shape or dtype, memory written that is not the kernel's), beyond the tolerance the library's own "
+            "tests assert, or beyond the suite's working-precision limits only.</p>",
+            _table(tier_counts(last), "tiers"),
+            f"<h2>Cost of design: declared working precisions, {which}</h2>",
+            "<p class='note'>Backends that declare where their kernel computes below the case's precision by a "
+            "design their library states (FlashKDA: a bf16 state between 16-token chunks; FLA's chunk kernels and "
+            "their copies: TF32 float32 matmuls on NVIDIA) are judged against the baseline at that precision; "
+            "this is what the design costs against the strict limits, per input dtype (what a user passing fp32 "
+            "gets), apart from the findings. A declaration under which every record passes the strict limits "
+            "is unnecessary.</p>",
             _table(precision_costs(last), "precision-costs"),
             "<h2>Known issues that no longer reproduce</h2>",
             "<p class='note'>Ledger entries (conformance/known_issues.toml) that matched cases of the last complete "

@@ -32,6 +32,19 @@ VERDICTS = ("pass", "fail", "skip", "error", "resource", "warn", "known")
 FAILED = ("fail", "error")
 # The verdicts worst first: a group of records (a check's tensors and variants) is as bad as its worst.
 WORST_FIRST = ("error", "fail", "warn", "known", "resource", "skip", "pass")
+# How bad a failure is, worst first (``Finding.tier``): broken (non-finite, a crash, a wrong shape or dtype,
+# memory written that is not the kernel's, a repeat or a prefix that moved past the limit), beyond the
+# tolerance the library's own tests assert, beyond the suite's working-precision limits only (within the
+# library's tolerance), or beyond them where the library states no tolerance of its own.
+BROKEN, BEYOND_LIBRARY, BEYOND_PRECISION, NO_CONTRACT = (
+    "broken",
+    "beyond the library's tolerance",
+    "beyond working precision only",
+    "beyond working precision (no library tolerance)",
+)
+TIERS = (BROKEN, BEYOND_LIBRARY, NO_CONTRACT, BEYOND_PRECISION)
+# What the judge starts a wrong dtype's problem with (a hard check, as a wrong shape is).
+DTYPE_PROBLEM = "dtype "
 
 
 @dataclass(frozen=True)
@@ -190,6 +203,9 @@ class Finding:
     # `known` finding the issue it reproduces; on a passing one an entry that always fails, which did not
     # reproduce here (the run tells whether it reproduced anywhere: stale_known_issues).
     known_issue: str = ""
+    # The rel-RMS limit the backend's library asserts on this tensor in its own tests (NaN where it states
+    # none): the maintainers' contract, beside the suite's limits.
+    library_tolerance: float = math.nan
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -229,6 +245,29 @@ class Finding:
         return worst_ratio(self.ratio, self.rel_rms_ratio)
 
     @property
+    def library_ratio(self) -> float:
+        """rel-RMS over the library's own tolerance (NaN where it states none for this tensor)."""
+        if self.errors is None or not self.library_tolerance > 0:
+            return math.nan
+        return ratio(self.errors.rel_rms, self.library_tolerance)
+
+    @property
+    def tier(self) -> str:
+        """How bad a failure (or a known one) is, one of TIERS; "" for anything else."""
+        if self.verdict not in ("fail", "error", "known"):
+            return ""
+        errors = self.errors
+        hard = errors is None or errors.nonfinite > 0 or not errors.shape_ok or not math.isfinite(errors.max_abs)
+        if self.verdict == "error" or hard or any(p.startswith(DTYPE_PROBLEM) for p in self.problems):
+            return BROKEN
+        if self.check == "determinism":  # the same inputs twice, apart past the limit
+            return BROKEN
+        library = self.library_ratio
+        if math.isnan(library):
+            return NO_CONTRACT
+        return BEYOND_LIBRARY if library > 1 else BEYOND_PRECISION
+
+    @property
     def strict_worst(self) -> float:
         """The worst error/limit against the strict baseline's limits, where the backend declared a working
         precision (NaN otherwise): what its design costs, apart from its verdict."""
@@ -266,6 +305,13 @@ class Finding:
                         f"  limits of its declared working precision ({self.budget.precision}); against the strict "
                         f"baseline's: {self.strict_worst:.3g}x"
                     )
+                if not math.isnan(self.library_ratio):
+                    lines.append(
+                        f"  the library's own tests allow rel-RMS {self.library_tolerance:.3g}: "
+                        f"{self.library_ratio:.3g}x that"
+                    )
+                if self.tier:
+                    lines.append(f"  tier: {self.tier}")
                 within = self.errors.max_abs <= self.budget.max_abs.value
                 if within and self.first_bad is not None:  # a failure of the rel-RMS limit alone
                     lines.append(f"  largest error: {self.first_bad} (no point past the max-abs limit)")
@@ -326,6 +372,12 @@ def finding_kind(finding: Finding) -> str:
     return finding.observed
 
 
+def worst_tier(tiers: Iterable[str]) -> str:
+    """The worst of some findings' tiers (TIERS' order), "" where none has one."""
+    present = set(tiers)
+    return next((tier for tier in TIERS if tier in present), "")
+
+
 def grouped_failures(findings: Iterable[Finding]) -> list[tuple[str, str]]:
     """The failures and errors of a run as one block per finding (backend, check, verdict, kind), most cases
     first: ``(label, text)``, the label ``FAIL`` or ``ERROR``, the text saying how many cases, the worst
@@ -341,7 +393,9 @@ def grouped_failures(findings: Iterable[Finding]) -> list[tuple[str, str]]:
         smallest = min(members, key=lambda f: (f.case.total_tokens, f.case.num_v_heads, f.case.head_k_dim))
         worst = max((f.worst for f in members if not math.isnan(f.worst)), default=float("nan"))
         how_bad = "" if math.isnan(worst) else f", worst {worst:.3g}x its limit"
-        text = f"{backend}, check {check}: {kind}: {cases} case{'s' if cases != 1 else ''}{how_bad}; the smallest:\n"
+        tier = worst_tier(f.tier for f in members)
+        text = f"{backend}, check {check}: {kind} [{tier}]: {cases} case{'s' if cases != 1 else ''}{how_bad}; "
+        text += "the smallest:\n"
         text += "\n".join("  " + line for line in smallest.message().splitlines())
         blocks.append(("ERROR" if verdict == "error" else "FAIL", text))
     return blocks

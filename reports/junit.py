@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from kda_cases.files import atomic_write_text
-from kda_reports.findings import worst_first_rank, worst_ratios
+from kda_reports.findings import worst_first_rank, worst_ratios, worst_tier
 
 # Characters XML 1.0 cannot hold (control characters; a lone surrogate is escaped before this).
 NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
@@ -36,12 +36,13 @@ def junit_xml(records: pd.DataFrame, suite: str = "kda-conformance") -> str:
         )  # fmt: skip
         properties = ET.SubElement(element, "properties")
         worst = worst_ratios(part).max()
+        tier = worst_tier(part["tier"].fillna("").astype(str)) if "tier" in part else ""
         for name, value in (("backend", backend), ("check", check), ("case_id", case_id),
-                            ("worst_ratio", "" if math.isnan(worst) else f"{worst:.4g}"),
+                            ("worst_ratio", "" if math.isnan(worst) else f"{worst:.4g}"), ("tier", tier),
                             ("repro", str(row.get("repro", "") or ""))):  # fmt: skip
             ET.SubElement(properties, "property", name=name, value=_text(value))
         verdict, reason = str(row["verdict"]), str(row.get("reason", "") or "")
-        message = _text(f"{row.get('tensor', '') or 'call'}: {reason}".strip())
+        message = _text(f"{f'[{tier}] ' if tier else ''}{row.get('tensor', '') or 'call'}: {reason}".strip())
         repro = _text(row.get("repro", "") or "")
         if verdict == "fail":
             counts["failures"] += 1

@@ -69,9 +69,16 @@ RECORD_COLUMNS: dict[str, str] = {
     "baseline_rel_rms": "rel-RMS error of the same-precision baseline on this case",
     "budget_rel_rms_binding": "which term set the rel-RMS limit",
     "precision": "the working precision the backend declares by its documented design (`bf16 state every 16 "
-    "tokens`), whose baseline set this row's limits; '' where it declares none (the limits are the strict ones)",
+    "tokens`, `tf32 dots`), whose baseline set this row's limits; '' where it declares none (the limits are the "
+    "strict ones)",
     "strict_ratio": "with a declared precision: the worst error/limit against the strict baseline's limits (the "
     "case's own precision), what the design costs apart from the verdict; NaN otherwise",
+    "library_tolerance": "the rel-RMS limit the backend's library asserts on this tensor in its own tests (FLA's "
+    "tests/ops/test_kda.py: 0.005 on o and the final state; kernels/libraries.py cites each); NaN where it states none",
+    "library_ratio": "rel_rms / library_tolerance: the error against what the library's maintainers accept",
+    "tier": "how bad a failure is: `broken` (non-finite, a crash, a wrong shape or dtype, memory written that is not "
+    "the kernel's, a repeat that moved), `beyond the library's tolerance`, `beyond working precision only` (within "
+    "it), `beyond working precision (no library tolerance)`; '' on a pass, a skip or a warning",
     "library": "the library (and version) the backend's kernel comes from, as the backend declares it: "
     "`fla-core 0.6.0`, `vLLM 1a2b3c (KDA_VLLM_SRC)`; '' for the suite's own and undeclared backends",
     "test": "pytest node id (pytest runs only)",
@@ -152,12 +159,15 @@ def record_row(finding: Finding) -> dict:
         "reference_seconds": finding.reference_seconds,
     }
     errors, budget = finding.errors, finding.budget
+    row["tier"] = finding.tier
     if errors is None or budget is None:
         return {**row, "tensor": finding.tensor, "verdict": finding.verdict}
     return {
         **row,
         "tensor": finding.tensor,
         "verdict": finding.verdict,
+        "library_tolerance": finding.library_tolerance,
+        "library_ratio": finding.library_ratio,
         "budget": budget.max_abs.value,
         "ratio": finding.ratio,
         "budget_rel_rms": budget.rel_rms.value,
@@ -205,6 +215,8 @@ NUMBER_COLUMNS = (
     "budget_cap",
     "baseline_rel_rms",
     "strict_ratio",
+    "library_tolerance",
+    "library_ratio",
     "env_multiprocessors",
 )
 FINITE_COLUMNS = ("seconds", "reference_seconds")  # times: a NaN or an infinity is not a time

@@ -44,6 +44,18 @@ from kda_reports.schema import record_rows
 NOT_LAUNCHED = "not launched"
 
 
+def with_library_tolerance(findings: Sequence[Finding], backend: Backend) -> list[Finding]:
+    """The findings with the tolerance ``backend``'s library asserts on each tensor in its own tests, where it
+    states one (``Finding.library_ratio`` and ``tier`` follow from it)."""
+    tolerance = backend.library_tolerance
+    if tolerance is None:
+        return list(findings)
+    return [
+        dataclasses.replace(f, library_tolerance=tolerance.limit(f.tensor)) if f.tensor and f.errors else f
+        for f in findings
+    ]
+
+
 class Run:
     """A run's state: created by a front end from its :class:`RunConfig`."""
 
@@ -138,7 +150,7 @@ class Run:
         # A quarantined case launched nothing: its reason names the earlier crash, but this context is alive.
         # Taken before the ledger: a device left dead is never a known issue's to keep running on.
         lost = [f for f in findings if f.verdict == "error" and is_sticky(f.reason)] if not quarantined else []
-        findings = apply_known(findings)
+        findings = apply_known(with_library_tolerance(findings, backend))
         if lost:
             self.quarantine.add(backend.name, case, check.name, lost[0].reason)
             raise DeviceLost(
