@@ -81,6 +81,7 @@ def _run_config(config: pytest.Config):
             out=option("--kda-out"),
             strict=option("--kda-strict"),
             batch_invariant=option("--kda-batch-invariant"),
+            redraws=option("--kda-redraws"),
             reference_form=option("--kda-reference-form"),
             command="pytest " + " ".join(shlex.quote(a) for a in _recorded_args(config.invocation_params.args)),
             run_id=run_id,

@@ -108,11 +108,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if not rows:
         return
     noted = Counter(
-        (r["verdict"], r["backend"], r["check"], r["observed"]) for r in rows if r["verdict"] in ("known", "warn")
+        (r["verdict"], r["backend"], r["check"], r["observed"])
+        for r in rows
+        if r["verdict"] in ("known", "warn", "marginal")
     )
     stale = stale_known_issues(pd.DataFrame(rows))
     if noted or not stale.empty:
-        tr.section("KDA conformance: known issues and warnings (not failures of this run)")
+        tr.section("KDA conformance: known issues, marginal failures and warnings (not failures of this run)")
         for (verdict, backend, check, observed), count in sorted(noted.items()):
             tr.write_line(f"{verdict}: {backend} {check} {observed}: {count} findings")
         for line in stale_lines(stale, run.config.strict):

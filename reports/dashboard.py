@@ -48,7 +48,7 @@ details code { display: block; max-width: 60ch; }
 
 
 # The colour of a verdict's count in a table of counts per verdict (a failure red, a pass green).
-COUNT_CLASS = {"fail": "fail", "error": "fail", "pass": "pass", "known": "warn", "warn": "warn"}
+COUNT_CLASS = {"fail": "fail", "error": "fail", "pass": "pass", "known": "warn", "warn": "warn", "marginal": "warn"}
 
 
 def _table(frame: pd.DataFrame, table_id: str, code_columns: tuple[str, ...] = ()) -> str:
@@ -139,7 +139,7 @@ def error_vs_length(records: pd.DataFrame) -> go.Figure:
     """Max-abs error against the longest sequence, per backend and tensor, with each case's limit."""
     figure = go.Figure()
     budget = records["check"] == "budget" if "check" in records else True
-    judged = records["verdict"].isin(["pass", "fail", "known"])
+    judged = records["verdict"].isin(["pass", "fail", "known", "marginal"])
     measured = records[judged & records["max_abs"].notna() & budget].copy()
     measured["length"] = longest(measured)
     non_finite = ~measured["max_abs"].map(math.isfinite).astype(bool)

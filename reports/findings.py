@@ -24,14 +24,20 @@ from kda_cases.case import Case
 # pass and fail judge a tensor; skip: the backend does not take the case; error: it raised (or crashed, or
 # hung); resource: the case did not fit the device's memory even alone, which says nothing of the kernel;
 # warn: something reported (garbage past the tokens, not batch-invariant, nondeterministic) that fails only
-# where the run asks for it (--kda-strict); known: a failure the ledger of known upstream issues excuses.
+# where the run asks for it (--kda-strict); known: a failure the ledger of known upstream issues excuses;
+# marginal: a failure within MARGIN times its limit that fresh draws of the same case did not confirm (shown,
+# never red, never a new finding).
 # The backend column of an error that is the suite's own (a case it cannot judge), not any kernel's.
 SUITE_BACKEND = "(suite)"
-VERDICTS = ("pass", "fail", "skip", "error", "resource", "warn", "known")
+VERDICTS = ("pass", "fail", "skip", "error", "resource", "warn", "known", "marginal")
 # What a run counts as the backend's failure.
 FAILED = ("fail", "error")
 # The verdicts worst first: a group of records (a check's tensors and variants) is as bad as its worst.
-WORST_FIRST = ("error", "fail", "warn", "known", "resource", "skip", "pass")
+WORST_FIRST = ("error", "fail", "warn", "marginal", "known", "resource", "skip", "pass")
+# A failure within this many times its limit (every metric that failed) is judged again on fresh draws of the
+# same case (new seeds) before it counts: ``MARGIN_REDRAWS`` of them, and it counts where most fail too.
+MARGIN = 1.5
+MARGIN_REDRAWS = 8
 # How bad a failure is, worst first (``Finding.tier``): broken (non-finite, a crash, a wrong shape or dtype,
 # memory written that is not the kernel's, a repeat or a prefix that moved past the limit), beyond the
 # tolerance the library's own tests assert, beyond the suite's working-precision limits only (within the
@@ -206,6 +212,9 @@ class Finding:
     # The rel-RMS limit the backend's library asserts on this tensor in its own tests (NaN where it states
     # none): the maintainers' contract, beside the suite's limits.
     library_tolerance: float = math.nan
+    # A failure within MARGIN of its limit, judged again on fresh draws of its case: what they gave ("3 of 8
+    # fresh draws failed: seed 11 1.12x, ..."); "" where none was made.
+    redraws: str = ""
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -213,7 +222,7 @@ class Finding:
         # Text from a backend (an exception's message, a file name os.fsdecode made) may hold lone surrogates,
         # which no UTF-8 writer takes: the parquet, the journal read back, a terminal. Written out as escapes
         # here, once, so that one string never loses a run.
-        for name in ("subject", "repro", "reason", "observed", "known_issue", "backend", "device", "check"):
+        for name in ("subject", "repro", "reason", "observed", "known_issue", "backend", "device", "check", "redraws"):
             object.__setattr__(self, name, writable(getattr(self, name)))
         object.__setattr__(self, "problems", tuple(writable(problem) for problem in self.problems))
 
@@ -243,6 +252,12 @@ class Finding:
     @property
     def worst(self) -> float:
         return worst_ratio(self.ratio, self.rel_rms_ratio)
+
+    @property
+    def within_margin(self) -> bool:
+        """A failure past its limits by no more than MARGIN, every metric finite and the tensor whole: one that
+        fresh draws of the case must confirm before it counts (Run.checked)."""
+        return self.verdict == "fail" and self.tier != BROKEN and 1.0 < self.worst <= MARGIN
 
     @property
     def library_ratio(self) -> float:
@@ -312,6 +327,8 @@ class Finding:
                     )
                 if self.tier:
                     lines.append(f"  tier: {self.tier}")
+                if self.redraws:
+                    lines.append(f"  {self.redraws}")
                 within = self.errors.max_abs <= self.budget.max_abs.value
                 if within and self.first_bad is not None:  # a failure of the rel-RMS limit alone
                     lines.append(f"  largest error: {self.first_bad} (no point past the max-abs limit)")

@@ -71,7 +71,7 @@ def _lengths(value: object) -> list[int]:
 
 def nightly_groups(records: pd.DataFrame) -> pd.DataFrame:
     """Per run x backend x family x tensor: cases, failures, worst ratio, and the worst case's repro."""
-    measured = records[records["verdict"].isin(["pass", *FAILED, "warn", "known"])].copy()
+    measured = records[records["verdict"].isin(["pass", *FAILED, "warn", "known", "marginal"])].copy()
     if measured.empty:
         return pd.DataFrame(columns=["run_id", *GROUP, "cases", "failed", "worst", "repro", "case_id"])
     measured["check"] = measured["check"].fillna("budget") if "check" in measured else "budget"
@@ -137,7 +137,8 @@ def _shown(value: object) -> str:
 def sentinel_worst(records: pd.DataFrame) -> pd.DataFrame:
     """Per run x backend x sentinel x tensor: the worst error/limit (the sentinels' own trends)."""
     ids = sentinel_ids()
-    measured = records[records["case_id"].isin(ids) & records["verdict"].isin(["pass", *FAILED, "warn", "known"])]
+    judged = records["verdict"].isin(["pass", *FAILED, "warn", "known", "marginal"])
+    measured = records[records["case_id"].isin(ids) & judged]
     if measured.empty:
         return pd.DataFrame(columns=["run_id", "backend", "case_id", "label", "tensor", "worst", "repro"])
     measured = measured.assign(worst=record_worst(measured), tensor=measured["tensor"].fillna("").replace("", "(run)"))

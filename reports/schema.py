@@ -37,7 +37,8 @@ RECORD_COLUMNS: dict[str, str] = {
     "tensor": "`o`, `final_state` or `checkpoint_states`; empty for a skip, an error or a finding about memory",
     "verdict": "`pass`, `fail`, `skip` (backend or case unsupported), `error` (the backend raised, crashed or hung), "
     "`resource` (the case did not fit the device's memory, even alone), `warn` (reported; fails only under "
-    "`--kda-strict`) or `known` (a failure the ledger of known issues excuses)",
+    "`--kda-strict`), `known` (a failure the ledger of known issues excuses) or `marginal` (a failure within 1.5 "
+    "times its limits that most fresh draws of the case did not confirm: shown, never a failure)",
     "observed": "what the check observed beyond pass or fail: `equal`, `not batch-invariant`, `causal leak`, "
     "`nondeterministic`, `zero`, `untouched`, `values`, `garbage`, `right`, `wrong`, ...",
     "reason": "why it failed, was skipped or raised, or what it did (a warn, a known issue); empty on a pass",
@@ -76,6 +77,9 @@ RECORD_COLUMNS: dict[str, str] = {
     "library_tolerance": "the rel-RMS limit the backend's library asserts on this tensor in its own tests (FLA's "
     "tests/ops/test_kda.py: 0.005 on o and the final state; kernels/libraries.py cites each); NaN where it states none",
     "library_ratio": "rel_rms / library_tolerance: the error against what the library's maintainers accept",
+    "redraws": "a failure within 1.5 times its limits, judged again on fresh draws of its case (new seeds): what "
+    "they gave, `confirmed: 6 of 8 fresh draws of the case failed it (seed N failed 1.2x, ...)` or `not confirmed: "
+    "...` (then the verdict is `marginal`); '' where none was made",
     "tier": "how bad a failure is: `broken` (non-finite, a crash, a wrong shape or dtype, memory written that is not "
     "the kernel's, a repeat that moved), `beyond the library's tolerance`, `beyond working precision only` (within "
     "it), `beyond working precision (no library tolerance)`; '' on a pass, a skip or a warning",
@@ -160,6 +164,7 @@ def record_row(finding: Finding) -> dict:
     }
     errors, budget = finding.errors, finding.budget
     row["tier"] = finding.tier
+    row["redraws"] = finding.redraws
     if errors is None or budget is None:
         return {**row, "tensor": finding.tensor, "verdict": finding.verdict}
     return {

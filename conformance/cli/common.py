@@ -113,7 +113,7 @@ def add_grid(parser: argparse.ArgumentParser, default_dtypes: tuple[str, ...]) -
 
 
 def add_strict(parser: argparse.ArgumentParser) -> None:
-    add_options(parser, ["strict"])
+    add_options(parser, ["strict", "redraws"])
 
 
 def add_regressions(parser: argparse.ArgumentParser) -> None:
@@ -172,6 +172,7 @@ def config_from_args(args: argparse.Namespace, console: Console, writes: bool = 
             isolate=getattr(args, "isolate", None),
             case_timeout=getattr(args, "case_timeout", None),
             strict=getattr(args, "strict", None),
+            redraws=getattr(args, "redraws", None),
             run_id=getattr(args, "run_id", None),
             command=args.command_line,
         )

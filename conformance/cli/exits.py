@@ -17,7 +17,8 @@ INTERRUPTED = 130  # Ctrl-C or a time limit's SIGTERM; what ran is kept
 
 # What each outcome means, for the commands' help and docs/exit-codes.md.
 MEANINGS = {
-    PASSED: "passed: everything that ran passed (known issues and warnings do not fail, but under strict mode)",
+    PASSED: "passed: everything that ran passed (known issues, marginal failures and warnings do not fail, but "
+    "warnings under strict mode)",
     FAILED: "failed: a kernel failed a check (a tensor out of its limits, a broken call contract, a warning "
     "under strict mode, a ledger entry that no longer reproduces under strict mode)",
     USAGE: "usage: a bad option or input, a plugin that cannot load, an output folder that cannot be written, "
@@ -28,7 +29,7 @@ MEANINGS = {
     INTERRUPTED: "interrupted: Ctrl-C or SIGTERM; what ran is kept",
 }
 
-JUDGED = ("pass", "fail", "known", "warn", "error")
+JUDGED = ("pass", "fail", "known", "warn", "marginal", "error")
 
 
 def verdict_exit(verdicts: Iterable[str], strict: bool = False) -> int:

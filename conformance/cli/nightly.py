@@ -63,6 +63,7 @@ PASSED_ON = (
     "run-id",
     "case-timeout",
     "strict",
+    "redraws",
     "reference-form",
 )
 

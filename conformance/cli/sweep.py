@@ -91,7 +91,7 @@ def _findings(run: Run, calls: Sequence[Call]) -> Iterator[list[Finding]]:
     if config.isolate:
         timeout = config.case_timeout or DEFAULT_CASE_TIMEOUT
         runnable = [(c.case, c.backend) for c in calls if c.fault is None]
-        isolated = run_isolated(check, runnable, config.device, config.plugins, timeout)
+        isolated = run_isolated(check, runnable, config.device, config.plugins, timeout, config.redraws)
         try:
             for call in calls:
                 yield fault_of(call) if call.fault is not None else next(isolated)

@@ -36,7 +36,7 @@ from kda_conformance.running.truth import BASELINE
 from kda_kernels import registry
 from kda_reference.run import FORM_VARIABLE, FORMS
 from kda_reports.environment import SUITE_BASELINE, environment, redact
-from kda_reports.findings import Finding
+from kda_reports.findings import MARGIN_REDRAWS, Finding
 from kda_reports.runfile import DEFAULT_OUT, new_run_id, run_file, run_files, run_stem
 
 DEFAULT_CASE_TIMEOUT = 900.0  # seconds for one case on one backend, its reference and compile included
@@ -191,6 +191,8 @@ class RunConfig:
     plugins: tuple[str, ...] = ()
     strict: bool = False  # a selected backend that cannot run fails instead of skipping; so does a warning
     batch_invariant: bool = False  # the backends promise batch invariance: "not batch-invariant" fails
+    # Fresh draws that confirm a failure within MARGIN of its limits before it counts (0: none, it counts).
+    redraws: int = MARGIN_REDRAWS
     reference_form: str | None = None
     isolate: bool = False  # each case in a worker process (a crash or a hang costs that case only)
     # Seconds one check of one case may take; past it the case is recorded as hung and the process ends
@@ -360,6 +362,7 @@ def build_config(
     out: Path | str = DEFAULT_OUT,
     strict: bool | None = None,
     batch_invariant: bool = False,
+    redraws: int | None = None,
     reference_form: str | None = None,
     isolate: bool | None = None,
     case_timeout: float | None = None,
@@ -413,6 +416,8 @@ def build_config(
         chosen_profile = with_kernel_pool(chosen_profile, run_seed)
     if reference_form is not None and reference_form not in FORMS:
         raise ConfigError("reference-form", f"{reference_form!r} not allowed; choose from {', '.join(FORMS)}")
+    if redraws is not None and redraws < 0:
+        raise ConfigError("redraws", f"{redraws} must be 0 or a positive number of draws")
     if case_timeout is not None and case_timeout <= 0:
         raise ConfigError("case-timeout", f"{case_timeout} must be a positive number of seconds")
     return RunConfig(
@@ -425,6 +430,7 @@ def build_config(
         plugins=tuple(plugins),
         strict=strict_from_environment() if strict is None else strict,
         batch_invariant=batch_invariant,
+        redraws=MARGIN_REDRAWS if redraws is None else redraws,
         reference_form=reference_form,
         isolate=resolved.type != "cpu" if isolate is None else isolate,
         case_timeout=case_timeout,

@@ -27,19 +27,20 @@ from kda_conformance.running.config import DEFAULT_CASE_TIMEOUT, RunConfig
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost, die_with_parent
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
-from kda_reports.findings import Finding
+from kda_reports.findings import MARGIN_REDRAWS, Finding
 
 STARTUP_TIMEOUT = 600.0  # seconds for a fresh worker to import torch, the suite and the plugins
 
 
-def _worker(conn: Connection, device: str, plugins: list[str], parent_pid: int) -> None:
+def _worker(conn: Connection, device: str, plugins: list[str], parent_pid: int, redraws: int) -> None:
     from kda_kernels import registry
 
     die_with_parent(parent_pid)
 
     for module in plugins:
         registry.load_plugin(module)
-    run = Run(RunConfig(device=torch.device(device), backends=()), journal=False)  # the parent records
+    config = RunConfig(device=torch.device(device), backends=(), redraws=redraws)
+    run = Run(config, journal=False)  # the parent records
     conn.send("ready")  # the case clock starts after the imports (and a GPU's context) are done
     while True:
         task = conn.recv()
@@ -59,8 +60,14 @@ def _worker(conn: Connection, device: str, plugins: list[str], parent_pid: int) 
 class IsolatedRunner:
     """One worker process at a time, restarted after a crash or a hang."""
 
-    def __init__(self, device: torch.device, plugins: Sequence[str] = (), case_timeout: float = DEFAULT_CASE_TIMEOUT):
-        self.device, self.plugins, self.case_timeout = device, list(plugins), case_timeout
+    def __init__(
+        self,
+        device: torch.device,
+        plugins: Sequence[str] = (),
+        case_timeout: float = DEFAULT_CASE_TIMEOUT,
+        redraws: int = MARGIN_REDRAWS,
+    ):
+        self.device, self.plugins, self.case_timeout, self.redraws = device, list(plugins), case_timeout, redraws
         self.context = multiprocessing.get_context("spawn")  # no CUDA context may be forked
         self.process: multiprocessing.process.BaseProcess | None = None
         self.conn: Connection | None = None
@@ -68,7 +75,7 @@ class IsolatedRunner:
     def _start(self) -> None:
         parent, child = self.context.Pipe()
         self.process = self.context.Process(
-            target=_worker, args=(child, str(self.device), self.plugins, os.getpid()), daemon=False
+            target=_worker, args=(child, str(self.device), self.plugins, os.getpid(), self.redraws), daemon=False
         )  # not daemonic: a backend may start worker processes of its own (a daemonic process may not)
         self.process.start()
         # A non-daemonic worker is joined when this process exits: one hung in a kernel would hold the exit.
@@ -141,10 +148,11 @@ def run_isolated(
     device: torch.device,
     plugins: Sequence[str] = (),
     case_timeout: float = DEFAULT_CASE_TIMEOUT,
+    redraws: int = MARGIN_REDRAWS,
 ) -> Iterator[list[Finding]]:
     """``check`` on each (case, backend) of ``calls``, every case in a worker process (see the module's
     docstring)."""
-    runner = IsolatedRunner(device, plugins, case_timeout)
+    runner = IsolatedRunner(device, plugins, case_timeout, redraws)
     try:
         for case, backend in calls:
             yield runner.run(check, Drawn(case), backend)

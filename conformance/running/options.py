@@ -28,6 +28,7 @@ from kda_conformance.running.config import (
     parse_shard,
 )
 from kda_reference.run import FORM_VARIABLE, FORMS
+from kda_reports.findings import MARGIN_REDRAWS
 from kda_reports.runfile import DEFAULT_OUT
 
 
@@ -123,6 +124,9 @@ OPTIONS: dict[str, Option] = {
         Option("strict", "warnings (nondeterminism, garbage past the tokens, a known issue that no longer "
                "reproduces) and backends that cannot run fail instead of passing or skipping", None, kind="flag",
                env=STRICT_VARIABLE, flag=True),
+        Option("redraws", "fresh draws of a case (new seeds) that judge a failure within 1.5 times its limits again "
+               "before it counts; most must fail too, else it is marginal (0: every failure counts at once)",
+               MARGIN_REDRAWS, lambda t: parse_count("redraws", t, lowest=0), "number"),
         Option("batch-invariant", "the backends promise batch invariance: a change of earlier outputs within the "
                "chunk of a changed token fails (otherwise it is a warning)", False, kind="flag", flag=True),
         Option("reference-form", "exact form of the float64 truth: auto (the chunked form from a few tokens on), "

@@ -9,7 +9,9 @@ and it writes the run's files when it finishes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import math
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from kda_cases.case import Case
 from kda_cases.files import atomic_write
 from kda_conformance.judging.judge import Judge, judge_for
 from kda_conformance.judging.known import apply_known
@@ -35,7 +38,7 @@ from kda_kernels import registry
 from kda_kernels.guard import BackendFault, end_process
 from kda_kernels.protocol import Backend, WorkingPrecision
 from kda_reports.environment import library_version
-from kda_reports.findings import SUITE_BACKEND, Finding
+from kda_reports.findings import MARGIN_REDRAWS, SUITE_BACKEND, Finding
 from kda_reports.runfile import RunRecorder, merge_parts, run_file, run_path, run_stem
 from kda_reports.schema import record_rows
 
@@ -54,6 +57,35 @@ def with_library_tolerance(findings: Sequence[Finding], backend: Backend) -> lis
         dataclasses.replace(f, library_tolerance=tolerance.limit(f.tensor)) if f.tensor and f.errors else f
         for f in findings
     ]
+
+
+def redraw_seeds(case: Case, count: int = MARGIN_REDRAWS) -> list[int]:
+    """The seeds of a case's fresh draws: new, and the same on every machine (from the case's id)."""
+    digest = hashlib.sha256(f"redraw:{case.id}".encode()).digest()
+    first = int.from_bytes(digest[:4], "little")
+    return [(first + n) % 2**31 for n in range(1, count + 1) if (first + n) % 2**31 != case.seed]
+
+
+def _confirmed(finding: Finding, outcomes: list[tuple[int, list[Finding]]]) -> Finding:
+    """``finding`` judged by what fresh draws of its case gave for the same tensor: a failure where most of the
+    draws that counted failed it too, ``marginal`` otherwise."""
+    said, failed, counted = [], 0, 0
+    for seed, found in outcomes:
+        same = [f for f in found if (f.tensor, f.subject) == (finding.tensor, finding.subject)]
+        same = same or [f for f in found if f.tensor == finding.tensor] or [f for f in found if not f.tensor]
+        if not same or all(f.verdict in ("resource", "skip") for f in same):
+            said.append(f"seed {seed} not judged")
+            continue
+        counted += 1
+        worst = max((f.worst for f in same if not math.isnan(f.worst)), default=math.nan)
+        bad = any(f.failed for f in same)
+        failed += bad
+        said.append(f"seed {seed} {'failed' if bad else 'passed'}" + ("" if math.isnan(worst) else f" {worst:.3g}x"))
+    text = f"{failed} of {counted} fresh draws of the case failed it ({', '.join(said)})"
+    if counted and failed * 2 > counted:
+        return dataclasses.replace(finding, redraws=f"confirmed: {text}")
+    reason = f"{finding.worst:.3g}x its limit, not confirmed: {text}"
+    return dataclasses.replace(finding, verdict="marginal", redraws=f"not confirmed: {text}", reason=reason)
 
 
 class Run:
@@ -140,6 +172,7 @@ class Run:
             else:
                 precision = declared_precision(backend, self.config.device)
                 findings = self._attempts(judge, check_run, precision)
+                findings = self._confirm_margins(check, drawn, backend, findings, precision)
         except BaseException:
             self.calls.settle()  # an interrupt: nothing of this call is recorded, and nothing died in it
             raise
@@ -159,6 +192,30 @@ class Run:
                 "no later case may run in this process\n  repro: " + lost[0].repro,
             )
         return findings
+
+    def _confirm_margins(
+        self,
+        check: Check,
+        drawn: Drawn,
+        backend: Backend,
+        findings: list[Finding],
+        precision: WorkingPrecision | None,
+    ) -> list[Finding]:
+        """A failure within MARGIN of its limits counts only if fresh draws of its case (the same shape and
+        regimes, new seeds: ``redraw_seeds``) fail too: the check is run on ``config.redraws`` of them, and where
+        most do not fail the same tensor, the failure is ``marginal`` (shown, never red). Either way the
+        finding says what the draws gave (``redraws``). A crash on a draw counts as a failure of it; a draw that
+        did not fit the device's memory does not count."""
+        if not any(f.within_margin for f in findings) or not self.config.redraws:
+            return findings
+        outcomes: list[tuple[int, list[Finding]]] = []
+        for seed in redraw_seeds(drawn.case, self.config.redraws):
+            case = drawn.case.replace(seed=seed)
+            judge = judge_for(check.name, case, backend.name, self.config.device, dict(drawn.params))
+            found = self._attempts(judge, lambda truth: check.run(truth, backend, drawn.params), precision)
+            self.truths.clear()
+            outcomes.append((seed, found))
+        return [_confirmed(f, outcomes) if f.within_margin else f for f in findings]
 
     def _attempts(
         self, judge: Judge, run: Callable[[CaseTruth], list[Finding]], precision: WorkingPrecision | None = None
