@@ -45,6 +45,7 @@ from kda_cases.dtypes import stored
 from kda_cases.materialize import KDAInputs
 from kda_kernels import triton_interpret
 from kda_kernels.envelope import CHUNK_KDA, FLASH_KDA, SAFE_LOWER_BOUND_RANGE
+from kda_kernels.fla import FLA_CHUNK_FAMILY
 from kda_kernels.libraries import AITER
 from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported, WorkingPrecision
 
@@ -209,6 +210,7 @@ AITER_FLASH_KDA = FLASH_KDA.narrowed(safe_gate=(True,), in_kernel_lower_bound=SA
 
 class AiterFlashKDA(AiterBackend):
     name = "aiter_flashkda"
+    family = "AITER FlashKDA (Triton)"
     description = "AITER chunk_kimi_delta_attn, FlashKDA path, AITER's default segment length (depends on CU count)"
     flash_kda = True
     chunk_tokens = 32
@@ -229,6 +231,7 @@ class AiterFlashKDAUnsegmented(AiterFlashKDA):
 
 class AiterDefault(AiterBackend):
     name = "aiter_default"
+    family = FLA_CHUNK_FAMILY
     description = "AITER chunk_kimi_delta_attn, the FLA-derived default pipeline (FlashKDA switched off)"
     # Its intra-chunk inverse's dots are TF32 on NVIDIA by its own code, as FLA's are; its FlashKDA path pins
     # IEEE dots (flash_kda.py), so only the default pipeline declares TF32.
@@ -242,6 +245,7 @@ class AiterDefault(AiterBackend):
 
 class AiterNative(AiterBackend):
     name = "aiter_native"
+    family = "AITER native (HIP)"
     description = "AITER chunk_kimi_delta_attn(backend='native'): the HIP FlashKDA port on gfx942/gfx950"
     needs = ("backend",)
     extra: ClassVar[dict[str, object]] = {"backend": "native"}

@@ -30,6 +30,8 @@ from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported, W
 FLA_ENVIRONMENT = ("FLA_DISABLE_BACKEND_DISPATCH", triton_interpret.VARIABLE, "TRITON_F32_DEFAULT")
 
 
+# FLA's chunk kernels and every copy of them (AITER's default pipeline, vLLM's, SGLang's): one lineage.
+FLA_CHUNK_FAMILY = "FLA chunk (Triton)"
 # FLA's chunk pipeline chooses TF32 for its float32 matmuls on NVIDIA Ampere and later, in its own code: the
 # intra-chunk inverse's dots by a hard-coded precision that TRITON_F32_DEFAULT cannot reach, its other float32
 # dots (every dot of an fp32 call) at Triton's default, TF32. Its recurrent kernel has no dots.
@@ -96,6 +98,7 @@ class FlaChunk(Backend):
     libraries = (FLA,)
     sets_environment = FLA_ENVIRONMENT
     working_precision = TF32_DOTS
+    family = FLA_CHUNK_FAMILY
 
     def __init__(self, chunk_size: int = 64) -> None:
         if chunk_size not in (32, 64):
@@ -144,6 +147,7 @@ class FlaChunk(Backend):
 
 class FlaRecurrent(Backend):
     name = "fla_recurrent"
+    family = "FLA recurrent (Triton)"
     description = "fla.ops.kda.fused_recurrent_kda, the per-token Triton kernel with an fp32 state"
     chunk_tokens = 1
     envelope = Envelope(max_head_k_dim=MAX_HEAD_K_DIM)  # no range check of the safe gate's bound

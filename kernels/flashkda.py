@@ -74,8 +74,12 @@ def _v_first_state(inputs: KDAInputs) -> torch.Tensor | None:
     return relayout(h0.float(), inputs.case.state_v_first, True).contiguous()
 
 
+FAMILY = "FlashKDA (CUDA)"
+
+
 class FlashKdaCuda(Backend):
     name = "flashkda_cuda"
+    family = FAMILY
     description = "flash_kda.fwd, MoonshotAI's FlashKDA CUTLASS kernel (sm_90a), called as its README calls it"
     chunk_tokens = 16
     envelope = ENVELOPE
@@ -133,6 +137,7 @@ def _fla_flash_kda(device: torch.device) -> Any:
 
 class FlaChunkDispatch(Backend):
     name = "fla_chunk_dispatch"
+    family = FAMILY
     description = "fla.ops.kda.chunk_kda as dispatched to FlashKDA when flash_kda is installed (FLA's own adapter)"
     chunk_tokens = 16
     # FLA's verifier hands a call to FlashKDA only with the safe gate on (fla/ops/kda/backends/flash_kda.py)

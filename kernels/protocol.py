@@ -196,6 +196,10 @@ class Backend(ABC):
     envelope: Envelope = ANY
     # Where it computes below the case's precision by its documented design (None: nowhere).
     working_precision: WorkingPrecision | None = None
+    # The code lineage its kernel belongs to ("FLA chunk (Triton)": FLA's chunk kernels and every copy of them):
+    # untriaged failures of one case group by it, so one algorithm failing alike in four copies reads as one
+    # finding ("": its own name).
+    family: str = ""
     # The libraries its kernel comes from (FLA's dispatch to FlashKDA: both); empty for the suite's own. The
     # first that states a tolerance of its own tests is the one its records are held to beside the suite's.
     libraries: tuple[Library, ...] = ()

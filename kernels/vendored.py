@@ -47,6 +47,7 @@ from kda_cases.materialize import KDAInputs
 from kda_kernels import libraries as libs
 from kda_kernels import triton_interpret
 from kda_kernels.envelope import CHUNK_KDA
+from kda_kernels.fla import FLA_CHUNK_FAMILY
 from kda_kernels.guard import suite_work
 from kda_kernels.protocol import (
     CALLER_BUFFER_FILL,
@@ -356,6 +357,7 @@ def _parameters(function: Callable) -> set[str]:
 
 
 class VendoredBackend(Backend):
+    family = FLA_CHUNK_FAMILY  # every server's copy is FLA's chunk kernels
     """Common ground: loading the tree, availability on the device, the envelope the server's layer has."""
 
     tree: Tree

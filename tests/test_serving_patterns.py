@@ -237,8 +237,8 @@ def test_a_design_a_library_states_is_declared_not_in_the_ledger() -> None:
 
 def test_the_committed_ledger_loads_and_a_bad_entry_is_named(tmp_path: Path) -> None:
     ids = {issue.id for issue in load_ledger()}
-    assert {"fla-chunk-fp16-strong-gates-tf32", "fla-tensor-cache-in-place-cu-seqlens"} <= ids
-    assert math.isinf(next(i for i in load_ledger() if i.id == "fla-tensor-cache-in-place-cu-seqlens").worst)
+    assert {"fla-kernels-fp16-strong-gates", "tensor-cache-in-place-cu-seqlens"} <= ids
+    assert math.isinf(next(i for i in load_ledger() if i.id == "tensor-cache-in-place-cu-seqlens").worst)
     bad = tmp_path / "ledger.toml"
     bad.write_text('[[issue]]\nid = "x"\nbackends = ["a"]\ncolour = "red"\n')
     with pytest.raises(ValueError, match=r"ledger.toml: issue 1 \(x\) is not valid"):

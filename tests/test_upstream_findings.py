@@ -1,6 +1,6 @@
 """Findings ready for upstream (``kda-conformance findings``): each ledger entry's status from the newest run
-that matched it, new kernel failures grouped by kind, and standalone tests that fail on the kernel, pass on a
-correct backend and skip without their library."""
+that matched it, new kernel failures grouped by cause (kernel family, kind, case), and standalone tests that
+fail on the kernel, pass on a correct backend and skip without their library."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch
 
 from kda_cases.case import Case
 from kda_conformance.cli import main
-from kda_conformance.judging.known import KnownIssue
-from kda_conformance.repro.upstream import upstream_findings, write_finding_test
+from kda_conformance.judging.known import KnownIssue, load_ledger
+from kda_conformance.repro.upstream import findings_markdown, upstream_findings, write_finding_test
 
 PLUGINS = Path(__file__).with_name("plugins")
 
@@ -66,8 +66,11 @@ def test_each_ledger_entry_gets_its_status_from_the_newest_run_that_matched_it()
     )
     ledger = (_issue("still-bad", ("fla_chunk",)), _issue("fixed-now", ("aiter_default",)), _issue("gone", ("x",)))
     found = {f.id: f for f in upstream_findings(records, ledger)}
-    ended = "new-fla_chunk-the-process-ended-during-the-backend-s-call-os-e"
-    assert set(found) == {"still-bad", "fixed-now", "gone", "new-fla_chunk32-cuda-error-misaligned-address", ended}
+    # One crash is one finding over every case and check it met, for every copy of the kernel (fla_chunk and
+    # fla_chunk32 are one family).
+    ended = "new-fla-chunk-triton-the-process-ended-during-the-backend-s-call"
+    misaligned = "new-fla-chunk-triton-cuda-error-misaligned-address"
+    assert set(found) == {"still-bad", "fixed-now", "gone", misaligned, ended}
     assert found[ended].check == "packing, prefix" and found[ended].case_id == Case(seq_lens=(2,)).id
     bad = found["still-bad"]
     assert (bad.status, bad.run, bad.cases, bad.worst, bad.kernel) == (
@@ -80,9 +83,11 @@ def test_each_ledger_entry_gets_its_status_from_the_newest_run_that_matched_it()
     assert bad.first_bad == "seq 0 token 3 head 0" and bad.repro == f"repro {Case(seq_lens=(20,)).id}"
     assert found["fixed-now"].status == "fixed" and found["fixed-now"].worst == "passes"
     assert found["gone"].status == "not seen"
-    crash = found["new-fla_chunk32-cuda-error-misaligned-address"]
+    crash = found[misaligned]
     assert crash.status == "new" and crash.check == "budget, prefix" and "misaligned address" in crash.worst
     assert crash.case_id == Case(seq_lens=(40,)).id  # the crash's own case, not a quarantined one
+    assert crash.tier == "broken" and crash.family == "FLA chunk (Triton)"
+    assert found[ended].case_ids == (Case(seq_lens=(2,)).id, Case(seq_lens=(400,)).id)
 
 
 def test_a_ledger_entry_written_after_a_run_claims_the_failures_it_allows() -> None:
@@ -108,9 +113,13 @@ def test_a_ledger_entry_written_after_a_run_claims_the_failures_it_allows() -> N
     found = {f.id: f for f in upstream_findings(records, (entry,))}
     assert found["fp16-rel-rms"].status == "open" and found["fp16-rel-rms"].cases == 1, found["fp16-rel-rms"]
     assert found["fp16-rel-rms"].check == "budget, steps"
+    # Past the limits, one finding per case: the bf16 case's, and the fp16 case's poison and prefix together.
     new = sorted(i for i in found if i.startswith("new-"))
-    assert new == ["new-sglang_chunk-budget-past-the-limit", "new-sglang_chunk-poison-past-the-limit",
-                   "new-sglang_chunk-prefix-past-the-limit"], new  # fmt: skip
+    bf16 = Case(seq_lens=(40,)).id
+    assert new == sorted(
+        [f"new-fla-chunk-triton-past-the-limit-{bf16}", f"new-fla-chunk-triton-past-the-limit-{fp16.id}"]
+    )
+    assert found[f"new-fla-chunk-triton-past-the-limit-{fp16.id}"].check == "poison, prefix"
 
 
 def test_a_ledger_entry_that_names_an_error_claims_the_errors_of_earlier_runs() -> None:
@@ -133,8 +142,8 @@ def test_a_ledger_entry_that_names_an_error_claims_the_errors_of_earlier_runs() 
     found = {f.id: f for f in upstream_findings(records, (entry,))}
     assert found["dispatch-strided"].status == "open" and found["dispatch-strided"].cases == 1
     assert sorted(i for i in found if i.startswith("new-")) == [
-        "new-fla_chunk_dispatch-runtimeerror-all-tensors-must-be-contiguous-at-i",
-        "new-fla_chunk_dispatch-the-process-ended-during-its-call",
+        "new-flashkda-cuda-runtimeerror-all-tensors-must-be-contiguous-at",
+        "new-flashkda-cuda-the-process-ended-during-its-call",
     ]
 
 
@@ -157,7 +166,7 @@ def test_a_findings_test_fails_on_the_kernel_passes_on_a_correct_backend_and_ski
     argv = ["findings", "--store", str(tmp_path / "store"), "--page", str(page), "--plugin", "kda_planted_bugs"]
     assert main([*argv, "--write-tests", str(tests), "--device", "cpu"]) == 0
     text = page.read_text()
-    finding_id = "new-planted_nan_at_one_position-budget-past-the-limit"
+    finding_id = f"new-planted-nan-at-one-position-not-finite-{case.id}"
     said = "(fails today on cpu; the suite's budget check fails here)"
     assert f"| [{finding_id}](#{finding_id}) | new |" in text and said in text, text
     assert list((tests / "runs").glob("*.parquet")), "the rerun's records go beside the tests"
@@ -209,8 +218,8 @@ def test_a_findings_rerun_that_loses_the_device_goes_last_and_says_so(
     assert main([*argv, "--write-tests", str(tmp_path / "tests"), "--device", "cpu"]) == 0
     page = (store / "findings.md").read_text()
     rows = {line.split(" | ")[0]: line for line in page.splitlines() if line.startswith("| [new-")}
-    [sticky] = [row for name, row in rows.items() if "planted_sticky_fault" in name]
-    [nan] = [row for name, row in rows.items() if "planted_nan_at_one_position" in name]
+    [sticky] = [row for name, row in rows.items() if "planted-sticky-fault" in name]
+    [nan] = [row for name, row in rows.items() if "planted-nan-at-one-position" in name]
     # The crash gets its file (written and run in a process of its own), then the suite's rerun loses the device.
     assert "fails today on cpu; the suite's rerun lost the device here" in sticky, sticky
     assert "fails today on cpu" in nan, nan
@@ -255,3 +264,66 @@ def test_the_newest_run_is_the_one_that_started_last_whatever_its_name() -> None
     )
     [new] = upstream_findings(records, ())
     assert new.run == "night-e" and new.worst.startswith("5"), new
+
+
+def test_one_failure_on_three_copies_of_a_kernel_and_two_checks_is_one_finding() -> None:
+    """The fp16 128K case failing alike on FLA's chunk kernels and two servers' copies, in two checks, is one
+    shared algorithm's failure: one new finding listing its backends and checks, not six."""
+    case = Case(seq_lens=(300,), dtype="fp16")
+    where = {"case_json": case.to_json(), "case_id": case.id, "tokens": 300}
+    records = pd.DataFrame(
+        [
+            _record(
+                "r1", backend, "fail", check=check, rel_rms_ratio=1.8, tier="beyond working precision only", **where
+            )
+            for backend in ("fla_chunk", "vllm_chunk", "sglang_chunk")
+            for check in ("budget", "split_resume")
+        ]
+    )
+    [finding] = upstream_findings(records, ())
+    assert finding.id == f"new-fla-chunk-triton-past-the-limit-{case.id}" and finding.family == "FLA chunk (Triton)"
+    assert finding.backends == "fla_chunk, sglang_chunk, vllm_chunk" and finding.check == "budget, split_resume"
+    assert finding.cases == 1 and finding.tier == "beyond working precision only"
+    page = findings_markdown([finding], "a test")
+    assert page.count("| [new-") == 1 and "| beyond working precision only |" in page
+
+
+def test_a_ledger_entry_is_one_cause_with_its_copies_links_and_the_ids_it_took_over() -> None:
+    ledger = {issue.id: issue for issue in load_ledger()}
+    zero = ledger["chunk-indices-zero-length-member"]
+    assert {copy.library.split()[0] for copy in zero.copies} == {"AITER", "vLLM", "SGLang"}
+    assert zero.replaces == ("aiter-zero-length-member", "vllm-zero-length-member", "sglang-zero-length-member")
+    [fix] = zero.links
+    assert fix.ref == "fla-org/flash-linear-attention#909" and "16405f24" in fix.status
+    assert fix.url == "https://github.com/fla-org/flash-linear-attention/pull/909"
+    assert all(issue.links for issue in ledger.values())
+    # An earlier run's records name the ids the entry took over: they are the entry's, not new.
+    records = pd.DataFrame([_record("r1", "sglang_chunk", "known", "sglang-zero-length-member", ratio=float("inf"))])
+    found = {f.id: f for f in upstream_findings(records, tuple(ledger.values()))}
+    assert found["chunk-indices-zero-length-member"].status == "open"
+    assert not [i for i in found if i.startswith("new-")]
+    page = findings_markdown([found["chunk-indices-zero-length-member"]], "a test")
+    assert "- SGLang 0.5.23: sglang/kernels/ops/attention/fla/index.py prepare_chunk_indices (sglang_chunk)" in page
+    assert "(https://github.com/fla-org/flash-linear-attention/pull/909)" in page
+
+
+def test_a_ledger_entry_without_an_upstream_link_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "ledger.toml"
+    bad.write_text(
+        '[[issue]]\nid = "x"\nbackends = ["a"]\ndescription = "d"\nupstream = "u"\nadded = "today"\nworst = 1.0\n'
+        'confirmed = "by a run"\n'
+    )
+    with pytest.raises(ValueError, match="says nothing of where it is tracked upstream"):
+        load_ledger(bad)
+    bad.write_text(bad.read_text() + '\n[[issue.links]]\nkind = "tweet"\nref = "x"\nstatus = "y"\n')
+    with pytest.raises(ValueError, match="link kind 'tweet' not allowed"):
+        load_ledger(bad)
+
+
+def test_the_known_issues_page_is_the_ledger_every_entry_in_it() -> None:
+    from kda_conformance.cli.ledger import ledger_markdown
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "known-issues.md").read_text()
+    assert page == ledger_markdown(load_ledger()), "stale: kda-conformance ledger --page docs/known-issues.md"
+    for issue in load_ledger():
+        assert f"## {issue.id}\n" in page and all(link.ref in page for link in issue.links)

@@ -23,6 +23,45 @@ from pathlib import Path
 from kda_reports.findings import SUITE_BACKEND, Finding
 
 LEDGER = Path(__file__).resolve().parent.parent / "known_issues.toml"
+LINK_KINDS = ("issue", "pr", "commit", "none")
+
+
+@dataclass(frozen=True)
+class UpstreamLink:
+    """Where a problem is tracked upstream: an issue, a PR, a fixing commit (``owner/repo#N``,
+    ``owner/repo@sha``), or ``none`` (not reported, and why), with its status there."""
+
+    kind: str
+    ref: str
+    status: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in LINK_KINDS:
+            raise ValueError(f"link kind {self.kind!r} not allowed; choose from {', '.join(LINK_KINDS)}")
+        if not self.ref.strip() or not self.status.strip():
+            raise ValueError("a link names its ref and its status upstream")
+
+    @property
+    def url(self) -> str:
+        """The GitHub address of an issue, PR or commit ("" for ``none``)."""
+        if self.kind == "none":
+            return ""
+        if "#" in self.ref:
+            repo, number = self.ref.split("#", 1)
+            return f"https://github.com/{repo}/{'pull' if self.kind == 'pr' else 'issues'}/{number}"
+        if "@" in self.ref:
+            repo, commit = self.ref.split("@", 1)
+            return f"https://github.com/{repo}/commit/{commit}"
+        return ""
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One library's copy of the code path a cause lives in: where it is, and the backends that run it."""
+
+    library: str
+    where: str
+    backends: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -45,6 +84,9 @@ class KnownIssue:
     # Errors it is: the backend's own exception, by words of its message (FLA's FlashKDA dispatch raising
     # "all tensors must be contiguous" on strided inputs). An error no entry names stays an error.
     raises: tuple[str, ...] = ()
+    links: tuple[UpstreamLink, ...] = ()  # where it is tracked upstream, with the status there
+    copies: tuple[Copy, ...] = ()  # one cause in several libraries' copies of one code path
+    replaces: tuple[str, ...] = ()  # earlier entries' ids it took over: records that name them are its
 
     @property
     def allowed(self) -> float:
@@ -78,6 +120,11 @@ def load_ledger(path: Path = LEDGER) -> tuple[KnownIssue, ...]:
             issue = KnownIssue(
                 **{
                     **entry,
+                    "links": tuple(UpstreamLink(**link) for link in entry.get("links", ())),
+                    "copies": tuple(
+                        Copy(**{**copy, "backends": tuple(copy["backends"])}) for copy in entry.get("copies", ())
+                    ),
+                    "replaces": tuple(entry.get("replaces", ())),
                     "backends": tuple(entry["backends"]),
                     "checks": tuple(entry.get("checks", ())),
                     "observed": tuple(entry.get("observed", ())),
@@ -87,12 +134,20 @@ def load_ledger(path: Path = LEDGER) -> tuple[KnownIssue, ...]:
                     "environment": {k: tuple(v) for k, v in entry.get("environment", {}).items()},
                 }
             )
-        except (TypeError, KeyError) as exc:
+        except (TypeError, KeyError, ValueError) as exc:
             raise ValueError(
                 f"{Path(path).name}: issue {number} ({entry.get('id', '?')}) is not valid: {exc}"
             ) from None
         if not issue.confirmed:
             raise ValueError(f"{Path(path).name}: issue {number} ({issue.id}) does not say how it was confirmed")
+        if not issue.links:
+            raise ValueError(
+                f"{Path(path).name}: issue {number} ({issue.id}) says nothing of where it is tracked upstream: add an "
+                '[[issue.links]] (kind "issue", "pr", "commit", or "none" with why)'
+            )
+        strays = [b for copy in issue.copies for b in copy.backends if b not in issue.backends]
+        if strays:
+            raise ValueError(f"{Path(path).name}: issue {number} ({issue.id}): copies name backends {strays} it lacks")
         issues.append(issue)
     return tuple(issues)
 

@@ -3,12 +3,17 @@
 A ledger entry (conformance/known_issues.toml) is a finding the suite already tracks; its status comes from
 the newest run in the store whose records it matched: ``open`` while a matched record still fails there,
 ``fixed`` when every matched record passed (the entry is to be retired), ``not seen`` when no run matched
-it. An entry also claims the failures recorded before it was written (a run's records hold what the
-ledger of its day matched; the page reads them with today's ledger, by the same rule as the judge's:
-backend, check, tensor, device, case fields, the run's environment, and the entry's allowed worst). A
-failure of a backend that no entry matches (not the suite's, not the machine's) is a ``new`` finding,
-grouped by backend, check and the message's kind. Each row names the kernel's library and version as the
-run recorded them, its smallest failing case (fewest tokens, its repro line) and the worst error/limit.
+it. An entry is one cause: it may name several libraries' copies of one code path, and the ids of earlier
+entries it took over (their records are its). An entry also claims the failures recorded before it was
+written (a run's records hold what the ledger of its day matched; the page reads them with today's ledger,
+by the same rule as the judge's: backend, check, tensor, device, case fields, the run's environment, and
+the entry's allowed worst). A failure of a backend that no entry matches (not the suite's, not the
+machine's) is a ``new`` finding, grouped by cause as far as the records tell it: by kernel family (the code
+lineage: FLA's chunk kernels and every copy of them are one), the kind of failure, and, for a failure past
+the limits, the case (one case failing alike on four copies, in three checks, is one finding; an error's
+message names its cause, so one crash is one finding over every case it met). Each row names the kernels'
+libraries and versions as the run recorded them, the tier, its smallest failing case (fewest tokens, its
+repro line), the worst error/limit and the worst ratio to the library's own tolerance.
 ``kda-conformance findings`` writes the table (docs/findings.md) and, where the backend runs on this
 machine, a standalone test per finding (findings/<id>.py with its data) that fails while the kernel is
 wrong, passes once it is right and skips where its library or device is missing.
@@ -35,7 +40,7 @@ from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.session import NOT_LAUNCHED, Run
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault
-from kda_reports.findings import FAILED, message_kind, worst_ratio
+from kda_reports.findings import FAILED, message_kind, worst_ratio, worst_tier
 
 STATUSES = ("open", "new", "fixed", "not seen")
 # Not a kernel's finding: the suite's own failures and the machine's.
@@ -62,6 +67,12 @@ class UpstreamFinding:
     confirmed: str = ""
     upstream: str = ""
     test: str = ""  # the standalone test's path, or why there is none
+    tier: str = ""  # the worst tier of its failing records (kda_reports.findings TIERS)
+    library: str = ""  # the worst ratio to the library's own tolerance ("0.4x FLA's tolerance"), where stated
+    case_ids: tuple[str, ...] = ()  # every failing case, smallest first
+    copies: tuple[str, ...] = ()  # a ledger entry's copies: "library: where (backends)"
+    links: tuple[str, ...] = ()  # a ledger entry's upstream links: "kind ref: status (url)"
+    family: str = ""  # the kernel family of a new finding
 
 
 def _kernel(rows: pd.DataFrame) -> str:
@@ -117,6 +128,8 @@ def _claimed(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> pd.Series
     matched = records["known_issue"].fillna("").astype(str) if "known_issue" in records else None
     if matched is None:
         return pd.Series("", index=records.index, dtype=str)
+    taken_over = {old: issue.id for issue in ledger for old in issue.replaces}
+    matched = matched.map(lambda known: taken_over.get(known, known))
     unclaimed = records[records["verdict"].isin(["fail", "error"]) & (matched == "")]
     for index, row in unclaimed.iterrows():
         if row["verdict"] == "error":  # an error is an entry's where the entry names words of its message
@@ -153,10 +166,26 @@ def _claims(issue: KnownIssue, row: pd.Series) -> bool:
     return all(str(variables.get(name, "")) in values for name, values in issue.environment.items())
 
 
-def _row(id_: str, rows: pd.DataFrame, status: str, run: str, **text: str) -> UpstreamFinding:
+def _tier(rows: pd.DataFrame) -> str:
+    """The worst tier of failing records (their ``tier`` column; an older store's error or non-finite record is
+    broken by definition, and its other failures untiered)."""
+    recorded = rows["tier"].fillna("").astype(str) if "tier" in rows else pd.Series("", index=rows.index)
+    nonfinite = pd.to_numeric(rows.get("nonfinite", pd.Series(0, index=rows.index)), errors="coerce").fillna(0)
+    broken = (rows["verdict"] == "error") | (nonfinite > 0)
+    return worst_tier([*recorded, *(["broken"] * int(broken.sum()))])
+
+
+def _library(rows: pd.DataFrame) -> str:
+    ratios = pd.to_numeric(rows.get("library_ratio", pd.Series(dtype=float)), errors="coerce").dropna()
+    return "" if ratios.empty else f"{float(ratios.max()):.3g}x"
+
+
+def _row(id_: str, rows: pd.DataFrame, status: str, run: str, **text: object) -> UpstreamFinding:
     failing = rows[rows["verdict"].isin(["known", *FAILED])]
     shown = failing if not failing.empty else rows
     small = _smallest(shown)
+    tokens = pd.to_numeric(shown.get("case_total_tokens"), errors="coerce").fillna(float("inf"))
+    case_ids = tuple(dict.fromkeys(shown.loc[tokens.sort_values(kind="stable").index, "case_id"].astype(str)))
     return UpstreamFinding(
         id=id_,
         backends=", ".join(sorted(rows["backend"].astype(str).unique())),
@@ -170,6 +199,9 @@ def _row(id_: str, rows: pd.DataFrame, status: str, run: str, **text: str) -> Up
         case_id=str(small["case_id"]),
         case_json=str(small.get("case_json", "")),
         repro=str(small.get("repro", "")),
+        tier=_tier(failing),
+        library=_library(failing),
+        case_ids=case_ids,
         **text,
     )
 
@@ -180,7 +212,16 @@ def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> 
     rows = []
     matched = _claimed(records, ledger) if "known_issue" in records else pd.Series()
     for issue in ledger:
-        text = {"description": issue.description, "confirmed": issue.confirmed, "upstream": issue.upstream}
+        text: dict[str, object] = {
+            "description": issue.description,
+            "confirmed": issue.confirmed,
+            "upstream": issue.upstream,
+            "copies": tuple(f"{c.library}: {c.where} ({', '.join(c.backends)})" for c in issue.copies),
+            "links": tuple(
+                f"{link.kind} {link.ref}: {link.status}" + (f" ({link.url})" if link.url else "")
+                for link in issue.links
+            ),
+        }
         mine = records[matched == issue.id] if not matched.empty else records.iloc[0:0]
         if mine.empty:
             backends, checks = ", ".join(issue.backends), ", ".join(issue.checks)
@@ -201,22 +242,56 @@ def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> 
         return rows
     newest = records.groupby("backend").apply(_newest, include_groups=False)
     fresh = fresh[fresh["run_id"] == fresh["backend"].map(newest)]
-    # An error is one finding whatever check met it (a crash is the kernel's, not the check's), grouped by
-    # the kind of its message; a failure past the limit is one per check.
+    rows.extend(_new_findings(fresh, {row.id for row in rows}))
+    return rows
+
+
+def family_of(backend: str) -> str:
+    """The kernel family a backend declares (``Backend.family``), else its own name (the suite's backends, a
+    plugin not loaded here)."""
+    try:
+        return registry.get(backend).family or backend
+    except (KeyError, registry.PluginError):
+        return backend
+
+
+def failure_kind(rows: pd.DataFrame) -> pd.Series:
+    """What went wrong in each failing record, without its numbers: an error's message kind, ``not finite``,
+    what a check observed (``causal leak``, ``wrong under in-place metadata``), or ``past the limit``."""
+    errors = rows["verdict"] == "error"
+    nonfinite = pd.to_numeric(rows.get("nonfinite", pd.Series(0, index=rows.index)), errors="coerce").fillna(0) > 0
+    observed = rows.get("observed", pd.Series("", index=rows.index)).fillna("").astype(str)
+    kinds = rows["reason"].fillna("").astype(str).map(message_kind)
+    limit = observed.where(observed != "", "past the limit").where(~nonfinite, "not finite")
+    return kinds.where(errors, limit)
+
+
+def _new_findings(fresh: pd.DataFrame, taken: set[str]) -> list[UpstreamFinding]:
+    """The failures no ledger entry claims, one finding per cause as far as the records tell it: per kernel
+    family and kind of failure, and, for a failure past the limits (whose message does not name its cause),
+    per case. Each lists its cases, backends and checks."""
+    kinds = failure_kind(fresh)
     errors = fresh["verdict"] == "error"
-    kinds = fresh["reason"].fillna("").astype(str).map(message_kind)
-    fresh = fresh.assign(group=kinds.where(errors, fresh["check"].astype(str) + " past the limit"), raised=errors)
-    taken = {row.id for row in rows}
-    for (backend, group), part in fresh.groupby(["backend", "group"], sort=True):
-        id_ = f"new-{backend}-" + re.sub(r"[^a-z0-9]+", "-", group.lower()).strip("-")[:48]
+    family = fresh["backend"].astype(str).map(family_of)
+    # An error's message names its cause, so it is one finding over every case it met; a number past a limit
+    # is one per case.
+    case = fresh["case_id"].astype(str).where(~errors, "")
+    grouped = fresh.assign(family=family, kind=kinds, group_case=case, raised=errors)
+    found = []
+    for (family_name, kind, case_id), part in grouped.groupby(["family", "kind", "group_case"], sort=True):
+        slug = re.sub(r"[^a-z0-9]+", "-", f"{family_name} {kind}".lower()).strip("-")[:60].strip("-")
+        id_ = f"new-{slug}" + (f"-{case_id}" if case_id else "")
         base, n = id_, 2
         while id_ in taken:  # two kinds that share the truncated text: ids stay unique (anchors, file names)
             id_, n = f"{base}-{n}", n + 1
         taken.add(id_)
         checks = ", ".join(sorted(part["check"].astype(str).unique()))
-        what = f"not in the ledger: {'raised ' + group if part['raised'].iloc[0] else group} ({checks})"
-        rows.append(_row(id_, part, "new", _newest(part), description=what))
-    return rows
+        backends = ", ".join(sorted(part["backend"].astype(str).unique()))
+        what = f"raised {kind}" if part["raised"].iloc[0] else kind
+        where = "every case it met" if not case_id else f"case {case_id}"
+        text = f"not in the ledger: {family_name}, {what}, {where}; backends {backends}; checks {checks}"
+        found.append(_row(id_, part, "new", _newest(part), description=text, family=str(family_name)))
+    return found
 
 
 def write_finding_test(
@@ -283,45 +358,65 @@ class FindingLostDevice(DeviceLost):
 
 
 def findings_markdown(findings: list[UpstreamFinding], source: str, precisions: list[str] | None = None) -> str:
-    """docs/findings.md: the table, then what declared working precisions cost (``precisions``: lines of
-    reports/precision.py), then each finding's text and repro line."""
+    """docs/findings.md: the table, then the cost of the designs the libraries declare (``precisions``: lines of
+    reports/precision.py), then each finding's text, copies, upstream links, cases and repro line."""
     counts = ", ".join(f"{sum(f.status == s for f in findings)} {s}" for s in STATUSES)
     lines = [
         "# Findings ready for upstream",
         "",
         f"Generated by `kda-conformance findings` from {source} and conformance/known_issues.toml ({counts}).",
-        "A ledger entry is `open` while the newest run that matched it still fails, `fixed` when every case it",
-        "matched there passed (retire the entry), `not seen` when no run in the store matched it; `new` is a",
-        "kernel's failure no entry matches. Worst is error/limit over the failing records of that run.",
+        "A ledger entry is one cause, in every library's copy of its code; it is `open` while the newest run that",
+        "matched it still fails, `fixed` when every case it matched there passed (retire the entry), `not seen`",
+        "when no run in the store matched it; `new` is a kernel's failure no entry matches, grouped by kernel",
+        "family, kind of failure and (past the limits) case. Worst is error/limit over the failing records of",
+        "that run; *library* their worst rel-RMS over the tolerance the library's own tests assert; *tier*:",
+        "broken, beyond the library's tolerance, or beyond the suite's working-precision limits only. Failures",
+        "within 1.5 times a limit that fresh draws did not confirm are `marginal` and never listed.",
         (
             "Each test is findings/test_<id>.py, written by `--write-tests DIR` on a machine where the backend runs "
-            "and run once there; it needs torch and the kernel's library, and skips where they or the GPU are missing."
+            "and run once there; it needs torch, the kernel's library and pytest, and skips where they or the GPU "
+            "are missing."
             if any(f.test not in ("", "-") for f in findings)
             else "No standalone test was written in this generation: `--write-tests DIR`, on a machine where the "
             "backends run, writes and runs them."
         ),
         "",
-        "| finding | status | kernel | backends | check | cases | worst | first bad | smallest case | test |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| finding | status | tier | kernel | backends | check | cases | worst | library | first bad | smallest case "
+        "| test |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for f in findings:
-        cells = [f"[{f.id}](#{f.id})", f.status, f.kernel or "-", f.backends, f.check or "-", str(f.cases), f.worst,
-                 f.first_bad, f.case_id or "-", f.test or "-"]  # fmt: skip
+        cells = [f"[{f.id}](#{f.id})", f.status, f.tier or "-", f.kernel or "-", f.backends, f.check or "-",
+                 str(f.cases), f.worst, f.library or "-", f.first_bad, f.case_id or "-", f.test or "-"]  # fmt: skip
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     if precisions:
         lines += [
             "",
-            "Declared working precisions (a design the kernel's documentation states, judged against the baseline "
-            "at that precision; not findings): what each costs against the strict limits.",
+            "## Cost of design",
+            "",
+            "Declared working precisions: a design the kernel's library states in its code or documents, judged "
+            "against the baseline at that precision; not findings. What each costs against the strict limits (what "
+            "a user passing each input dtype gets):",
             "",
             *(f"- {line}" for line in precisions),
         ]
     for f in findings:
         lines += ["", f"## {f.id}", "", f"{f.status}, in run {f.run or '-'}: {f.description}"]
+        if f.tier:
+            lines.append(
+                f"\nTier: {f.tier}" + (f"; the library's own tolerance: {f.library} at worst" if f.library else "")
+            )
+        if f.copies:
+            lines += ["", "Copies of the code path:", "", *(f"- {c}" for c in f.copies)]
         if f.confirmed:
             lines.append(f"\nConfirmed: {f.confirmed}")
         if f.upstream:
-            lines.append(f"\nUpstream: {f.upstream}")
+            lines.append(f"\nWhere: {f.upstream}")
+        if f.links:
+            lines += ["", "Upstream:", "", *(f"- {link}" for link in f.links)]
+        if len(f.case_ids) > 1:
+            shown = ", ".join(f.case_ids[:12]) + (f" and {len(f.case_ids) - 12} more" if len(f.case_ids) > 12 else "")
+            lines.append(f"\nCases ({len(f.case_ids)}, smallest first): {shown}")
         if f.repro:
             lines += ["", "Smallest failing case, rerun with:", "", f"    {f.repro}"]
     return "\n".join(lines) + "\n"
