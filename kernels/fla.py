@@ -106,6 +106,7 @@ class FlaChunk(Backend):
         self.chunk_size = self.chunk_tokens = chunk_size
         if chunk_size != 64:
             self.name = f"fla_chunk{chunk_size}"
+        self.chunk_variants = ("fla_chunk32",) if chunk_size == 64 else ("fla_chunk",)
 
     def availability(self, device: torch.device) -> Support:
         return _fla_availability(device)

@@ -210,6 +210,11 @@ class Backend(ABC):
     # Changing a token may move earlier outputs of its own block by rounding (not batch-invariant), never
     # those of earlier blocks (that is a causal leak): the prefix check tells the two apart by it.
     chunk_tokens: int = 64
+    # What makes its float32 dots IEEE, set before anything compiles (``kda-conformance triage``'s IEEE switch):
+    # Triton's default precision unless a library has a switch of its own.
+    ieee_switch: dict[str, str] = {"TRITON_F32_DEFAULT": "ieee"}  # noqa: RUF012 (read, never written)
+    # Registered backends that are this kernel at another chunk size (triage's chunk-size switch).
+    chunk_variants: tuple[str, ...] = ()
     # The environment variables ``run`` (or the library it imports) sets on purpose; a change to any other is
     # put back after the call and is the backend's failure (kernels/world.py). Never a ``KDA_*`` variable.
     sets_environment: tuple[str, ...] = ()

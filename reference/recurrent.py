@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kda_cases.materialize import KDAOptions
+from kda_reference.plain import token_loop
 from kda_reference.prepared import Prepared, check_inputs
 
 
@@ -55,34 +56,7 @@ def kda_recurrent(
 
 
 def _token_loop(p: Prepared) -> ReferenceResult:
-    q, k, v, beta = p.q, p.k, p.v, p.beta
-    B, T, HV, K = q.shape
-    V = v.shape[-1]
-    decay = torch.exp(p.g)
-    wanted: dict[int, list[tuple[int, int]]] = {}
-    for index, (seq, tokens) in enumerate(p.checkpoints):
-        wanted.setdefault(seq, []).append((tokens, index))
-
-    dtype = q.dtype
-    o = torch.zeros(B, T, HV, V, dtype=dtype, device=q.device)
-    final = torch.zeros(len(p.bounds), HV, K, V, dtype=dtype, device=q.device)
-    saved = torch.zeros(len(p.checkpoints), HV, K, V, dtype=dtype, device=q.device)
-    for n, (row, start, end) in enumerate(p.bounds):
-        S = p.h0[n].clone()
-        marks = sorted(wanted.get(n, []))
-        for tokens, index in marks:
-            if tokens == 0:
-                saved[index] = S
-        for t in range(start, end):
-            S = S * decay[row, t].unsqueeze(-1)
-            k_t = k[row, t]
-            residual = v[row, t] - torch.einsum("hk,hkv->hv", k_t, S)
-            S = S + torch.einsum("hk,hv->hkv", beta[row, t].unsqueeze(-1) * k_t, residual)
-            o[row, t] = torch.einsum("hk,hkv->hv", q[row, t], S)
-            for tokens, index in marks:
-                if tokens == t - start + 1:
-                    saved[index] = S
-        final[n] = S
+    o, final, saved = token_loop(p.q, p.k, p.v, p.g, p.beta, p.h0, p.bounds, p.checkpoints)
     if p.state_v_first:
         final, saved = final.transpose(-1, -2), saved.transpose(-1, -2)
     return ReferenceResult(o=o, final_state=final.contiguous(), checkpoint_states=saved.contiguous())

@@ -27,6 +27,7 @@ from kda_conformance.cli import (
     repro,
     run,
     shards,
+    triage,
 )
 from kda_conformance.cli.exits import INTERRUPTED, USAGE
 from kda_conformance.running.config import release_claims
@@ -42,6 +43,7 @@ COMMANDS: tuple[ModuleType, ...] = (
     repro,
     minimize,
     findings,
+    triage,
     ledger,
     detection,
     calibrate,

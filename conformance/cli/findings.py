@@ -13,6 +13,7 @@ from rich.console import Console
 from kda_cases.devices import resolve_device
 from kda_conformance.cli.common import add_device, say
 from kda_conformance.judging.known import LEDGER, load_ledger
+from kda_conformance.repro.standalone_finding import issue_text
 from kda_conformance.repro.upstream import (
     FindingLostDevice,
     UpstreamFinding,
@@ -25,11 +26,12 @@ from kda_conformance.running.session import Run
 from kda_kernels import registry
 from kda_kernels.registry import PluginError
 from kda_reports.precision import precision_lines
-from kda_reports.store import load_store
+from kda_reports.store import Store, load_store
 
 NAME = "findings"
 HELP = "tabulate the findings ready for upstream (ledger entries and new failures) and write their standalone tests"
 EXAMPLE = "kda-conformance findings --store nightly-store --write-tests findings --device cuda"
+# A finding's issue text for upstream: kda-conformance findings --store nightly-store --report <id>
 PAGE = "findings.md"
 # The repository's committed standalone files (a checkout's; an installed package has none).
 COMMITTED_TESTS = Path(__file__).resolve().parents[2] / "findings"
@@ -49,7 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="DIR",
-        help="also write a standalone test for each open or new finding whose backend runs here (and run it once)",
+        help="also write a standalone test (torch, the kernel's package and pytest; nothing of this suite) for each "
+        "open or new finding whose backend gives a standalone call, and run it once where its backend runs here",
+    )
+    parser.add_argument(
+        "--report",
+        default=None,
+        metavar="ID",
+        help="print the finding ID as an upstream issue (title, what goes wrong, environment, repro, expected "
+        "against actual, suspected cause, related upstream issues and fixes) instead of writing the page",
     )
     parser.add_argument(
         "--plugin", action="append", default=[], metavar="MODULE", help="module that registers backends"
@@ -57,7 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device(parser)
 
 
-def execute(args: argparse.Namespace, console: Console) -> int:
+def store_findings(args: argparse.Namespace, console: Console) -> tuple[Store, list[UpstreamFinding]] | None:
+    """The store ``--store`` names and its findings under ``--ledger`` (``--plugin`` loaded first); None, said,
+    where one cannot be read or holds no records."""
     try:
         for module in args.plugin:
             registry.load_plugin(module)
@@ -65,11 +77,26 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         store = load_store(args.store)
     except (OSError, ValueError, PluginError) as exc:
         say(console, str(exc), "error:", "red")
-        return 2
+        return None
     if store.records.empty:
         say(console, f"--store {args.store} holds no records", "error:", "red")
+        return None
+    return store, upstream_findings(store.records, ledger)
+
+
+def execute(args: argparse.Namespace, console: Console) -> int:
+    read = store_findings(args, console)
+    if read is None:
         return 2
-    findings = upstream_findings(store.records, ledger)
+    store, findings = read
+    if args.report is not None:
+        chosen = [f for f in findings if f.id == args.report]
+        if not chosen:
+            say(console, f"--report {args.report}: no such finding; the store's: {', '.join(f.id for f in findings)}",
+                "error:", "red")  # fmt: skip
+            return 2
+        console.print(issue_text(with_committed_test(chosen[0])), markup=False, highlight=False, soft_wrap=True)
+        return 0
     if args.write_tests is not None:
         try:
             device = resolve_device(args.device)

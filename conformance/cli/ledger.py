@@ -28,7 +28,8 @@ Each entry names the backends, the checks (optional), the device, the cases it m
 values), the environment it depends on (variables and their values, `""` for unset), the tensors it lets fail
 (optional; every tensor by default), the worst error/limit seen when it was added and a growth factor, whether
 it always fails, a description, where the code is and what was read there, how its cause was confirmed
-(required: an entry that does not say is refused), the date it was added, and where the problem is tracked
+(required: an entry that does not say is refused; where `kda-conformance triage` separated the cause, it cites
+that run's triage.json), the date it was added, and where the problem is tracked
 upstream, with its status there (required: an issue, a PR, a fixing commit, or `none` and why). One cause in
 several libraries' copies of one code path (FLA's `prepare_chunk_indices`, copied into AITER, vLLM and SGLang) is
 one entry that names each copy, where it lives and the backends that run it; an entry that took over earlier

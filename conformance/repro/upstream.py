@@ -22,6 +22,7 @@ wrong, passes once it is right and skips where its library or device is missing.
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -35,18 +36,91 @@ from kda_cases.case import Case
 from kda_cases.files import atomic_write_text
 from kda_conformance.checks import CHECKS, run_check
 from kda_conformance.judging.known import KnownIssue
-from kda_conformance.repro.standalone import write_standalone
+from kda_conformance.repro.standalone_finding import called_measurements, write_standalone_finding
 from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.session import NOT_LAUNCHED, Run
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault
-from kda_reports.findings import FAILED, message_kind, worst_ratio, worst_tier
+from kda_reports.findings import FAILED, message_kind, worst_ratio, worst_ratios, worst_tier
 
 STATUSES = ("open", "new", "fixed", "not seen")
 # Not a kernel's finding: the suite's own failures and the machine's.
 NOT_A_KERNEL = ("(suite)",)
 # A standalone file holds the case's inputs and truth; a larger case is minimized first.
 MAX_TEST_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One tensor of a finding's smallest case, as its record holds it."""
+
+    backend: str
+    check: str
+    tensor: str
+    max_abs: float
+    rel_rms: float
+    max_abs_limit: float
+    rel_rms_limit: float
+    baseline_max_abs: float
+    baseline_rel_rms: float
+    floor: float
+    cap: float
+    binding: str
+    rel_rms_binding: str
+    library_tolerance: float
+    nonfinite: int
+    first_bad: str
+    precision: str
+
+
+def _measured(rows: pd.DataFrame) -> tuple[Measured, ...]:
+    """The judged tensors among ``rows`` (one case's records), one per (backend, check, tensor), worst first."""
+
+    def number(row: pd.Series, name: str) -> float:
+        value = pd.to_numeric(pd.Series([row.get(name)]), errors="coerce").iloc[0]
+        return float(value) if pd.notna(value) else math.nan
+
+    out = {}
+    judged = rows[rows["tensor"].fillna("").astype(str) != ""] if "tensor" in rows else rows.iloc[0:0]
+    judged = judged[pd.to_numeric(judged.get("budget", pd.Series(dtype=float)), errors="coerce").notna()]
+    for _, row in judged.assign(worst=worst_ratios(judged)).sort_values("worst", ascending=False).iterrows():
+        key = (str(row["backend"]), str(row["check"]), str(row["tensor"]))
+        if key in out:
+            continue
+        out[key] = Measured(
+            *key,
+            max_abs=number(row, "max_abs"),
+            rel_rms=number(row, "rel_rms"),
+            max_abs_limit=number(row, "budget"),
+            rel_rms_limit=number(row, "budget_rel_rms"),
+            baseline_max_abs=number(row, "budget_baseline"),
+            baseline_rel_rms=number(row, "baseline_rel_rms"),
+            floor=number(row, "budget_floor"),
+            cap=number(row, "budget_cap"),
+            binding=str(row.get("budget_binding") or ""),
+            rel_rms_binding=str(row.get("budget_rel_rms_binding") or ""),
+            library_tolerance=number(row, "library_tolerance"),
+            nonfinite=int(number(row, "nonfinite")) if not math.isnan(number(row, "nonfinite")) else 0,
+            first_bad=str(row.get("first_bad") or ""),
+            precision=str(row.get("precision") or "") if pd.notna(row.get("precision")) else "",
+        )
+    return tuple(out.values())
+
+
+def _same_call(records: pd.DataFrame, small: pd.Series, rows: pd.DataFrame) -> pd.DataFrame:
+    """Every record of ``small``'s case in its run on the backends of ``rows``: what a repro holds the call to."""
+    same = (records["case_id"] == small["case_id"]) & records["backend"].isin(rows["backend"].unique())
+    if "run_id" in records:
+        same &= records["run_id"].astype(str) == str(small["run_id"])
+    return records[same]
+
+
+def _environment(row: pd.Series) -> str:
+    parts = [f"{row.get('env_device_type', '')} {row.get('env_device_name', '')}".strip()]
+    parts += [f"{name} {row.get(f'env_{name}')}" for name in ("torch", "triton") if pd.notna(row.get(f"env_{name}"))]
+    library = row.get("library")
+    parts += [str(library)] if isinstance(library, str) and library else []
+    return ", ".join(p for p in parts if p and p != "nan")
 
 
 @dataclass(frozen=True)
@@ -73,6 +147,11 @@ class UpstreamFinding:
     copies: tuple[str, ...] = ()  # a ledger entry's copies: "library: where (backends)"
     links: tuple[str, ...] = ()  # a ledger entry's upstream links: "kind ref: status (url)"
     family: str = ""  # the kernel family of a new finding
+    # The smallest failing case's judged tensors as the run recorded them (on its backend and device): per
+    # tensor the measured errors, the limits and the terms behind them, the library's tolerance.
+    measured: tuple[Measured, ...] = ()
+    environment: str = ""  # where that record was made: device, torch, triton, the library's version
+    title: str = ""  # an upstream issue's title
 
 
 def _kernel(rows: pd.DataFrame) -> str:
@@ -180,7 +259,11 @@ def _library(rows: pd.DataFrame) -> str:
     return "" if ratios.empty else f"{float(ratios.max()):.3g}x"
 
 
-def _row(id_: str, rows: pd.DataFrame, status: str, run: str, **text: object) -> UpstreamFinding:
+def _row(
+    id_: str, rows: pd.DataFrame, status: str, run: str, records: pd.DataFrame | None = None, **text: object
+) -> UpstreamFinding:
+    """The finding of ``rows`` (its records in ``run``); ``records``: every record of the store, whose other
+    tensors of the smallest case (the ones that passed) are measured beside the failing ones."""
     failing = rows[rows["verdict"].isin(["known", *FAILED])]
     shown = failing if not failing.empty else rows
     small = _smallest(shown)
@@ -202,6 +285,8 @@ def _row(id_: str, rows: pd.DataFrame, status: str, run: str, **text: object) ->
         tier=_tier(failing),
         library=_library(failing),
         case_ids=case_ids,
+        measured=_measured(_same_call(rows if records is None else records, small, rows)),
+        environment=_environment(small),
         **text,
     )
 
@@ -231,7 +316,7 @@ def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> 
         run = _newest(mine)
         last = mine[mine["run_id"].astype(str) == run]
         status = "open" if last["verdict"].isin(["known", *FAILED]).any() else "fixed"
-        rows.append(_row(issue.id, last, status, run, **text))
+        rows.append(_row(issue.id, last, status, run, records, title=issue.description.split(". ")[0], **text))
     fresh = records[
         records["verdict"].isin(FAILED)
         & (matched == "" if not matched.empty else True)
@@ -242,7 +327,7 @@ def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> 
         return rows
     newest = records.groupby("backend").apply(_newest, include_groups=False)
     fresh = fresh[fresh["run_id"] == fresh["backend"].map(newest)]
-    rows.extend(_new_findings(fresh, {row.id for row in rows}))
+    rows.extend(_new_findings(fresh, {row.id for row in rows}, records))
     return rows
 
 
@@ -266,7 +351,7 @@ def failure_kind(rows: pd.DataFrame) -> pd.Series:
     return kinds.where(errors, limit)
 
 
-def _new_findings(fresh: pd.DataFrame, taken: set[str]) -> list[UpstreamFinding]:
+def _new_findings(fresh: pd.DataFrame, taken: set[str], records: pd.DataFrame) -> list[UpstreamFinding]:
     """The failures no ledger entry claims, one finding per cause as far as the records tell it: per kernel
     family and kind of failure, and, for a failure past the limits (whose message does not name its cause),
     per case. Each lists its cases, backends and checks."""
@@ -290,42 +375,62 @@ def _new_findings(fresh: pd.DataFrame, taken: set[str]) -> list[UpstreamFinding]
         what = f"raised {kind}" if part["raised"].iloc[0] else kind
         where = "every case it met" if not case_id else f"case {case_id}"
         text = f"not in the ledger: {family_name}, {what}, {where}; backends {backends}; checks {checks}"
-        found.append(_row(id_, part, "new", _newest(part), description=text, family=str(family_name)))
+        label = str(part["label"].iloc[0]) if "label" in part and case_id else f"{part['case_id'].nunique()} cases"
+        title = f"{family_name}: {what} ({backends}; {label})"
+        found.append(
+            _row(id_, part, "new", _newest(part), records, description=text, family=str(family_name), title=title)
+        )
     return found
 
 
 def write_finding_test(
     finding: UpstreamFinding, device: torch.device, folder: Path, run: Run | None = None
 ) -> UpstreamFinding:
-    """Write ``folder/test_<id>.py`` (and its data) for a finding whose case runs here, run it once to say
-    whether it fails today, and return the finding with ``test`` saying where it is or why there is none.
-    The finding's check is first rerun on its case through ``run``'s executor (the sweep's rules: journal,
+    """Write ``folder/test_<id>.py`` for a finding (conformance/repro/standalone_finding.py: torch, the kernel's
+    package and pytest, nothing of this suite), run it once where its backend runs here to say whether it fails
+    today, and return the finding with ``test`` saying where it is or why there is none. Where it runs, the
+    finding's budget check is then rerun on its case through ``run``'s executor (the sweep's rules: journal,
     quarantine, memory retry, ledger), which says whether the suite itself still sees it here."""
     if finding.status not in ("open", "new") or not finding.case_json:
         return replace(finding, test="-")
-    checks = {c.strip() for c in finding.check.split(",")}
-    if "budget" not in checks:
-        return replace(finding, test=f"not written: the {finding.check} check's finding reruns with its repro line")
     case = Case.from_json(finding.case_json)
     if case.total_tokens > MAX_TEST_TOKENS:
         return replace(
             finding, test=f"not written: {case.total_tokens} tokens (more than {MAX_TEST_TOKENS}); minimize it first"
         )
-    backend_name = finding.backends.split(", ")[0]
-    if backend_name not in registry.names():
-        return replace(finding, test=f"not written: backend {backend_name} is not registered here")
-    backend = registry.get(backend_name)
+    names = finding.backends.split(", ")
+    registered = [registry.get(name) for name in names if name in registry.names()]
+    if not registered:
+        return replace(finding, test=f"not written: backend {names[0]} is not registered here")
+    callable_ = [b for b in registered if b.standalone_source is not None]
+    if not callable_:
+        shown = ", ".join(b.name for b in registered)
+        return replace(finding, test=f"not written: {shown} give no standalone call; it reruns with its repro line")
+    backend = next((b for b in callable_ if called_measurements(finding, b)), None)
+    if backend is None and finding.tier == "broken":  # a crash: the file holds the call to running at all
+        backend = callable_[0]
+    if backend is None:
+        return replace(
+            finding,
+            test=f"not written: the budget check judged no output or final state of its smallest case; the "
+            f"{finding.check} check's finding reruns with its repro line",
+        )
+    if finding.environment.startswith("cpu") and backend.interpreted(torch.device("cpu")):
+        return replace(
+            finding,
+            test="not written: measured in Triton's CPU interpreter with the suite's workarounds, which a standalone "
+            "file does not carry; rerun on a GPU",
+        )
+    # The file first, run in a process of its own (a crash there costs this process nothing); the suite's
+    # own rerun last, since a sticky device error in it ends what this process may run.
+    path = write_standalone_finding(finding, case, backend, folder)
     try:
         support = guard.availability(backend, device)
         support = guard.supports(backend, case) if support else support
     except BackendFault as fault:
-        return replace(finding, test=f"not written: {backend_name} faulted here ({fault})")
+        return replace(finding, test=f"{path.name} (written; {backend.name} faulted here: {fault})")
     if not support:
-        return replace(finding, test=f"not written on {device}: {support.reason}")
-    # The file first, run in a process of its own (a crash there costs this process nothing); the suite's
-    # own rerun last, since a sticky device error in it ends what this process may run.
-    path = Path(folder) / f"test_{finding.id.replace('-', '_')}.py"
-    write_standalone(case, backend, device, "nan", path)
+        return replace(finding, test=f"{path.name} (written; not run on {device}: {support.reason})")
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", str(path.resolve())],
         capture_output=True,

@@ -1,0 +1,67 @@
+"""``kda-conformance triage``: rerun each untriaged finding's smallest case with one switch at a time (IEEE dots,
+the zero-length members removed, contiguous inputs, a fresh cu_seqlens tensor, another chunk size, an fp32 state)
+and name the switch that clears it (conformance/repro/triage.py)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+
+from kda_cases.files import atomic_write_text
+from kda_conformance.cli.common import say
+from kda_conformance.cli.findings import store_findings
+from kda_conformance.judging.known import LEDGER
+from kda_conformance.repro.triage import triage, triage_json, triage_markdown
+
+NAME = "triage"
+HELP = "rerun each untriaged finding's smallest case with one switch at a time and name the one that clears it"
+EXAMPLE = "kda-conformance triage --store nightly-store"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store", type=Path, required=True, metavar="DIR", help="the store (or run folder) to read")
+    parser.add_argument(
+        "--finding",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="a finding to triage, of any status (repeatable; default: every new one, untriaged)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, metavar="DIR", help="where triage.md, triage.json and the reruns' records "
+        "go (default: STORE/triage)",
+    )  # fmt: skip
+    parser.add_argument("--ledger", type=Path, default=LEDGER, metavar="FILE", help="the ledger of known issues")
+    parser.add_argument(
+        "--plugin", action="append", default=[], metavar="MODULE", help="module that registers backends"
+    )
+
+
+def execute(args: argparse.Namespace, console: Console) -> int:
+    from kda_conformance.cli import build_parser
+
+    read = store_findings(args, console)
+    if read is None:
+        return 2
+    store, findings = read
+    chosen = [f for f in findings if (f.id in args.finding if args.finding else f.status == "new")]
+    unknown = sorted(set(args.finding) - {f.id for f in findings})
+    if unknown:
+        say(console, f"--finding {', '.join(unknown)}: no such finding in the store", "error:", "red")
+        return 2
+    out = args.out or (args.store if args.store.is_dir() else args.store.parent) / "triage"
+    out.mkdir(parents=True, exist_ok=True)
+    parser, results = build_parser(), []
+    for finding in chosen:
+        if not finding.repro:
+            continue
+        console.print(f"triage {finding.id}: {finding.backends}, {finding.check}", highlight=False)
+        results.append(triage(finding.id, finding.repro, parser, out))
+        console.print(f"  cause: {results[-1].cause}", highlight=False)
+    runs = ", ".join(sorted(store.records["run_id"].astype(str).unique()))
+    atomic_write_text(out / "triage.md", triage_markdown(results, f"runs {runs}"))
+    atomic_write_text(out / "triage.json", triage_json(results))
+    console.print(f"triage: {out / 'triage.md'} ({len(results)} findings)", highlight=False)
+    return 0

@@ -1,0 +1,319 @@
+"""A finding as a pytest file a kernel's maintainer runs with torch, their own package and pytest, and nothing of
+this suite (``kda-conformance findings --write-tests``), and as the text of an upstream issue
+(``kda-conformance findings --report ID``).
+
+The file calls the kernel's public entry point as the server's layer calls it (``Backend.standalone_source``),
+draws the finding's inputs from the case's seed with the suite's own drawing code (``kda_cases/seeded.py``,
+written into the file verbatim, so the bits are the ones the suite judged), computes the float64 truth with
+a plain token loop (``kda_reference/preprocess.py`` and ``plain.py``, verbatim), and holds the kernel's output
+and final states to the limits the suite judged them by, written as numbers with the terms they came from,
+beside the tolerance the library's own tests assert. Its docstring says what goes wrong, where it was measured
+and with which versions, what was measured there, and where the problem is tracked upstream. A data file is
+never needed: every input is drawn from the seed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import textwrap
+from pathlib import Path
+from types import ModuleType
+
+from kda_cases import seeded
+from kda_cases.case import Case
+from kda_cases.files import atomic_write_text
+from kda_kernels.protocol import Backend
+from kda_reference import plain, preprocess
+
+# The suite's own modules a file carries, in order: each imports nothing of the suite but the ones before it.
+EMBEDDED: tuple[ModuleType, ...] = (seeded, preprocess, plain)
+# The tensors a direct call returns (a checkpoint state is a serving harness's, not the call's).
+CALLED = ("o", "final_state")
+SUITE_PACKAGES = ("kda_cases", "kda_reference", "kda_kernels", "kda_reports", "kda_conformance")
+# The case's derived values the drawing code reads as attributes (cases/seeded.py).
+DERIVED = ("row_spans", "offsets", "total_tokens", "num_seqs", "gate_in_kernel", "has_initial_state", "state_v_first")
+
+
+def embedded_source() -> str:
+    """The drawing code and the float64 truth, verbatim, without their imports of each other."""
+    parts = []
+    for module in EMBEDDED:
+        lines = [
+            line
+            for line in inspect.getsource(module).splitlines()
+            if not line.startswith(("from __future__", "from kda_", "import kda_"))
+        ]
+        name = module.__name__.replace("kda_", "", 1).replace(".", "/")
+        parts.append(f"# ---- kda-conformance {name}.py, verbatim " + "-" * 40 + "\n" + "\n".join(lines).strip())
+    return "\n\n\n".join(parts) + "\n"
+
+
+def case_spec_source(case: Case) -> str:
+    """``CASE``: the case's fields and the values the drawing code derives from them, as plain Python."""
+    fields = case.to_dict()
+    fields.pop("tags", None)
+    derived = {name: getattr(case, name) for name in DERIVED}
+    shown = ",\n".join(f"    {name}={value!r}" for name, value in {**fields, **derived}.items())
+    return f"CASE = SimpleNamespace(\n{shown},\n)\n"
+
+
+def _call_kwargs(case: Case) -> str:
+    """chunk_kda's keyword arguments of the case (the ones every KDA prefill entry point takes)."""
+    return textwrap.dedent(
+        f"""\
+        dict(
+            scale={case.scale!r},
+            use_qk_l2norm_in_kernel={case.l2norm_in_kernel!r},
+            use_beta_sigmoid_in_kernel={case.beta_sigmoid_in_kernel!r},
+            use_gate_in_kernel={case.gate_in_kernel!r},
+            A_log=x["A_log"],
+            dt_bias=x["dt_bias"],
+            lower_bound={case.lower_bound!r},
+            state_v_first={case.state_v_first!r},
+        )"""
+    )
+
+
+def _needs_source(backend: Backend) -> str:
+    libraries = {
+        library.module.split(".")[0]: (library.name, library.install, library.source_variable)
+        for library in backend.libraries
+        if library.module
+    }
+    return textwrap.dedent(
+        f'''
+        LIBRARIES = {libraries!r}
+
+
+        def needs(module, source_variable=None):
+            """``module`` imported, or the test skipped naming the package that is missing. A source tree named
+            by ``source_variable`` is put first on the path."""
+            top = module.split(".")[0]
+            name, install, variable = LIBRARIES.get(top, (top, "", ""))
+            tree = os.environ.get(source_variable or variable or "")
+            if tree and tree not in sys.path:
+                sys.path.insert(0, tree)
+            try:
+                return importlib.import_module(module)
+            except ImportError as exc:
+                missing = (exc.name or module).split(".")[0]
+                if missing == top:
+                    pytest.skip(f"needs {{name}}" + (f" ({{install}})" if install else ""))
+                pytest.skip(f"needs {{missing}}, which {{name}} imports (pip install {{missing}})")
+        '''
+    )
+
+
+def _where_it_runs_source(device_type: str, where: str) -> str:
+    if device_type == "cpu":
+        body = 'return "cuda" if torch.cuda.is_available() else "cpu"'
+    else:
+        reason = f"needs a GPU (the finding was measured on {where}); torch sees none"
+        body = f'if not torch.cuda.is_available():\n        pytest.skip({reason!r})\n    return "cuda"'
+    return f"\n\ndef where_it_runs():\n    {body}\n"
+
+
+def _limits_comment(finding_measured: tuple) -> list[str]:
+    lines = []
+    for m in finding_measured:
+        lines.append(
+            f"# {m.tensor}: max-abs limit {m.max_abs_limit:.4g} (set by the {m.binding}: baseline "
+            f"{m.baseline_max_abs:.3g} x 4, floor {m.floor:.3g}, cap {m.cap:.3g}); rel-RMS limit "
+            f"{m.rel_rms_limit:.4g} (set by the {m.rel_rms_binding}: baseline {m.baseline_rel_rms:.3g} x 2)"
+        )
+    return lines
+
+
+def called_measurements(finding: object, backend: Backend) -> tuple:
+    """The budget check's measurements of the finding's smallest case on ``backend`` that a direct call returns
+    (its output and final states): what the file holds the call to."""
+    return tuple(
+        m for m in finding.measured if m.tensor in CALLED and m.backend == backend.name and m.check == "budget"
+    )
+
+
+def standalone_file_text(finding: object, case: Case, backend: Backend, file_name: str) -> str:
+    """The whole file for ``finding`` (a kda_conformance.repro.upstream UpstreamFinding) on ``case`` and
+    ``backend`` (its ``standalone_source`` gives the call), to be saved as ``file_name``."""
+    assert backend.standalone_source is not None
+    measured = called_measurements(finding, backend)
+    device_type = "cpu" if finding.environment.startswith("cpu") else "cuda"
+    where = finding.environment or "the device it was written on"
+    limits = {m.tensor: {"max_abs": m.max_abs_limit, "rel_rms": m.rel_rms_limit} for m in measured}
+    library = {m.tensor: m.library_tolerance for m in measured if not math.isnan(m.library_tolerance)}
+    tolerance = backend.library_tolerance
+    seen = {m.tensor: {"max_abs": m.max_abs, "rel_rms": m.rel_rms, "nonfinite": m.nonfinite} for m in measured}
+    precision = next((m.precision for m in measured if m.precision), "")
+    trees = [lib for lib in backend.libraries if lib.source_variable]
+    doc = [
+        f"{finding.id}: {finding.kernel or backend.name}, {case.label}.",
+        "",
+        textwrap.fill(f"What goes wrong: {finding.description}", 110),
+        "",
+        f"Measured with kda-conformance (backend {backend.name}, check {finding.check}) on {where}: "
+        + "; ".join(f"{t} max-abs {v['max_abs']:.3g}, rel-RMS {v['rel_rms']:.3g}" for t, v in seen.items())
+        + ". The limits below are the suite's (docs/tolerance.md in kda-conformance)"
+        + (f", at the kernel's declared working precision ({precision})" if precision else "")
+        + (
+            f"; the library's own tests allow rel-RMS {tolerance.rel_rms:g} ({tolerance.source})." if tolerance else "."
+        ),
+    ]
+    if finding.links:
+        doc += ["", "Upstream:", *(f"- {link}" for link in finding.links)]
+    doc += [
+        "",
+        f"Run: pytest {file_name} (needs torch, pytest and {', '.join(lib.name for lib in backend.libraries)}"
+        + "".join(f"; {lib.source_variable}=DIR loads it from a source tree" for lib in trees)
+        + "). It fails while the kernel is wrong, passes once it is right, and skips naming what is missing.",
+        f"Case (kda-conformance --case): {case.to_json()}",
+    ]
+    header = '"""' + "\n".join(doc).replace('"""', "'''").replace("\\", "\\\\") + '\n"""\n'
+    body = textwrap.dedent(
+        f"""
+        # Limits: limit = min(cap, max(factor x baseline, floor)), the baseline the same case through a plain PyTorch
+        # chunked KDA at working precision; see kda-conformance docs/tolerance.md.
+        {{limits_comment}}
+        LIMITS = {limits!r}
+        LIBRARY_TOLERANCE = {library!r}  # rel-RMS, from the library's own tests
+        MEASURED = {seen!r}  # when written, on {where}
+        TINY = torch.finfo(torch.float64).tiny
+
+
+        def errors(got, want):
+            err = (got.double().cpu() - want).abs()
+            finite = bool(err.isfinite().all())
+            rms = float(err.pow(2).mean().sqrt() / want.pow(2).mean().sqrt().clamp_min(TINY)) if finite else math.inf
+            return err, (float(err.max()) if finite else math.inf), rms, int((~got.isfinite()).sum())
+
+
+        def test_{finding.id.replace("-", "_")}():
+            device = where_it_runs()
+            x = draw(CASE)  # the suite's inputs, bit for bit, on the CPU
+            kwargs = {{call_kwargs}}
+            o_true, final_true = kda_token_loop(
+                x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"],
+                **kwargs,
+            )
+            moved = {{name: None if t is None else t.to(device) for name, t in x.items()}}
+            q, k, v, g, beta = laid_out(CASE.input_layout, *(moved[n] for n in ("q", "k", "v", "g", "beta")))
+            kwargs.update(A_log=moved["A_log"], dt_bias=moved["dt_bias"])
+            h0 = None if moved["initial_state"] is None else moved["initial_state"].float()  # a pool's state, widened
+            o, final = call(q, k, v, g, beta, h0, moved["cu_seqlens"], **kwargs)
+            problems, lines = [], []
+            for name, got, want in (("o", o, o_true), ("final_state", final, final_true)):
+                if got is None or tuple(got.shape) != tuple(want.shape):
+                    shape = None if got is None else list(got.shape)
+                    problems.append(f"{{name}}: shape {{shape}} != {{list(want.shape)}}")
+                    continue
+                err, max_abs, rel_rms, nonfinite = errors(got, want)
+                if name not in LIMITS:  # a crash's finding: the call runs, and its result is whole and finite
+                    problems += [f"{{name}}: {{nonfinite}} non-finite values"] if nonfinite else []
+                    lines.append(f"{{name}}: max-abs {{max_abs:.3e}}, rel-RMS {{rel_rms:.3e}} (no limits recorded)")
+                    continue
+                limit = LIMITS[name]
+                then = MEASURED[name]
+                line = f"{{name}}: max-abs {{max_abs:.3e}} (limit {{limit['max_abs']:.3e}}), rel-RMS {{rel_rms:.3e}}"
+                line += f" (limit {{limit['rel_rms']:.3e}}); when written {{then['max_abs']:.3e}},"
+                line += f" {{then['rel_rms']:.3e}}"
+                if name in LIBRARY_TOLERANCE:
+                    own = LIBRARY_TOLERANCE[name]
+                    line += f"; the library's own tolerance {{own:g}}: {{rel_rms / own:.3g}}x"
+                lines.append(line)
+                if nonfinite:
+                    problems.append(f"{{name}}: {{nonfinite}} non-finite values")
+                for metric, value in (("max_abs", max_abs), ("rel_rms", rel_rms)):
+                    if not value <= limit[metric]:
+                        problem = f"{{name}}: {{metric}} {{value:.3e}} > limit {{limit[metric]:.3e}}"
+                        if metric == "max_abs":
+                            bad = (err > limit["max_abs"]) | ~err.isfinite()
+                            problem += f", first at (row, token, head) {{tuple(bad.nonzero()[0].tolist()[:3])}}"
+                        problems.append(problem)
+            print("\\n".join(lines))
+            assert not problems, "\\n".join(problems + lines)
+        """
+    )
+    body = body.replace("{limits_comment}", "\n".join(_limits_comment(measured)))
+    body = body.replace("{call_kwargs}", textwrap.indent(_call_kwargs(case), "    ").lstrip())
+    imports = "\n".join(f"import {name}" for name in ("importlib", "itertools", "math", "os", "sys"))
+    imports += "\nfrom types import SimpleNamespace\nfrom typing import Any\n\nimport pytest\nimport torch\n"
+    imports += "import torch.nn.functional as F\n"
+    return "\n".join(
+        [
+            header,
+            imports,
+            case_spec_source(case),
+            embedded_source(),
+            "# ---- the kernel, called as its server calls it " + "-" * 40,
+            _needs_source(backend),
+            backend.standalone_source(case),
+            _where_it_runs_source(device_type, where),
+            body,
+        ]
+    )
+
+
+def write_standalone_finding(finding: object, case: Case, backend: Backend, folder: Path) -> Path:
+    """Write ``folder/test_<id>.py`` for the finding; returns its path."""
+    path = Path(folder) / f"test_{finding.id.replace('-', '_')}.py"
+    atomic_write_text(path, standalone_file_text(finding, case, backend, path.name))
+    return path
+
+
+def imports_of_the_suite(source: str) -> list[str]:
+    """The imports of this suite's packages in a file's source (a standalone file has none)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            if getattr(node.func, "id", getattr(node.func, "attr", "")) in ("needs", "import_module", "__import__"):
+                names = [str(node.args[0].value)]
+        found += [name for name in names if name.split(".")[0] in SUITE_PACKAGES]
+    return found
+
+
+def issue_text(finding: object) -> str:
+    """The finding as an upstream issue: title, what goes wrong, environment, repro, expected against actual,
+    suspected cause, related upstream issues and fixes (``kda-conformance findings --report ID``)."""
+    title = finding.title or finding.description.split(". ")[0]
+    lines = [f"# {title.rstrip('.')}", "", "## What goes wrong", "", finding.description]
+    if finding.tier:
+        lines += ["", f"How bad (kda-conformance's tier): {finding.tier}."]
+    lines += ["", "## Environment", "", f"Measured on {finding.environment or 'an unrecorded machine'}, run "
+              f"{finding.run or '-'}; backends {finding.backends}; checks {finding.check}."]  # fmt: skip
+    if finding.copies:
+        lines += ["", "The same code path lives in:", "", *(f"- {copy}" for copy in finding.copies)]
+    lines += ["", "## Repro", ""]
+    if finding.test and finding.test.startswith("test_"):
+        lines += [f"`pytest {finding.test.split(' ')[0]}` (torch, the kernel's package and pytest; attached)."]
+    if finding.repro:
+        lines += ["", "With kda-conformance:", "", f"    {finding.repro}"]
+    lines += ["", f"Smallest failing case: {finding.case_id}", "", "## Expected and actual", ""]
+    if finding.measured:
+        lines += [
+            "| backend | check | tensor | max-abs | its limit | rel-RMS | its limit | the library's own tolerance |"
+        ]
+        lines += ["|---|---|---|---|---|---|---|---|"]
+        for m in finding.measured:
+            own = "-" if math.isnan(m.library_tolerance) else f"{m.library_tolerance:g}"
+            lines.append(
+                f"| {m.backend} | {m.check} | {m.tensor} | {m.max_abs:.3e} | {m.max_abs_limit:.3e} | {m.rel_rms:.3e} "
+                f"| {m.rel_rms_limit:.3e} | {own} |"
+            )
+        lines += ["", "Expected: within the limits, which kda-conformance derives from a plain PyTorch port of the "
+                  "same chunked algebra at the same precision (docs/tolerance.md); actual: the measured errors "
+                  "against a float64 token-by-token recurrence."]  # fmt: skip
+    else:
+        lines.append(f"Worst: {finding.worst}.")
+    lines += ["", "## Suspected cause", "", finding.upstream or "not established"]
+    if finding.confirmed:
+        lines += ["", f"How it was confirmed: {finding.confirmed}"]
+    lines += ["", "## Related upstream issues and fixes", ""]
+    lines += [f"- {link}" for link in finding.links] or ["- none known"]
+    return "\n".join(lines) + "\n"

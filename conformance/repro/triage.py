@@ -1,0 +1,227 @@
+"""Triage: which one change makes a finding go away (``kda-conformance triage``).
+
+Each untriaged finding's smallest case is rerun, by its own repro line, in a process of its own, first as it
+failed, then with one switch at a time that separates the causes seen in KDA kernels:
+
+- IEEE dots: ``TRITON_F32_DEFAULT=ieee`` (the library's own precision switch where a backend names one), set
+  before anything compiles: TF32 where the library does not declare it;
+- the zero-length members removed from ``cu_seqlens``: chunk indices that miscount empty sequences;
+- contiguous inputs: a kernel that reads strided views as contiguous;
+- a fresh ``cu_seqlens`` tensor (the budget check instead of the reused-tensor one): metadata cached on the
+  tensor's identity;
+- another chunk size, where the kernel's API takes one (a backend names its variants): a chunk-size bug;
+- an fp32 state: a state precision the kernel does not keep.
+
+A switch under which the finding passes while it fails without names its cause; every rerun's command, exit
+and verdict is kept, so the ledger's ``confirmed`` field can cite the triage run (triage.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kda_cases.case import Case
+from kda_conformance.checks import CHECKS
+from kda_conformance.judging.repro import BUDGET_CHECK, repro_line
+from kda_kernels import registry
+from kda_kernels.protocol import Backend
+
+# The exits of a rerun (docs/exit-codes.md) and what they say of the case.
+EXITS = {0: "passes", 1: "fails", 3: "errs", 5: "does not run"}
+LAUNCH = "import sys; from kda_conformance.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """One rerun of a finding's case: its switch, why it does not apply (then nothing ran), the command (with
+    its environment changes) and what it gave."""
+
+    switch: str
+    command: str = ""
+    environment: dict[str, str] = dataclasses.field(default_factory=dict)
+    exit: int | None = None
+    not_applied: str = ""
+
+    @property
+    def outcome(self) -> str:
+        if self.not_applied:
+            return f"n/a ({self.not_applied})"
+        return EXITS.get(self.exit, f"exit {self.exit}") if self.exit is not None else "not run"
+
+
+@dataclass(frozen=True)
+class Triage:
+    finding: str
+    backend: str
+    check: str
+    case_id: str
+    reruns: tuple[Rerun, ...]
+
+    @property
+    def reproduces(self) -> bool:
+        return bool(self.reruns) and self.reruns[0].exit in (1, 3)
+
+    @property
+    def clearing(self) -> list[str]:
+        """The switches under which the finding passes."""
+        return [r.switch for r in self.reruns[1:] if r.exit == 0]
+
+    @property
+    def cause(self) -> str:
+        if not self.reruns or self.reruns[0].exit is None:
+            return "not run"
+        if not self.reproduces:
+            return f"does not reproduce here (it {self.reruns[0].outcome})"
+        clearing = self.clearing
+        return "; ".join(clearing) if clearing else "not established (no single switch clears it)"
+
+
+@dataclass(frozen=True)
+class Rerunnable:
+    """What a repro line reruns: the check, its case, backend, device, parameters and plugins."""
+
+    check: str
+    case: Case
+    backend: str
+    device: str
+    params: dict[str, object]
+    plugins: tuple[str, ...]
+
+    def line(self) -> str:
+        line = repro_line(self.check, self.case, self.backend, self.device, self.params)
+        plugins = "".join(f" --plugin {shlex.quote(p)}" for p in self.plugins if f"--plugin {p}" not in line)
+        backend = f" --backend {shlex.quote(self.backend)}"
+        return line.replace(backend, plugins + backend)
+
+
+def parse_repro(line: str, parser: argparse.ArgumentParser) -> Rerunnable:
+    """A recorded repro line (``kda-conformance run|repro ... --case JSON``) read back by the CLI's own parser."""
+    words = shlex.split(line)
+    args = parser.parse_args(words[1:])
+    check = getattr(args, "check", BUDGET_CHECK) if args.command == "repro" else BUDGET_CHECK
+    params = {p.name: getattr(args, p.name) for p in CHECKS[check].params if getattr(args, p.name, None) is not None}
+    backend = args.backend if args.command == "repro" else args.backends[0]
+    case = args.case if args.command == "repro" else args.cases[0]  # run's --case repeats
+    return Rerunnable(check, case, backend, args.device, params, tuple(args.plugin))
+
+
+# A switch: its name and, for a rerunnable finding on a backend, either why it does not apply or the
+# rerun it makes and the environment it sets.
+SwitchRule = Callable[[Rerunnable, Backend], "tuple[str, Rerunnable | None, dict[str, str]]"]
+
+
+def _ieee(r: Rerunnable, backend: Backend) -> tuple[str, Rerunnable | None, dict[str, str]]:
+    # Any dtype: bf16 and fp16 kernels keep float32 intermediates (FLA's inverse) that TF32 dots round.
+    return "", r, dict(backend.ieee_switch)
+
+
+def _no_empty(r: Rerunnable, backend: Backend) -> tuple[str, Rerunnable | None, dict[str, str]]:
+    if not r.case.has_empty_sequence:
+        return "no zero-length member", None, {}
+    lengths = tuple(n for n in r.case.seq_lens if n)
+    # Checkpoints name sequences by their index: renumbered past the removed members.
+    kept = [i for i, n in enumerate(r.case.seq_lens) if n]
+    checkpoints = tuple((kept.index(s), p) for s, p in r.case.checkpoints if s in kept)
+    case = r.case.replace(seq_lens=lengths, checkpoints=checkpoints, packed=len(lengths) > 1 or r.case.packed)
+    return "", dataclasses.replace(r, case=case), {}
+
+
+def _contiguous(r: Rerunnable, backend: Backend) -> tuple[str, Rerunnable | None, dict[str, str]]:
+    if r.case.input_layout == "contiguous":
+        return "its inputs are contiguous", None, {}
+    return "", dataclasses.replace(r, case=r.case.replace(input_layout="contiguous")), {}
+
+
+def _fresh_cu_seqlens(r: Rerunnable, backend: Backend) -> tuple[str, Rerunnable | None, dict[str, str]]:
+    if r.check != "cu_seqlens":
+        return "not the reused-tensor check", None, {}
+    return "", dataclasses.replace(r, check=BUDGET_CHECK, params={}), {}
+
+
+def _chunk(r: Rerunnable, backend: Backend) -> tuple[str, Rerunnable | None, dict[str, str]]:
+    others = [name for name in backend.chunk_variants if name in registry.names()]
+    if not others:
+        return "its API takes one chunk size", None, {}
+    return "", dataclasses.replace(r, backend=others[0]), {}
+
+
+def _fp32_state(r: Rerunnable, backend: Backend) -> tuple[str, Rerunnable | None, dict[str, str]]:
+    if r.case.state_dtype == "fp32":
+        return "its state is fp32", None, {}
+    return "", dataclasses.replace(r, case=r.case.replace(state_dtype="fp32")), {}
+
+
+SWITCHES: dict[str, SwitchRule] = {
+    "IEEE dots": _ieee,
+    "zero-length members removed": _no_empty,
+    "contiguous inputs": _contiguous,
+    "a fresh cu_seqlens tensor": _fresh_cu_seqlens,
+    "another chunk size": _chunk,
+    "an fp32 state": _fp32_state,
+}
+
+
+def _rerun(switch: str, r: Rerunnable, environment: dict[str, str], out: Path, env: dict[str, str]) -> Rerun:
+    line = r.line()
+    words = shlex.split(line)[1:]
+    words += ["--out", str(out)] + (["--no-dashboard"] if words[0] == "run" else [])
+    done = subprocess.run(
+        [sys.executable, "-c", LAUNCH, *words], env={**env, **environment}, capture_output=True, text=True
+    )
+    shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in environment.items())
+    return Rerun(switch, f"{shown} {line}".strip(), dict(environment), done.returncode)
+
+
+def triage(
+    finding_id: str, repro: str, parser: argparse.ArgumentParser, out: Path, env: dict[str, str] | None = None
+) -> Triage:
+    """Rerun one finding's case (its repro line) as it failed, then with each switch alone, each in a process of
+    its own (a compile-time switch must be set before anything compiles); records go to ``out``."""
+    env = dict(os.environ if env is None else env)
+    r = parse_repro(repro, parser)
+    backend = registry.get(r.backend)
+    reruns = [_rerun("as it failed", r, {}, out, env)]
+    for name, rule in SWITCHES.items():
+        why, changed, environment = rule(r, backend)
+        reruns.append(Rerun(name, not_applied=why) if why else _rerun(name, changed, environment, out, env))
+    return Triage(finding_id, r.backend, r.check, r.case.id, tuple(reruns))
+
+
+def triage_markdown(results: list[Triage], source: str) -> str:
+    names = list(SWITCHES)
+    lines = [
+        "# Triage",
+        "",
+        f"`kda-conformance triage` over {source}: each untriaged finding's smallest case rerun as it failed, then "
+        "with one switch at a time (conformance/repro/triage.py); a switch under which it passes names its cause. "
+        "Every rerun's command and exit is in triage.json beside this page.",
+        "",
+        "| finding | backend | check | case | as it failed | " + " | ".join(names) + " | cause |",
+        "|" + "---|" * (len(names) + 6),
+    ]
+    for t in results:
+        by = {r.switch: r.outcome for r in t.reruns}
+        cells = [t.finding, t.backend, t.check, t.case_id, by.get("as it failed", "-")]
+        cells += [by.get(n, "-") for n in names]
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in [*cells, t.cause]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def triage_json(results: list[Triage]) -> str:
+    return json.dumps(
+        [
+            {**{k: v for k, v in dataclasses.asdict(t).items() if k != "reruns"}, "cause": t.cause,
+             "reruns": [{**dataclasses.asdict(r), "outcome": r.outcome} for r in t.reruns]}
+            for t in results
+        ],
+        indent=1,
+    )  # fmt: skip

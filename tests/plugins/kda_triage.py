@@ -1,0 +1,23 @@
+"""Backends for the tests of ``kda-conformance triage`` (tests/test_triage.py): a kernel whose float32 matmuls are
+TF32 unless ``TRITON_F32_DEFAULT=ieee`` is set before it runs, undeclared (what triage's IEEE switch clears),
+and one that reads strided inputs as contiguous (cleared by contiguous inputs). The zero-length-member bug is
+the zoo's (tests/plugins/kda_planted_bugs.py)."""
+
+from __future__ import annotations
+
+import os
+
+from kda_kernels.api import BackendOutput, KDAInputs, register
+from kda_kernels.torch_chunk import TorchChunk
+
+
+class Tf32UnlessIeee(TorchChunk):
+    name = "triage_tf32_unless_ieee"
+    description = "float32 matmul operands rounded to TF32 unless TRITON_F32_DEFAULT=ieee, undeclared"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        self.tf32_dots = os.environ.get("TRITON_F32_DEFAULT") != "ieee"
+        return super().run(inputs)
+
+
+register(Tf32UnlessIeee.name, Tf32UnlessIeee)

@@ -1,0 +1,138 @@
+"""Repros that stand alone (conformance/repro/standalone_finding.py): a finding's pytest file needs torch, the
+kernel's own package and pytest, and nothing of this suite; it draws the suite's very inputs from the seed,
+computes the float64 truth with a plain token loop, fails while the kernel is wrong and skips naming the package
+where it is missing. ``findings --report ID`` prints the upstream issue's text."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kda_cases.case import Case
+from kda_cases.materialize import materialize
+from kda_conformance.repro.standalone_finding import case_spec_source, embedded_source, imports_of_the_suite
+from kda_reference.plain import kda_token_loop
+from kda_reference.run import run_reference
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGINS, DOUBLES = ROOT / "tests" / "plugins", ROOT / "tests" / "doubles"
+CASES = (
+    Case(seq_lens=(37, 0, 65), packed=True, key_regime="correlated", key_rho=0.9, initial_state="large",
+         state_layout="v_first", input_scale="outliers", input_layout="fused", gate="softplus", safe_gate=False,
+         lower_bound=None, gate_regime="reset", dtype="fp16", num_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=32),
+    Case(seq_lens=(40, 40), key_regime="repeated", input_scale="large", gate="log", gate_regime="weak",
+         beta_sigmoid_in_kernel=False, l2norm_in_kernel=False, input_layout="head_major", scale=0.3, head_k_dim=16,
+         head_v_dim=16, initial_state="random", state_dtype="bf16"),
+    Case(seq_lens=(33,), head_k_dim=16, head_v_dim=16, beta_regime="near_one", gate_regime="strong"),
+)  # fmt: skip
+
+
+def embedded(case: Case) -> dict:
+    namespace: dict = {}
+    exec("from types import SimpleNamespace\n" + case_spec_source(case) + embedded_source(), namespace)
+    return namespace
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
+def test_the_file_draws_the_suites_inputs_bit_for_bit(case: Case) -> None:
+    namespace = embedded(case)
+    drawn = namespace["draw"](namespace["CASE"])
+    suite = materialize(case)
+    for name, value in drawn.items():
+        want = getattr(suite, name)
+        assert (value is None and want is None) or torch.equal(value, want), name
+    laid = namespace["laid_out"](case.input_layout, *(drawn[n] for n in ("q", "k", "v", "g", "beta")))
+    assert [x.stride() for x in laid] == [getattr(suite, n).stride() for n in ("q", "k", "v", "g", "beta")]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
+def test_the_files_plain_token_loop_is_the_definition(case: Case) -> None:
+    inputs = materialize(case)
+    truth = run_reference(inputs, "loop")
+    kwargs = {k: v for k, v in inputs.kernel_kwargs().items() if k not in ("initial_state", "cu_seqlens")}
+    o, final = kda_token_loop(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, initial_state=inputs.initial_state,
+                              cu_seqlens=inputs.cu_seqlens, **kwargs)  # fmt: skip
+    assert (o - truth.o).abs().max() <= 1e-12 * max(1.0, float(truth.o.abs().max()))
+    assert (final - truth.final_state).abs().max() <= 1e-12 * max(1.0, float(truth.final_state.abs().max()))
+
+
+def test_suite_imports_are_found_however_written() -> None:
+    source = 'import kda_kernels\nfrom kda_cases.case import Case\nneeds("kda_reference.x")\nimport torch\nneeds("fla")'
+    assert imports_of_the_suite(source) == ["kda_kernels", "kda_cases.case", "kda_reference.x"]
+
+
+def test_a_written_file_imports_nothing_of_the_suite_fails_and_skips_without_its_package(tmp_path: Path) -> None:
+    path = os.pathsep.join([str(PLUGINS), str(DOUBLES), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    case = Case(seq_lens=(20, 0, 17), packed=True, initial_state="random", num_heads=1, num_v_heads=2, head_k_dim=16,
+                head_v_dim=16)  # fmt: skip
+    store, written = tmp_path / "store", tmp_path / "findings"
+    cli = [sys.executable, "-c", "import sys; from kda_conformance.cli import main; sys.exit(main(sys.argv[1:]))"]
+    run = [*cli, "run", "--device", "cpu", "--plugin", "kda_fake_library", "--backend", "fake_kda_chunk"]
+    done = subprocess.run([*run, "--case", case.to_json(), "--out", str(store), "--no-dashboard"], env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    findings = [*cli, "findings", "--store", str(store), "--plugin", "kda_fake_library", "--device", "cpu"]
+    done = subprocess.run([*findings, "--write-tests", str(written)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    [file] = written.glob("test_*.py")
+    assert "fails today on cpu; the suite's budget check fails here" in done.stdout, done.stdout
+    assert imports_of_the_suite(file.read_text()) == [] and not list(written.glob("*.pt"))
+    # A fresh folder, only the file: torch, pytest and the library's package are all it needs.
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / file.name).write_text(file.read_text())
+    bare = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    pytest_file = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-rs",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:randomly",
+        file.name,
+    ]
+    fails = subprocess.run(pytest_file, cwd=alone, env={**bare, "PYTHONPATH": str(DOUBLES)}, capture_output=True,
+                           text=True)  # fmt: skip
+    assert (
+        fails.returncode == 1 and "o: max_abs" in fails.stdout and "first at (row, token, head) (0, 20" in fails.stdout
+    )
+    assert "the library's own tolerance 0.005" in fails.stdout, fails.stdout[-3000:]
+    fixed = subprocess.run(pytest_file, cwd=alone, env={**bare, "PYTHONPATH": str(DOUBLES), "FAKE_KDA_FIXED": "1"},
+                           capture_output=True, text=True)  # fmt: skip
+    assert fixed.returncode == 0 and "1 passed" in fixed.stdout, fixed.stdout[-3000:]  # passes once it is right
+    skips = subprocess.run(pytest_file, cwd=alone, env=bare, capture_output=True, text=True)
+    assert skips.returncode == 0 and "needs fake-kda (the suite's tests/doubles/fake_kda" in skips.stdout, skips.stdout
+    text = file.read_text()
+    for said in ("What goes wrong:", "Measured with kda-conformance", "LIMITS = {", "LIBRARY_TOLERANCE = {'o': 0.005",
+                 "MEASURED = {", "# o: max-abs limit", "Case (kda-conformance --case):"):  # fmt: skip
+        assert said in text, said
+
+    report = subprocess.run([*findings, "--report", file.stem.removeprefix("test_").replace("_", "-")], env=env,
+                            capture_output=True, text=True)  # fmt: skip
+    assert report.returncode == 0, report.stdout + report.stderr
+    headings = ("# fake-kda loop: past the limit", "## What goes wrong", "## Environment", "## Repro",
+                "## Expected and actual", "## Suspected cause", "## Related upstream issues and fixes")  # fmt: skip
+    for heading in headings:
+        assert heading in report.stdout, heading
+    assert (
+        "| fake_kda_chunk | budget | o |" in report.stdout
+        and "| fake_kda_chunk | budget | final_state |" in report.stdout
+    )
+    unknown = subprocess.run([*findings, "--report", "no-such-finding"], env=env, capture_output=True, text=True)
+    assert unknown.returncode == 2 and "no such finding" in unknown.stdout
+
+
+def test_no_file_in_findings_imports_the_suite() -> None:
+    files = sorted((ROOT / "findings").glob("*.py"))
+    for file in files:
+        assert imports_of_the_suite(file.read_text()) == [], file.name
+    assert not list((ROOT / "findings").glob("*.pt")), "every input is drawn from its seed: no data files"

@@ -1,0 +1,61 @@
+"""Triage (``kda-conformance triage``): each untriaged finding's smallest case rerun as it failed, then with one
+switch at a time; the switch under which it passes is named as its cause, and every rerun is kept."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from kda_cases.case import Case
+from kda_conformance.cli import build_parser, main
+from kda_conformance.repro.triage import SWITCHES, parse_repro
+
+PLUGINS = Path(__file__).with_name("plugins")
+
+
+@pytest.fixture
+def plugins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")])))
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    return ["--plugin", "kda_triage", "--plugin", "kda_planted_bugs"]
+
+
+def test_triage_names_the_switch_that_clears_a_tf32_error_and_an_empty_member_bug(
+    tmp_path: Path, plugins: list[str]
+) -> None:
+    store = tmp_path / "store"
+    fp32 = Case(seq_lens=(40,), dtype="fp32", num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
+    packed = Case(seq_lens=(20, 0, 17), packed=True, initial_state="random", num_heads=1, num_v_heads=1,
+                  head_k_dim=16, head_v_dim=16)  # fmt: skip
+    for backend, case in (("triage_tf32_unless_ieee", fp32), ("planted_zero_length_shifts_sequences", packed)):
+        argv = ["run", "--device", "cpu", *plugins, "--backend", backend, "--case", case.to_json()]
+        assert main([*argv, "--out", str(store), "--no-dashboard", "--redraws", "0"]) == 1
+    assert main(["triage", "--store", str(store), *plugins]) == 0
+    results = {r["backend"]: r for r in json.loads((store / "triage" / "triage.json").read_text())}
+    tf32 = results["triage_tf32_unless_ieee"]
+    assert tf32["cause"] == "IEEE dots", tf32
+    outcomes = {r["switch"]: r["outcome"] for r in tf32["reruns"]}
+    assert outcomes["as it failed"] == "fails" and outcomes["zero-length members removed"].startswith("n/a")
+    ieee = next(r for r in tf32["reruns"] if r["switch"] == "IEEE dots")
+    assert ieee["command"].startswith("TRITON_F32_DEFAULT=ieee kda-conformance run") and ieee["exit"] == 0
+    empty = results["planted_zero_length_shifts_sequences"]
+    assert empty["cause"] == "zero-length members removed", empty
+    page = (store / "triage" / "triage.md").read_text()
+    assert "| IEEE dots |" in page and "zero-length members removed |" in page
+
+
+def test_a_repro_line_reads_back_as_the_rerun_it_names(plugins: list[str]) -> None:
+    case = Case(seq_lens=(30,), head_k_dim=16, head_v_dim=16)
+    line = "kda-conformance repro --device cpu --plugin kda_triage --backend triage_tf32_unless_ieee --at 7 "
+    line += f"--check split_resume --case '{case.to_json()}'"
+    r = parse_repro(line, build_parser())
+    assert (r.check, r.backend, r.params, r.plugins, r.case) == (
+        "split_resume", "triage_tf32_unless_ieee", {"at": 7}, ("kda_triage",), case
+    )  # fmt: skip
+    assert r.line().startswith("kda-conformance repro --device cpu --plugin kda_triage --backend triage_tf32")
+    assert set(SWITCHES) == {"IEEE dots", "zero-length members removed", "contiguous inputs",
+                             "a fresh cu_seqlens tensor", "another chunk size", "an fp32 state"}  # fmt: skip
