@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kda_cases.case import Case
 from kda_cases.dtypes import stored
 from kda_cases.materialize import KDAInputs
 from kda_kernels.envelope import FLASH_KDA
@@ -77,6 +78,46 @@ def _v_first_state(inputs: KDAInputs) -> torch.Tensor | None:
 FAMILY = "FlashKDA (CUDA)"
 
 
+# The standalone calls a repro file makes (conformance/repro/standalone_finding.py): flash_kda.fwd as FlashKDA's
+# README calls it, and FLA's chunk_kda with its dispatch to FlashKDA on, each with torch and the package alone.
+_STANDALONE_FWD = """
+
+def call(q, k, v, g, beta, initial_state, cu_seqlens, scale=None, A_log=None, dt_bias=None, lower_bound=None,
+         state_v_first=False, **unused):
+    flash_kda = needs("flash_kda")  # skips naming FlashKDA where it is missing
+    H, D = q.shape[2], q.shape[3]
+    n = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+    out = torch.full(v.shape, float("nan"), dtype=v.dtype, device=v.device)  # the caller's buffer
+    final = torch.empty(n, H, D, D, dtype=torch.float32, device=q.device)  # V-first, as a server's pool
+    h0 = None
+    if initial_state is not None:
+        h0 = (initial_state.float() if state_v_first else initial_state.float().transpose(-1, -2)).contiguous()
+    flash_kda.fwd(
+        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+        D**-0.5 if scale is None else scale, out, A_log.float().contiguous(), dt_bias.float().view(H, D).contiguous(),
+        float(lower_bound), initial_state=h0, final_state=final,
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.int64),
+    )
+    return out, final if state_v_first else final.transpose(-1, -2)
+"""
+
+_STANDALONE_DISPATCH = """
+
+def call(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first=False, **kwargs):
+    os.environ.pop("FLA_DISABLE_BACKEND_DISPATCH", None)  # FLA's chunk_kda as a Hopper user gets it
+    needs("flash_kda")  # what FLA dispatches to: skip naming FlashKDA where it is missing
+    kda = needs("fla.ops.kda")
+    h0 = None
+    if initial_state is not None:
+        h0 = (initial_state.float() if state_v_first else initial_state.float().transpose(-1, -2)).contiguous()
+    o, final = kda.chunk_kda(
+        q, k, v, g, beta, initial_state=h0, cu_seqlens=cu_seqlens, output_final_state=True, safe_gate=True,
+        state_v_first=True, **kwargs,
+    )
+    return o, final if state_v_first else final.transpose(-1, -2)
+"""
+
+
 class FlashKdaCuda(Backend):
     name = "flashkda_cuda"
     family = FAMILY
@@ -88,6 +129,9 @@ class FlashKdaCuda(Backend):
 
     def availability(self, device: torch.device) -> Support:
         return _availability(device)
+
+    def standalone_source(self, case: Case) -> str:
+        return _STANDALONE_FWD
 
     def run(self, inputs: KDAInputs) -> BackendOutput:
         support = self.supports(inputs.case)
@@ -150,6 +194,9 @@ class FlaChunkDispatch(Backend):
         if importlib.util.find_spec("fla") is None:
             return Support.no("fla-core is not installed (pip install fla-core==0.6.0)")
         return _availability(device)
+
+    def standalone_source(self, case: Case) -> str:
+        return _STANDALONE_DISPATCH
 
     def call_kwargs(self, inputs: KDAInputs) -> dict[str, Any]:
         """chunk_kda's arguments as a Hopper user passes them: the case's, with the fp32 state V-first."""

@@ -136,3 +136,27 @@ def test_no_file_in_findings_imports_the_suite() -> None:
     for file in files:
         assert imports_of_the_suite(file.read_text()) == [], file.name
     assert not list((ROOT / "findings").glob("*.pt")), "every input is drawn from its seed: no data files"
+
+
+@pytest.mark.parametrize("layout", ["k_first", "v_first"])
+def test_flashkdas_standalone_call_hands_it_what_its_readme_says(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash_kda.fwd as the repro file calls it (its test double on the CPU): V-first fp32 states, dt_bias [H, K],
+    the scale, int64 cu_seqlens; the result is the float64 truth's to bf16 precision in either state layout."""
+    from kda_kernels import registry
+
+    monkeypatch.syspath_prepend(str(DOUBLES))
+    case = Case(seq_lens=(20, 33), packed=True, initial_state="random", state_layout=layout, num_heads=2,
+                num_v_heads=2, head_k_dim=128, head_v_dim=128, seed=3)  # fmt: skip
+    namespace = embedded(case)
+    source = registry.get("flashkda_cuda").standalone_source(case)
+    exec("import importlib, os, sys\nneeds = lambda module: importlib.import_module(module)\n" + source, namespace)
+    x = namespace["draw"](namespace["CASE"])
+    inputs = materialize(case)
+    kwargs = {k: v for k, v in inputs.kernel_kwargs().items() if k not in ("initial_state", "cu_seqlens")}
+    o, final = namespace["call"](x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], x["cu_seqlens"],
+                                 **kwargs)  # fmt: skip
+    want_o, want_final = kda_token_loop(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                                        cu_seqlens=x["cu_seqlens"], **kwargs)  # fmt: skip
+    for got, want in ((o, want_o), (final, want_final)):
+        assert got.shape == want.shape
+        assert float((got.double() - want).norm() / want.norm()) < 1e-2
