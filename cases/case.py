@@ -49,8 +49,12 @@ INPUT_LAYOUTS = ("contiguous", "fused", "head_major")
 # k where the kernel normalizes it) x10 to x100; or a few tokens and channels of them x100 to x1000, the
 # outliers of served models' activations.
 INPUT_SCALES = ("typical", "large", "outliers")
+# How a server's recurrent-state pool is laid out (kernels/serving.py): one slot after another, or pages padded
+# past one slot, as vLLM's hybrid allocator builds them (``torch.as_strided`` over a larger buffer, a slot's own
+# plane dense, the gaps between slots someone else's memory).
+POOL_LAYOUTS = ("dense", "padded")
 # Axes added after cases were pinned and ledgered: at their default they leave a case's id as it was.
-ID_NEUTRAL_DEFAULTS = {"input_layout": "contiguous", "input_scale": "typical"}
+ID_NEUTRAL_DEFAULTS = {"input_layout": "contiguous", "input_scale": "typical", "pool_layout": "dense"}
 
 # Bumped when materialize() changes how it draws tensors from a seed: the same id
 # must always mean the same inputs, so the version is part of the id.
@@ -144,6 +148,7 @@ class Case:
     state_layout: str = "k_first"
     input_layout: str = "contiguous"
     input_scale: str = "typical"
+    pool_layout: str = "dense"
     checkpoints: tuple[tuple[int, int], ...] = ()
     scale: float | None = None
     seed: int = 0
@@ -196,6 +201,7 @@ class Case:
         _choice("state_layout", self.state_layout, STATE_LAYOUTS)
         _choice("input_layout", self.input_layout, INPUT_LAYOUTS)
         _choice("input_scale", self.input_scale, INPUT_SCALES)
+        _choice("pool_layout", self.pool_layout, POOL_LAYOUTS)
         bound = GATES[self.gate].bound
         if bound == "required" and (self.lower_bound is None or not self.lower_bound < 0):
             raise ValueError(f"gate={self.gate!r} needs lower_bound < 0, got {self.lower_bound}")
@@ -335,6 +341,8 @@ class Case:
             parts.append(self.input_layout.replace("_", "-"))
         if self.input_scale != "typical":
             parts.append(f"x:{self.input_scale}")
+        if self.pool_layout != "dense":
+            parts.append(f"pool:{self.pool_layout}")
         if self.scale is not None:
             parts.append(f"scale{self.scale:g}")
         return " ".join(parts)

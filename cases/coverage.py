@@ -12,7 +12,16 @@ from collections.abc import Callable, Iterable
 
 import pandas as pd
 
-from kda_cases.case import DTYPES, GATE_FORMS, INPUT_LAYOUTS, INPUT_SCALES, STATE_DTYPES, STATE_LAYOUTS, Case
+from kda_cases.case import (
+    DTYPES,
+    GATE_FORMS,
+    INPUT_LAYOUTS,
+    INPUT_SCALES,
+    POOL_LAYOUTS,
+    STATE_DTYPES,
+    STATE_LAYOUTS,
+    Case,
+)
 
 CHUNK = 64  # the chunk of FLA's and AITER's default pipelines; FlashKDA's are 16 and 32, inside it
 SEGMENT_EDGES = (2047, 2048, 2049)  # around FlashKDA's segment of 2048 tokens (64 chunks of 32)
@@ -114,6 +123,7 @@ AXES: dict[str, Callable[[Case], str | tuple[str, ...]]] = {
     "state layout": lambda c: c.state_layout,
     "input layout": lambda c: c.input_layout,
     "input scale": lambda c: c.input_scale,
+    "pool layout": lambda c: c.pool_layout,
     "state dtype": lambda c: c.state_dtype,
     "packing": _packing,
     "sequences": _sequences,
@@ -157,6 +167,7 @@ CI_REQUIRED: dict[str, tuple[str, ...]] = {
     "state layout": ("k_first", "v_first"),
     "input layout": INPUT_LAYOUTS,
     "input scale": INPUT_SCALES,
+    "pool layout": POOL_LAYOUTS,
     "state dtype": ("fp32", "bf16"),
     "packing": ("one sequence", "[B, T] batch", "packed", "packed, a zero-length member"),
     "sequences": ("1", "2-8", "17-64"),
@@ -179,6 +190,7 @@ NIGHT_REQUIRED: dict[str, tuple[str, ...]] = {
     "state layout": STATE_LAYOUTS,
     "input layout": INPUT_LAYOUTS,
     "input scale": INPUT_SCALES,
+    "pool layout": POOL_LAYOUTS,
     "scale": ("default", "explicit"),
     "head dim K": ("32", "64", "128", "256"),
     "head dim V": ("32", "64", "128", "256"),

@@ -19,7 +19,16 @@ from __future__ import annotations
 
 import random
 
-from kda_cases.case import BETA_REGIMES, GATE_REGIMES, INITIAL_STATES, INPUT_LAYOUTS, INPUT_SCALES, KEY_REGIMES, Case
+from kda_cases.case import (
+    BETA_REGIMES,
+    GATE_REGIMES,
+    INITIAL_STATES,
+    INPUT_LAYOUTS,
+    INPUT_SCALES,
+    KEY_REGIMES,
+    POOL_LAYOUTS,
+    Case,
+)
 from kda_cases.coverage import CHUNK
 
 # One kernel configuration per case, and the packing it is served with ("one", "batch": a [B, T] batch with
@@ -79,6 +88,7 @@ def guaranteed_cases(seed: int | None) -> list[Case]:
     # From a generator of its own: the draws above and below, and so each seed's cases, are as before.
     layouts = _dealt(random.Random(f"input_layout {seed}"), INPUT_LAYOUTS, count)
     magnitudes = _dealt(random.Random(f"input_scale {seed}"), INPUT_SCALES, count)
+    pools = _dealt(random.Random(f"pool_layout {seed}"), POOL_LAYOUTS, count)
     cases = []
     for i, config in enumerate(CONFIGS):
         fields = {k: v for k, v in config.items() if k not in ("packing", "h0")}
@@ -111,6 +121,7 @@ def guaranteed_cases(seed: int | None) -> list[Case]:
                 checkpoints=marks,
                 input_layout=layouts[i],
                 input_scale=magnitudes[i],
+                pool_layout=pools[i],
                 scale=rng.choice((0.5, 1.0, 2.0)) / config["head_k_dim"] ** 0.5 if scales[i] else None,
                 seed=rng.randrange(2**31),
                 tags=("guaranteed",),
@@ -138,6 +149,7 @@ def _server_batch(seed: int | None) -> Case:
         initial_state=rng.choice(INITIAL_STATES[1:]),
         input_layout=rng.choice(INPUT_LAYOUTS),
         input_scale=rng.choice(INPUT_SCALES),
+        pool_layout="padded",  # a server batch's pool, as vLLM's hybrid allocator pages it
         seed=rng.randrange(2**31),
         tags=("guaranteed", "server batch"),
     )

@@ -85,6 +85,8 @@ def _reductions(case: Case) -> Iterator[Callable[[], Case]]:
         yield lambda: case.replace(input_layout="contiguous")
     if case.input_scale != "typical":
         yield lambda: case.replace(input_scale="typical")
+    if case.pool_layout != "dense":
+        yield lambda: case.replace(pool_layout="dense")
 
 
 def size(case: Case) -> tuple[int, ...]:

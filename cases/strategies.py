@@ -15,7 +15,16 @@ from hypothesis import seed as fixed_seed
 from hypothesis import strategies as st
 from hypothesis.errors import HypothesisSideeffectWarning
 
-from kda_cases.case import BETA_REGIMES, GATE_REGIMES, GATES, INITIAL_STATES, INPUT_LAYOUTS, INPUT_SCALES, Case
+from kda_cases.case import (
+    BETA_REGIMES,
+    GATE_REGIMES,
+    GATES,
+    INITIAL_STATES,
+    INPUT_LAYOUTS,
+    INPUT_SCALES,
+    POOL_LAYOUTS,
+    Case,
+)
 from kda_cases.envelope import ANY, Envelope
 from kda_cases.guarantee import guaranteed_cases
 from kda_cases.kernel_configs import KernelConfig, kernel_config
@@ -208,6 +217,8 @@ def cases(draw: st.DrawFn, profile: Profile, envelope: Envelope = ANY) -> Case:
     if profile.server_batch_seqs and draw(st.integers(min_value=1, max_value=SERVER_BATCH_SHARE)) == 1:
         fields["seq_lens"] = draw(server_batch(profile, budget, lens, packed))
         fields["checkpoints"] = draw(checkpoints(fields["seq_lens"])) if envelope.checkpoints else ()
+    # Last of all: the serving harness's pool, dense or in padded pages (each seed's earlier draws kept).
+    fields["pool_layout"] = draw(st.sampled_from(POOL_LAYOUTS))
     if "has_initial_state" in config:  # the pool fixes whether there is one; the kind stays drawn
         wanted = config.pop("has_initial_state")
         if (fields["initial_state"] != "none") != wanted:

@@ -4,8 +4,13 @@ A server keeps each request's recurrent state in a slot of a pool ``[slots, HV, 
 for V-first cases; fp32 or bf16), addressed per sequence by ``state_indices``. Slot 0 is the null block no
 request owns; ``PAD_SLOT_ID`` (-1) marks padding entries, which own nothing and must write nothing. A fresh
 sequence (``has_initial_state`` False) starts from zeros and must never read its slot; its final state is
-written there. Checkpoint states (prefix caching) go to slots of their own. The output goes into a buffer
-the caller owns, which may be longer than the tokens.
+written there. Checkpoint states (prefix caching) go to slots of their own. A case's ``pool_layout`` says how
+the slots lie in memory: one after another (``dense``), or in pages padded past one slot (``padded``: a
+``torch.as_strided`` view whose slot stride is larger than a slot, each slot's own plane dense, as vLLM's
+hybrid allocator pages a linear-attention layer), the gaps between slots poisoned like any memory the kernel
+must not use. The output goes into the caller's buffer: a slice of a larger buffer at an offset (a layer's
+prefill rows after its decode rows), which may run past the tokens; the rows before and after it are someone
+else's.
 
 A backend with an in-place paged API implements ``run_paged`` with the signature below and is called
 directly. Any other backend is run the way vLLM's Triton path runs one: gather the initial states (zeros for
@@ -15,6 +20,7 @@ fresh sequences, never their slot), run, scatter the final and checkpoint states
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,13 +41,17 @@ SENTINEL = 1e30
 
 @dataclass(frozen=True)
 class PoolPlan:
-    """Which slot holds what, for one batch: every sequence's slot, every checkpoint's, the padding."""
+    """Which slot holds what, for one batch: every sequence's slot, every checkpoint's, the padding; how the
+    slots lie in memory, and where the caller's output slice lies in its buffer."""
 
     num_slots: int
     seq_slots: tuple[int, ...]
     checkpoint_slots: tuple[int, ...]  # one per case checkpoint, in the case's order
     padding: int  # PAD_SLOT_ID entries after the sequences (zero-length in cu_seqlens)
     out_rows: int  # rows of the caller's output buffer: the tokens, then a tail no sequence owns
+    slot_padding: int = 0  # elements between one slot's end and the next one's start (0: a dense pool)
+    out_offset: int = 0  # rows of the caller's larger buffer before its output slice (someone else's)
+    out_after: int = 0  # and after it
 
     @property
     def state_indices(self) -> tuple[int, ...]:
@@ -59,18 +69,49 @@ class PoolPlan:
 
 def plan_pool(case: Case, spare_slots: int = 3, padding: int = 2, tail_rows: int = 5) -> PoolPlan:
     """A pool for ``case``'s sequences and checkpoints, in shuffled slots (seeded by the case), with spare
-    slots nobody names, slot 0 reserved, ``padding`` PAD entries and ``tail_rows`` output rows past the end."""
+    slots nobody names, slot 0 reserved, ``padding`` PAD entries and ``tail_rows`` output rows past the end;
+    its pages padded by about 1/32 of a slot for a padded ``pool_layout`` (vLLM's: 135168 elements a page for
+    a 131072-element state), and the output slice 1 to 7 rows into the caller's buffer (seeded)."""
     owners = case.num_seqs + len(case.checkpoints)
     num_slots = 1 + owners + spare_slots
     gen = torch.Generator().manual_seed(case.seed + 1)
     order = (torch.randperm(num_slots - 1, generator=gen) + 1).tolist()
+    slot = case.num_v_heads * case.head_k_dim * case.head_v_dim
     return PoolPlan(
         num_slots=num_slots,
         seq_slots=tuple(order[: case.num_seqs]),
         checkpoint_slots=tuple(order[case.num_seqs : owners]),
         padding=padding,
         out_rows=case.total_tokens + tail_rows,
+        slot_padding=0 if case.pool_layout == "dense" else max(64, slot // 32) + 16 * (case.seed % 4),
+        out_offset=1 + case.seed % 7,
+        out_after=3,
     )
+
+
+def memory_of(x: torch.Tensor) -> torch.Tensor:
+    """The whole memory ``x`` is a view into, flat: a padded pool's gaps, the rows of the caller's buffer around
+    its output slice."""
+    count = x.untyped_storage().nbytes() // x.element_size()
+    return torch.empty(0, dtype=x.dtype, device=x.device).set_(x.untyped_storage(), 0, (count,), (1,))
+
+
+def outside(x: torch.Tensor) -> torch.Tensor:
+    """A mask over ``memory_of(x)``: True where an element is not one of ``x``'s (memory it does not own)."""
+    covered = torch.zeros(memory_of(x).numel(), dtype=torch.bool, device=x.device)
+    covered.as_strided(x.shape, x.stride(), x.storage_offset()).fill_(True)
+    return ~covered
+
+
+def pool_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slot_padding: int) -> torch.Tensor:
+    """A pool ``[slots, ...]`` of zeros whose slots lie ``slot_padding`` elements apart past one slot: a view of a
+    larger buffer, as a server's allocator pages it (a dense tensor where the padding is 0)."""
+    if not slot_padding:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    slot = math.prod(shape[1:])
+    memory = torch.zeros(shape[0] * (slot + slot_padding), dtype=dtype, device=device)
+    inner = torch.empty(shape[1:], device="meta").stride()
+    return torch.as_strided(memory, shape, (slot + slot_padding, *inner))
 
 
 def check_slots(state_indices: torch.Tensor, num_slots: int, num_seqs: int) -> None:
@@ -129,6 +170,9 @@ class ServingRun:
     pool: torch.Tensor
     out_before: torch.Tensor
     out: torch.Tensor
+    # The whole memory the pool and the output slice are views into, as it was before the batch.
+    pool_memory_before: torch.Tensor | None = None
+    out_memory_before: torch.Tensor | None = None
 
     @property
     def o(self) -> torch.Tensor:
@@ -151,7 +195,11 @@ def build_pool(inputs: KDAInputs, plan: PoolPlan, poison: str, regions: tuple[st
     HV, K, V = case.num_v_heads, case.head_k_dim, case.head_v_dim
     shape = (plan.num_slots, HV, V, K) if case.state_v_first else (plan.num_slots, HV, K, V)
     dtype = stored_dtype(case, "final_state")
-    pool = torch.zeros(shape, dtype=dtype, device=inputs.device)
+    pool = pool_tensor(shape, dtype, inputs.device, plan.slot_padding)
+    if plan.slot_padding:  # the gaps between slots: memory the kernel must neither read nor write
+        memory = memory_of(pool)
+        memory.copy_(poison_like(memory, poison, case.seed + 2))
+        pool.zero_()
     filled = poison_like(pool, poison, case.seed)
     fresh = [] if case.has_initial_state else list(plan.seq_slots)
     spare = [s for s in plan.unnamed_slots if s != NULL_SLOT]
@@ -165,9 +213,12 @@ def build_pool(inputs: KDAInputs, plan: PoolPlan, poison: str, regions: tuple[st
 
 
 def new_out(case: Case, plan: PoolPlan, poison: str, device: torch.device) -> torch.Tensor:
-    """The caller's output buffer ``[1, out_rows, HV, V]``, ``poison`` in every row."""
-    out = torch.zeros((1, plan.out_rows, case.num_v_heads, case.head_v_dim), dtype=stored_dtype(case, "o"))
-    return poison_like(out, poison, case.seed + 1).to(device)
+    """The caller's output slice ``[1, out_rows, HV, V]``, ``poison`` in every row: ``out_offset`` rows into a
+    larger buffer whose rows before and after it (poisoned too) belong to someone else."""
+    rows = plan.out_offset + plan.out_rows + plan.out_after
+    whole = torch.zeros((1, rows, case.num_v_heads, case.head_v_dim), dtype=stored_dtype(case, "o"))
+    whole = poison_like(whole, poison, case.seed + 1).to(device)
+    return whole[:, plan.out_offset : plan.out_offset + plan.out_rows]
 
 
 def serve(
@@ -213,6 +264,7 @@ def run_serving(
     pool = build_pool(inputs, plan, poison, regions)
     out = new_out(case, plan, poison if regions is None or "tail" in regions else "none", inputs.device)
     pool_before, out_before = pool.clone(), out.clone()
+    memories = memory_of(pool).clone(), memory_of(out).clone()
     serve(
         backend,
         inputs,
@@ -223,7 +275,7 @@ def run_serving(
         plan.checkpoint_slots,
         plan.padding,
     )
-    return ServingRun(plan, inputs, pool_before, pool, out_before, out)
+    return ServingRun(plan, inputs, pool_before, pool, out_before, out, *memories)
 
 
 def gather_run_scatter(

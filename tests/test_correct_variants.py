@@ -13,10 +13,13 @@ import os
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from kda_conformance.cli.detection import DetectionRun, run_detection
 from kda_reports.detection import detection_problems
+from kda_reports.findings import worst_ratios
+from kda_reports.runfile import read_run
 
 PLUGINS = Path(__file__).with_name("plugins")
 EXAMPLES = 25
@@ -41,6 +44,11 @@ def detection(variants: dict[str, str], tmp_path_factory: pytest.TempPathFactory
     )
 
 
+def detection_records(detection: DetectionRun) -> pd.DataFrame:
+    out = Path(detection.command[detection.command.index("--kda-out") + 1])
+    return read_run(max((out / "runs").glob("*.parquet"), key=lambda p: p.stat().st_mtime))
+
+
 def test_the_controls_are_the_variants_the_rules_were_changed_for(variants: dict[str, str]) -> None:
     assert set(variants) == {
         "correct_chunk16", "correct_chunk32", "correct_chunk128", "correct_token_loop_fp32", "correct_parallel_scan",
@@ -55,7 +63,14 @@ def test_every_correct_variant_passes_every_check_with_25_examples(detection: De
     for name, row in table.iterrows():
         # Every property test ran its 25 examples (a control that failed would have stopped early).
         assert row["cases run"] >= 9 * EXAMPLES, (name, row["cases run"])
-        assert float(row["worst ratio"]) <= 1.0, (name, row["worst ratio"])  # 1: the baseline itself, broken down
+    # Nothing failed or erred; a failure within 1.5x that fresh draws did not confirm is marginal, shown but not
+    # red, and every other record is within its limits (1.0: the baseline itself, broken down past the cap).
+    records = detection_records(detection)
+    assert set(records["verdict"]) <= {"pass", "marginal", "skip"}, records["verdict"].value_counts()
+    judged = records[records["verdict"] == "pass"]
+    assert worst_ratios(judged).max() <= 1.0
+    marginal = records[records["verdict"] == "marginal"]
+    assert len(marginal) <= 0.001 * len(judged), marginal[["backend", "check", "label"]]
 
 
 def test_each_property_test_ran_every_example(detection: DetectionRun) -> None:

@@ -75,6 +75,8 @@ PROPERTY_FOR = {
     "planted_uninitialised_output_tail": "serving: poison",
     "planted_checkpoint_slot_unwritten": "serving: checkpoint resume",
     "planted_cu_seqlens_identity_cache": "serving: reused cu_seqlens",
+    "planted_pool_dense_addressing": "serving: poison",
+    "planted_out_from_storage_start": "serving: poison",
 }
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kda_cases.case import Case
+from kda_cases.dtypes import bits
 from kda_cases.materialize import materialize
 from kda_conformance.checks import get_check, run_check
 from kda_conformance.cli import main
@@ -28,6 +29,8 @@ from kda_kernels.serving import (
     PAD_SLOT_ID,
     POISON_MODES,
     check_slots,
+    memory_of,
+    outside,
     plan_pool,
     poison_like,
     poisoned_scratch,
@@ -120,6 +123,7 @@ LOCALIZED = {
     "planted_checkpoint_slot_unwritten": ("poison", "nan", "(checkpoint 0) differs with nan poison"),
     "planted_uninitialised_output_tail": ("poison", "nan", "(past the last token, 33) was written"),
     "planted_cu_seqlens_identity_cache": ("cu_seqlens", "none", "in-place metadata contract broken"),
+    "planted_out_from_storage_start": ("poison", "nan", "the caller's buffer was written outside the output slice"),
 }
 
 
@@ -134,6 +138,33 @@ def test_each_serving_bug_is_caught_and_localized(backend: str) -> None:
     owner = f"seq {plan.seq_slots.index(last)} head" if last in plan.seq_slots else f"slot {last}"
     expected = expected.format(last=owner)
     assert any(expected in f for f in findings), findings
+
+
+def test_a_padded_pool_is_a_strided_view_its_gaps_poisoned_and_watched() -> None:
+    """Padded pages as vLLM's hybrid allocator builds them: slot stride past one slot, each slot's plane dense,
+    the gaps poison; a correct kernel passes through them, one that addresses slots densely is caught."""
+    case = CASE.replace(initial_state="random", pool_layout="padded")
+    plan = plan_pool(case)
+    slot = case.num_v_heads * case.head_k_dim * case.head_v_dim
+    assert plan.slot_padding >= 64 and plan_pool(case.replace(pool_layout="dense")).slot_padding == 0
+    inputs = materialize(case, CPU)
+    served = run_serving(registry.get("torch_chunk"), inputs, plan, "nan")
+    assert served.pool.stride(0) == slot + plan.slot_padding and served.pool[0].is_contiguous()
+    gaps = memory_of(served.pool)[outside(served.pool)]
+    assert gaps.numel() == plan.num_slots * plan.slot_padding and bool(gaps.isnan().all())
+    assert failures("poison", case, "torch_chunk", "nan") == []
+    caught = failures("poison", case, "planted_pool_dense_addressing", "nan")
+    assert any("the pool's padding between slots was written" in f for f in caught), caught
+
+
+def test_the_output_slice_lies_inside_a_larger_buffer_whose_other_rows_are_watched() -> None:
+    case = CASE.replace(initial_state="random")
+    plan = plan_pool(case)
+    served = run_serving(registry.get("torch_chunk"), materialize(case, CPU), plan, "nan")
+    assert served.out.storage_offset() == plan.out_offset * case.num_v_heads * case.head_v_dim > 0
+    others = memory_of(served.out)[outside(served.out)]
+    assert others.numel() == (plan.out_offset + plan.out_after) * case.num_v_heads * case.head_v_dim
+    assert torch.equal(bits(others), bits(served.out_memory_before[outside(served.out)]))
 
 
 def test_repro_command_localizes_and_writes_a_failing_standalone_test(

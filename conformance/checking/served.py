@@ -19,7 +19,7 @@ from kda_conformance.running.stages import CLOCK
 from kda_conformance.running.truth import inputs_truth
 from kda_kernels import serving as harness
 from kda_kernels.protocol import Backend, BackendOutput, WorkingPrecision
-from kda_kernels.serving import NULL_SLOT, PoolPlan, ServingRun
+from kda_kernels.serving import NULL_SLOT, PoolPlan, ServingRun, memory_of, outside
 from kda_reports.findings import Finding, Location
 
 REGIONS = ("null", "fresh", "checkpoint", "spare", "tail")
@@ -73,9 +73,38 @@ def slot_owner(plan: PoolPlan, slot: int) -> str:
     return f"slot {slot} (spare: no sequence names it)"
 
 
+def outside_changes(view: torch.Tensor, before: torch.Tensor | None) -> int | None:
+    """The first element of the memory ``view`` lies in, not ``view``'s own, whose bits changed since ``before``
+    (that memory as it was): a write into a padded pool's gaps, or the caller's buffer around its slice."""
+    if before is None:
+        return None
+    changed = (bits(memory_of(view)) != bits(before)) & outside(view)
+    return int(changed.nonzero()[0]) if bool(changed.any()) else None
+
+
 def integrity(judge: Judge, run: ServingRun, which: str) -> list[Finding]:
-    """Slots nobody names (slot 0 included) and output rows past the tokens must come back bitwise unchanged."""
+    """Slots nobody names (slot 0 included), output rows past the tokens, the gaps between a padded pool's slots
+    and the caller's buffer around its output slice must come back bitwise unchanged."""
     findings = []
+    at = outside_changes(run.pool, run.pool_memory_before)
+    if at is not None:
+        stride, slot = run.pool.stride(0), run.pool[0].numel()
+        after, element = at // stride, at % stride - slot
+        text = (
+            f"the pool's padding between slots was written: element {element} of the {stride - slot}-element gap "
+            f"after slot {after} (a page padded past its slot: the kernel addresses slots by the pool's own stride)"
+        )
+        findings.append(judge.problem(f"{which}: pool padding", text, Location(slot=after)))
+    at = outside_changes(run.out, run.out_memory_before)
+    if at is not None:
+        row = at // run.out[0, 0].numel() - run.plan.out_offset
+        side = "before" if row < 0 else "after"
+        text = (
+            f"the caller's buffer was written outside the output slice it was handed: row {row} of the slice, "
+            f"{side} it (the slice starts {run.plan.out_offset} rows into a larger buffer; those rows are another "
+            "batch's)"
+        )
+        findings.append(judge.problem(f"{which}: output buffer", text, Location(position=row), "o"))
     for slot in run.plan.unnamed_slots:
         where = first_difference(run.pool[slot], run.pool_before[slot])
         if where is not None:

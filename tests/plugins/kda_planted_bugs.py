@@ -21,7 +21,7 @@ from kda_cases.materialize import KDAInputs, cu_seqlens_tensor, materialize
 from kda_conformance.checking.derived import token_slice
 from kda_kernels.protocol import BackendOutput
 from kda_kernels.registry import register
-from kda_kernels.serving import gather_run_scatter
+from kda_kernels.serving import gather_run_scatter, memory_of
 from kda_kernels.torch_chunk import TorchChunk
 from kda_reference.preprocess import gate_activation
 
@@ -497,6 +497,28 @@ class UninitialisedOutputTail(PagedBaseline):
         scratch = torch.empty_like(out)
         super().run_paged(batch, pool, state_indices, has_initial_state, scratch, checkpoint_slots)
         out.copy_(scratch)
+
+
+@planted(
+    "planted_pool_dense_addressing",
+    "addresses pool slot i at i x (one slot's elements) on the pool's memory, not by the pool's own slot stride",
+    "AITER's paged API docstring: stride(0) may be padded (vLLM's hybrid allocator pads linear-attention pages)",
+)
+class PoolDenseAddressing(PagedBaseline):
+    def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:
+        dense = memory_of(pool)[pool.storage_offset() : pool.storage_offset() + pool.numel()].view(pool.shape)
+        super().run_paged(batch, dense, state_indices, has_initial_state, out, checkpoint_slots)
+
+
+@planted(
+    "planted_out_from_storage_start",
+    "writes its output from the start of the caller's buffer's memory, not at the out slice it was handed",
+    "a layer's prefill rows after its decode rows in one buffer (core_attn_out[num_decodes:])",
+)
+class OutFromStorageStart(PagedBaseline):
+    def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:
+        start = memory_of(out)[: out.numel()].view(out.shape)
+        super().run_paged(batch, pool, state_indices, has_initial_state, start, checkpoint_slots)
 
 
 @planted(
