@@ -10,6 +10,7 @@ import torch
 
 from kda_cases import seeded
 from kda_cases.case import Case
+from kda_cases.guards import guarded
 
 
 @dataclass(frozen=True)
@@ -103,13 +104,11 @@ def materialize(case: Case, device: str | torch.device = "cpu", drawn: KDAInputs
 
     # Moved first, laid out after: a view of a fused buffer moved alone would arrive contiguous.
     tokens = laid_out(case.input_layout, *(move(getattr(drawn, name)) for name in ("q", "k", "v", "g", "beta")))
+    rest = (move(drawn.A_log), move(drawn.dt_bias), move(drawn.initial_state), move(drawn.cu_seqlens))
+    # Every input inside poisoned guard bands (cases/guards.py): a read past its end shows.
+    q, k, v, g, beta, A_log, dt_bias, h0, cu = guarded(*tokens, *rest)
     return KDAInputs(
-        case=case,
-        **dict(zip(("q", "k", "v", "g", "beta"), tokens, strict=True)),
-        A_log=move(drawn.A_log),
-        dt_bias=move(drawn.dt_bias),
-        initial_state=move(drawn.initial_state),
-        cu_seqlens=move(drawn.cu_seqlens),
+        case=case, q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0, cu_seqlens=cu
     )
 
 

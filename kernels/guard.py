@@ -32,6 +32,7 @@ import torch
 from kda_cases.case import Case
 from kda_cases.dtypes import bits
 from kda_cases.envelope import Envelope
+from kda_cases.guards import bands, extent, memory_of
 from kda_cases.materialize import KDAInputs
 from kda_kernels import autotune_replay
 from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported
@@ -323,10 +324,28 @@ class Snapshot:
 
     tensors: Mapping[str, torch.Tensor]
     copies: dict[str, torch.Tensor]
+    # The memory around each tensor (its guard bands, cases/guards.py), as it was: nobody's to write.
+    around: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, tensors: Mapping[str, torch.Tensor]) -> Snapshot:
-        return cls(tensors, {name: t.detach().clone() for name, t in tensors.items()})
+        copies = {name: t.detach().clone() for name, t in tensors.items()}
+        return cls(tensors, copies, {name: bands(t) for name, t in tensors.items()})
+
+    def band_change(self, name: str) -> bool:
+        """Whether the memory around tensor ``name`` changed (a write past its end or before its start)."""
+        if name not in self.around:
+            return False
+        now = bands(self.tensors[name])
+        return now.shape != self.around[name].shape or not torch.equal(bits(now), bits(self.around[name]))
+
+    def restore_bands(self, name: str) -> None:
+        x, saved = self.tensors[name], self.around[name]
+        memory, (first, end) = memory_of(x), extent(x)
+        with torch.no_grad():
+            if saved.numel() == first + memory.numel() - end:
+                memory[:first].copy_(saved[:first])
+                memory[end:].copy_(saved[first:])
 
     def first_change(self, name: str) -> tuple[int, ...] | None:
         now, before = self.tensors[name], self.copies[name]
@@ -381,6 +400,11 @@ def _check_unchanged(backend: Backend, snapshot: Snapshot, skip: tuple[str, ...]
         at = f"first changed element {list(where)} ({before} -> {after})" if where else "its shape or dtype changed"
         _breaches.append(fault(backend, f"wrote into its input {name}: {at}", tensor=name, index=where))
         snapshot.restore(name)
+    for name in snapshot.around:
+        if name not in skip and snapshot.band_change(name):
+            what = f"wrote into the memory around its input {name} (the guard band past its end or before its start)"
+            _breaches.append(fault(backend, what, tensor=name, index=()))
+            snapshot.restore_bands(name)
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

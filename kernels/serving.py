@@ -29,6 +29,7 @@ import torch
 
 from kda_cases.case import Case
 from kda_cases.dtypes import INT_OF_SIZE, stored_dtype
+from kda_cases.guards import memory_of
 from kda_cases.materialize import KDAInputs, cu_seqlens_tensor
 from kda_kernels.guard import fault, run_backend_call, run_paged_call
 from kda_kernels.protocol import Backend, BackendOutput
@@ -87,13 +88,6 @@ def plan_pool(case: Case, spare_slots: int = 3, padding: int = 2, tail_rows: int
         out_offset=1 + case.seed % 7,
         out_after=3,
     )
-
-
-def memory_of(x: torch.Tensor) -> torch.Tensor:
-    """The whole memory ``x`` is a view into, flat: a padded pool's gaps, the rows of the caller's buffer around
-    its output slice."""
-    count = x.untyped_storage().nbytes() // x.element_size()
-    return torch.empty(0, dtype=x.dtype, device=x.device).set_(x.untyped_storage(), 0, (count,), (1,))
 
 
 def outside(x: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,7 @@ PROPERTY_FOR = {
     "planted_checkpoint_slot_unwritten": "serving: checkpoint resume",
     "planted_cu_seqlens_identity_cache": "serving: reused cu_seqlens",
     "planted_pool_dense_addressing": "serving: poison",
+    "planted_reads_past_the_end_of_g": "budget",
     "planted_out_from_storage_start": "serving: poison",
 }
 

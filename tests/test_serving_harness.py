@@ -18,6 +18,7 @@ import torch
 
 from kda_cases.case import Case
 from kda_cases.dtypes import bits
+from kda_cases.guards import memory_of
 from kda_cases.materialize import materialize
 from kda_conformance.checks import get_check, run_check
 from kda_conformance.cli import main
@@ -29,7 +30,6 @@ from kda_kernels.serving import (
     PAD_SLOT_ID,
     POISON_MODES,
     check_slots,
-    memory_of,
     outside,
     plan_pool,
     poison_like,

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kda_cases.case import Case
 from kda_cases.dtypes import bits
+from kda_cases.guards import memory_of
 from kda_cases.materialize import KDAInputs
 from kda_cases.profiles import Profile
 from kda_conformance.checking.registry import draw_case, supported
@@ -19,7 +20,7 @@ from kda_conformance.running.stages import CLOCK
 from kda_conformance.running.truth import inputs_truth
 from kda_kernels import serving as harness
 from kda_kernels.protocol import Backend, BackendOutput, WorkingPrecision
-from kda_kernels.serving import NULL_SLOT, PoolPlan, ServingRun, memory_of, outside
+from kda_kernels.serving import NULL_SLOT, PoolPlan, ServingRun, outside
 from kda_reports.findings import Finding, Location
 
 REGIONS = ("null", "fresh", "checkpoint", "spare", "tail")

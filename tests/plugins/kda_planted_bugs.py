@@ -17,11 +17,12 @@ from collections.abc import Callable
 import torch
 
 from kda_cases.dtypes import stored_dtype
+from kda_cases.guards import memory_of
 from kda_cases.materialize import KDAInputs, cu_seqlens_tensor, materialize
 from kda_conformance.checking.derived import token_slice
 from kda_kernels.protocol import BackendOutput
 from kda_kernels.registry import register
-from kda_kernels.serving import gather_run_scatter, memory_of
+from kda_kernels.serving import gather_run_scatter
 from kda_kernels.torch_chunk import TorchChunk
 from kda_reference.preprocess import gate_activation
 
@@ -429,6 +430,20 @@ class Bf16GateCumsum(TorchChunk):
 class IgnoresInitialState(TorchChunk):
     def run(self, inputs: KDAInputs) -> BackendOutput:
         return super().run(dataclasses.replace(inputs, initial_state=None))
+
+
+@planted(
+    "planted_reads_past_the_end_of_g",
+    "the last token's gate row is loaded 4 elements late: its last 4 keys read past the end of g",
+    "FLA #1134: fused_recurrent_kda reads g out of bounds for K not a power of two (60, 100)",
+)
+class ReadsPastTheEndOfG(TorchChunk):
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        g, last = inputs.g, inputs.g[-1, -1]
+        late = memory_of(g).as_strided(last.shape, last.stride(), last.storage_offset() + 4)
+        read = g.clone()
+        read[-1, -1] = late  # whatever lies past the end: a guard band's poison, or a fused neighbour's values
+        return super().run(dataclasses.replace(inputs, g=read))
 
 
 # Serving glue: backends with an in-place paged API (``run_paged``), each correct but for one bug.
