@@ -54,6 +54,19 @@ def _heads(case: Case) -> str:
     return "GVA, H = 1" if case.num_heads == 1 else "GVA, H >= 2"
 
 
+def _value_heads(case: Case) -> str:
+    """Whether the value-head count is a power of two: a tensor-parallel split leaves 3, 6, 12 or 24 heads a
+    rank (48 heads over 8 ranks: 6), where a kernel that tiles heads by a power of two has a remainder."""
+    hv = case.num_v_heads
+    return "a power of two" if hv & (hv - 1) == 0 else "not a power of two"
+
+
+def _head_dims(case: Case) -> str:
+    """Whether K and V are powers of two (a kernel's tiles are; 60 and 100 leave a masked remainder)."""
+    powers = all(d & (d - 1) == 0 for d in (case.head_k_dim, case.head_v_dim))
+    return "powers of two" if powers else "not powers of two"
+
+
 def _packing(case: Case) -> str:
     if not case.packed:
         return "one sequence" if case.num_seqs == 1 else "[B, T] batch"
@@ -114,6 +127,8 @@ AXES: dict[str, Callable[[Case], str | tuple[str, ...]]] = {
     "length band": _band,
     "chunk boundary": _boundary,
     "heads": _heads,
+    "value heads": _value_heads,
+    "head dims": _head_dims,
     "dtype": lambda c: c.dtype,
     "fp32/fp16 across chunks": _precision_edge,
     "gate": lambda c: c.gate,
@@ -153,6 +168,8 @@ CI_REQUIRED: dict[str, tuple[str, ...]] = {
         "crosses chunk boundaries",
     ),
     "heads": ("H = HV = 1", "H = HV >= 2", "GVA, H = 1", "GVA, H >= 2"),
+    "value heads": ("a power of two", "not a power of two"),
+    "head dims": ("powers of two", "not powers of two"),
     "dtype": ("bf16", "fp16", "fp32"),
     "fp32/fp16 across chunks": (
         "fp32 across chunks, no h0",
@@ -196,6 +213,8 @@ NIGHT_REQUIRED: dict[str, tuple[str, ...]] = {
     "head dim V": ("32", "64", "128", "256"),
     "K = V = 128": ("bf16", "fp16", "fp32"),
     "head count": ("1", "2-7", ">= 8", "GVA"),
+    "value heads": ("a power of two", "not a power of two"),
+    "head dims": ("powers of two", "not powers of two"),
     "[B, T] batch with h0": ("B >= 2 with h0",),
     "packing": ("packed, a zero-length member",),
     "sequences": ("17-64",),

@@ -33,7 +33,7 @@ from kda_cases.coverage import CHUNK
 
 # One kernel configuration per case, and the packing it is served with ("one", "batch": a [B, T] batch with
 # an initial state, "packed": packed with a zero-length member). Together they reach every required value
-# of a kernel axis: the three K = V = 128 dtypes, K and V of 32, 64, 128 and 256, every gate form, both
+# of a kernel axis: the three K = V = 128 dtypes, K and V of 32, 64, 128 and 256 (and 100, 60), every gate form, both
 # state dtypes and layouts, every head count class (1, 2-7, >= 8, GVA), and both values of each in-kernel
 # flag. The K = V = 128 ones are sentinels' 4-query / 8-value-head configurations (the three dtypes on one
 # sequence, fp16 with an initial state), so they add no compile.
@@ -49,6 +49,9 @@ CONFIGS: tuple[dict, ...] = (
          gate="log", lower_bound=-1.0, state_layout="v_first", beta_sigmoid_in_kernel=False),
     dict(head_k_dim=256, head_v_dim=256, dtype="fp16", num_heads=8, num_v_heads=8, packing="one", h0=False,
          lower_bound=-0.01, state_dtype="bf16", l2norm_in_kernel=False),
+    # Head dims that are not powers of two (FLA's own tests draw 60 and 100; FLA #1134 read g out of bounds for
+    # them), with a tensor-parallel rank's head count (48 heads over 8 ranks: 6 value heads in groups of 3).
+    dict(head_k_dim=100, head_v_dim=60, dtype="bf16", num_heads=2, num_v_heads=6, packing="packed", h0=True),
 )  # fmt: skip
 EDGES = ("64m - 1", "64m", "64m + 1", "2047", "2048", "2049")
 # A server-sized batch on the packed configuration above (so no compile of its own): 48 to 64 requests,

@@ -153,7 +153,8 @@ def cases(draw: st.DrawFn, profile: Profile, envelope: Envelope = ANY) -> Case:
         budget = min(budget, max(profile.min_length, profile.max_work // per_token))
     lens, packed = draw(seq_lens(profile, budget, config.get("packed")))
     heads = draw(st.integers(min_value=1, max_value=profile.max_heads))
-    groups = [g for g in (1, 2, 4) if heads * g <= profile.value_heads_limit] if envelope.gva else []
+    # Groups of 3 too: value-head counts a tensor-parallel split leaves (3, 6, 12 a rank), not powers of two.
+    groups = [g for g in (1, 2, 3, 4) if heads * g <= profile.value_heads_limit] if envelope.gva else []
     group = draw(st.sampled_from(groups or [1]))
     head_dims = envelope.head_dim_choices(profile.head_dims)
     head_k_dim = draw(st.sampled_from(head_dims))

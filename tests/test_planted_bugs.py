@@ -77,6 +77,7 @@ PROPERTY_FOR = {
     "planted_cu_seqlens_identity_cache": "serving: reused cu_seqlens",
     "planted_pool_dense_addressing": "serving: poison",
     "planted_reads_past_the_end_of_g": "budget",
+    "planted_drops_heads_past_full_tiles_of_4": "budget",
     "planted_out_from_storage_start": "serving: poison",
 }
 

@@ -13,11 +13,11 @@ from kda_cases.case import Case
 from kda_cases.dtypes import bits
 from kda_cases.materialize import KDAInputs, materialize
 from kda_conformance.judging.metrics import measure_result
-from kda_conformance.judging.tolerance import DEFAULT_RULE, BudgetRule, case_budgets
+from kda_conformance.judging.tolerance import DEFAULT_RULE, BudgetRule, case_budgets, derive_budget
 from kda_conformance.running.stages import CLOCK
 from kda_kernels import registry, world
 from kda_kernels.guard import run_backend_call
-from kda_kernels.protocol import Backend, WorkingPrecision
+from kda_kernels.protocol import Backend, BackendOutput, WorkingPrecision
 from kda_kernels.torch_chunk import TorchChunk
 from kda_reference.recurrent import ReferenceResult
 from kda_reference.run import reference_form, run_reference
@@ -106,6 +106,37 @@ def declared_precision(backend: Backend, device: torch.device) -> WorkingPrecisi
 @functools.cache
 def _version(distribution: str, source_variable: str) -> str:
     return library_version(distribution, source_variable)
+
+
+def baseline_backend(precision: WorkingPrecision | None) -> Backend:
+    """The baseline a truth's budgets come from: the registered one, or the one at a declared precision."""
+    return registry.get(BASELINE) if precision is None else TorchChunk.at_precision(precision)
+
+
+def widened(truth: CaseTruth, other: BackendOutput, rule: BudgetRule = DEFAULT_RULE) -> dict[str, Budget]:
+    """The truth's budgets with the baseline's error taken as the larger of its whole run's and ``other``'s (the
+    baseline computed another way the check computes the answer, a prefix and a suffix resumed from it): the
+    rule's limits over the larger, so a check that splits a run holds the kernel to what splitting costs the
+    baseline, not what one whole run happened to cost it."""
+    case = truth.case
+    measured = {m.tensor: m for m in measure_result(case, truth.reference, other)}
+    budgets = {}
+    for name, budget in truth.budgets.items():
+        if name not in measured:
+            budgets[name] = budget
+            continue
+        errors = measured[name].errors
+        larger = dataclasses.replace(
+            errors,
+            max_abs=max(errors.max_abs, budget.max_abs.baseline),
+            rel_rms=max(errors.rel_rms, budget.rel_rms.baseline),
+        )
+        ref = getattr(truth.reference, name)
+        roundoff = truth.precision.unit_roundoff if truth.precision is not None else 0.0
+        ref_max = float(ref.abs().max()) if ref.numel() else 0.0
+        wide = derive_budget(case, name, larger, ref_max, rule, elements=ref.numel(), declared_roundoff=roundoff)
+        budgets[name] = dataclasses.replace(wide, precision=budget.precision, strict=budget.strict)
+    return budgets
 
 
 REFERENCE_TENSORS = ("o", "final_state", "checkpoint_states")

@@ -446,6 +446,24 @@ class ReadsPastTheEndOfG(TorchChunk):
         return super().run(dataclasses.replace(inputs, g=read))
 
 
+@planted(
+    "planted_drops_heads_past_full_tiles_of_4",
+    "value heads in tiles of 4, the grid HV // 4 tiles: the heads of a partial last tile are never computed",
+    "head counts a tensor-parallel split leaves (48 heads over 8 ranks: 6), beside powers of two",
+)
+class DropsHeadsPastFullTilesOf4(TorchChunk):
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        done = inputs.case.num_v_heads // 4 * 4  # heads past it: zero output, zero final state
+        o, final = out.o.clone(), out.final_state.clone()
+        o[:, :, done:] = 0
+        final[:, done:] = 0
+        checkpoints = None if out.checkpoint_states is None else out.checkpoint_states.clone()
+        if checkpoints is not None:
+            checkpoints[:, done:] = 0
+        return BackendOutput(o=o, final_state=final, checkpoint_states=checkpoints)
+
+
 # Serving glue: backends with an in-place paged API (``run_paged``), each correct but for one bug.
 
 
