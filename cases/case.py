@@ -53,8 +53,21 @@ INPUT_SCALES = ("typical", "large", "outliers")
 # past one slot, as vLLM's hybrid allocator builds them (``torch.as_strided`` over a larger buffer, a slot's own
 # plane dense, the gaps between slots someone else's memory).
 POOL_LAYOUTS = ("dense", "padded")
+# The dtype g and beta arrive in: the tokens' (``same``), or float32 beside bf16 or fp16 tokens, as the servers'
+# gate kernels hand them (FLA's fused_kda_gate allocates its output in float32; vLLM's Kimi Linear layer passes
+# float32 g and beta to chunk_kda).
+GATE_DTYPES = ("same", "fp32")
+# Token rows that are exactly zero: a zero-filled static buffer's rows, or a zero hidden state's projection (q, k
+# and v all zero), and zero q or k tokens inside a sequence (``rows``); where an l2norm has no epsilon, 0/0.
+ZERO_TOKENS = ("none", "rows")
 # Axes added after cases were pinned and ledgered: at their default they leave a case's id as it was.
-ID_NEUTRAL_DEFAULTS = {"input_layout": "contiguous", "input_scale": "typical", "pool_layout": "dense"}
+ID_NEUTRAL_DEFAULTS = {
+    "input_layout": "contiguous",
+    "input_scale": "typical",
+    "pool_layout": "dense",
+    "gate_dtype": "same",
+    "zero_tokens": "none",
+}
 
 # Bumped when materialize() changes how it draws tensors from a seed: the same id
 # must always mean the same inputs, so the version is part of the id.
@@ -149,6 +162,8 @@ class Case:
     input_layout: str = "contiguous"
     input_scale: str = "typical"
     pool_layout: str = "dense"
+    gate_dtype: str = "same"
+    zero_tokens: str = "none"
     checkpoints: tuple[tuple[int, int], ...] = ()
     scale: float | None = None
     seed: int = 0
@@ -202,6 +217,10 @@ class Case:
         _choice("input_layout", self.input_layout, INPUT_LAYOUTS)
         _choice("input_scale", self.input_scale, INPUT_SCALES)
         _choice("pool_layout", self.pool_layout, POOL_LAYOUTS)
+        _choice("gate_dtype", self.gate_dtype, GATE_DTYPES)
+        _choice("zero_tokens", self.zero_tokens, ZERO_TOKENS)
+        if self.gate_dtype == "fp32" and self.dtype == "fp32":
+            raise ValueError("gate_dtype='fp32' is for bf16 or fp16 tokens; with fp32 tokens the gate is fp32: 'same'")
         bound = GATES[self.gate].bound
         if bound == "required" and (self.lower_bound is None or not self.lower_bound < 0):
             raise ValueError(f"gate={self.gate!r} needs lower_bound < 0, got {self.lower_bound}")
@@ -343,6 +362,10 @@ class Case:
             parts.append(f"x:{self.input_scale}")
         if self.pool_layout != "dense":
             parts.append(f"pool:{self.pool_layout}")
+        if self.gate_dtype != "same":
+            parts.append(f"g:{self.gate_dtype}")
+        if self.zero_tokens != "none":
+            parts.append(f"zeros:{self.zero_tokens}")
         if self.scale is not None:
             parts.append(f"scale{self.scale:g}")
         return " ".join(parts)

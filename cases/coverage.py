@@ -20,6 +20,7 @@ from kda_cases.case import (
     POOL_LAYOUTS,
     STATE_DTYPES,
     STATE_LAYOUTS,
+    ZERO_TOKENS,
     Case,
 )
 
@@ -67,12 +68,20 @@ def _head_dims(case: Case) -> str:
     return "powers of two" if powers else "not powers of two"
 
 
-def _packing(case: Case) -> str:
+DECODE_MIX = "packed, 1-token members with h0"
+
+
+def _packing(case: Case) -> str | tuple[str, ...]:
+    """How the sequences are laid out; a packed batch that resumes states and mixes 1-token members (decodes)
+    with longer ones (prefills), as servers chunk them into one call, counts as that form too."""
     if not case.packed:
         return "one sequence" if case.num_seqs == 1 else "[B, T] batch"
-    if case.has_empty_sequence:
-        return "packed, a zero-length member"
-    return "packed, one sequence" if case.num_seqs == 1 else "packed"
+    form = "packed, a zero-length member" if case.has_empty_sequence else "packed"
+    if case.num_seqs == 1:
+        return "packed, one sequence"
+    if case.has_initial_state and 1 in case.seq_lens and case.max_len > 1:
+        return form, DECODE_MIX
+    return form
 
 
 def _precision_edge(case: Case) -> str:
@@ -139,6 +148,8 @@ AXES: dict[str, Callable[[Case], str | tuple[str, ...]]] = {
     "input layout": lambda c: c.input_layout,
     "input scale": lambda c: c.input_scale,
     "pool layout": lambda c: c.pool_layout,
+    "gate dtype": lambda c: "fp32 beside bf16/fp16 tokens" if c.gate_dtype == "fp32" else "the tokens'",
+    "zero tokens": lambda c: c.zero_tokens,
     "state dtype": lambda c: c.state_dtype,
     "packing": _packing,
     "sequences": _sequences,
@@ -185,8 +196,10 @@ CI_REQUIRED: dict[str, tuple[str, ...]] = {
     "input layout": INPUT_LAYOUTS,
     "input scale": INPUT_SCALES,
     "pool layout": POOL_LAYOUTS,
+    "gate dtype": ("the tokens'", "fp32 beside bf16/fp16 tokens"),
+    "zero tokens": ZERO_TOKENS,
     "state dtype": ("fp32", "bf16"),
-    "packing": ("one sequence", "[B, T] batch", "packed", "packed, a zero-length member"),
+    "packing": ("one sequence", "[B, T] batch", "packed", "packed, a zero-length member", DECODE_MIX),
     "sequences": ("1", "2-8", "17-64"),
     "(sequence, head) pairs": ("<= 128", "129-1024"),
     "checkpoints": ("none", "some"),
@@ -208,6 +221,8 @@ NIGHT_REQUIRED: dict[str, tuple[str, ...]] = {
     "input layout": INPUT_LAYOUTS,
     "input scale": INPUT_SCALES,
     "pool layout": POOL_LAYOUTS,
+    "gate dtype": ("the tokens'", "fp32 beside bf16/fp16 tokens"),
+    "zero tokens": ZERO_TOKENS,
     "scale": ("default", "explicit"),
     "head dim K": ("32", "64", "128", "256"),
     "head dim V": ("32", "64", "128", "256"),
@@ -216,7 +231,7 @@ NIGHT_REQUIRED: dict[str, tuple[str, ...]] = {
     "value heads": ("a power of two", "not a power of two"),
     "head dims": ("powers of two", "not powers of two"),
     "[B, T] batch with h0": ("B >= 2 with h0",),
-    "packing": ("packed, a zero-length member",),
+    "packing": ("packed, a zero-length member", DECODE_MIX),
     "sequences": ("17-64",),
     "(sequence, head) pairs": ("129-1024",),
     "length edge": ("64m - 1", "64m", "64m + 1", "2047", "2048", "2049"),

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kda_cases.case import DTYPES, GATE_FORMS, GATES, STATE_DTYPES, STATE_LAYOUTS, Case
+from kda_cases.case import DTYPES, GATE_DTYPES, GATE_FORMS, GATES, STATE_DTYPES, STATE_LAYOUTS, Case
 
 BOTH = (False, True)
 DEVICE_TYPES = ("cpu", "cuda")
@@ -45,6 +45,8 @@ class Envelope:
     host_metadata: tuple[str, ...] = ()
     max_tokens: int | None = None  # the longest case (total tokens) it should get
     devices: tuple[str, ...] = DEVICE_TYPES  # the device types it runs on
+    # The dtypes g and beta may arrive in (cases/case.py GATE_DTYPES): FlashKDA takes its tokens' only.
+    gate_dtypes: tuple[str, ...] = GATE_DTYPES
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -53,6 +55,7 @@ class Envelope:
             ("state_layouts", STATE_LAYOUTS),
             ("gates", GATE_FORMS),
             ("devices", DEVICE_TYPES),
+            ("gate_dtypes", GATE_DTYPES),
         ):
             values = tuple(getattr(self, name))
             object.__setattr__(self, name, values)
@@ -112,6 +115,7 @@ class Envelope:
             ("safe_gate", case.safe_gate, self.safe_gate),
             ("l2norm_in_kernel", case.l2norm_in_kernel, self.l2norm_in_kernel),
             ("beta_sigmoid_in_kernel", case.beta_sigmoid_in_kernel, self.beta_sigmoid_in_kernel),
+            ("gate_dtypes", case.gate_dtype, self.gate_dtypes),
         ):
             if value not in allowed:
                 outside(field, value, "/".join(map(str, allowed)))
@@ -144,6 +148,7 @@ class Envelope:
             ("state_layout", case.state_layout, self.state_layouts),
             ("l2norm_in_kernel", case.l2norm_in_kernel, self.l2norm_in_kernel),
             ("beta_sigmoid_in_kernel", case.beta_sigmoid_in_kernel, self.beta_sigmoid_in_kernel),
+            ("gate_dtype", case.gate_dtype, self.gate_dtypes),
         ):
             if value not in allowed:
                 changes[field] = allowed[0]

@@ -27,6 +27,7 @@ from kda_cases.case import (
     INPUT_SCALES,
     KEY_REGIMES,
     POOL_LAYOUTS,
+    ZERO_TOKENS,
     Case,
 )
 from kda_cases.coverage import CHUNK
@@ -51,7 +52,9 @@ CONFIGS: tuple[dict, ...] = (
          lower_bound=-0.01, state_dtype="bf16", l2norm_in_kernel=False),
     # Head dims that are not powers of two (FLA's own tests draw 60 and 100; FLA #1134 read g out of bounds for
     # them), with a tensor-parallel rank's head count (48 heads over 8 ranks: 6 value heads in groups of 3).
-    dict(head_k_dim=100, head_v_dim=60, dtype="bf16", num_heads=2, num_v_heads=6, packing="packed", h0=True),
+    # g and beta in float32 beside bf16 tokens, as vLLM's Kimi Linear layer passes them to chunk_kda.
+    dict(head_k_dim=100, head_v_dim=60, dtype="bf16", num_heads=2, num_v_heads=6, packing="packed", h0=True,
+         gate_dtype="fp32"),
 )  # fmt: skip
 EDGES = ("64m - 1", "64m", "64m + 1", "2047", "2048", "2049")
 # A server-sized batch on the packed configuration above (so no compile of its own): 48 to 64 requests,
@@ -92,6 +95,7 @@ def guaranteed_cases(seed: int | None) -> list[Case]:
     layouts = _dealt(random.Random(f"input_layout {seed}"), INPUT_LAYOUTS, count)
     magnitudes = _dealt(random.Random(f"input_scale {seed}"), INPUT_SCALES, count)
     pools = _dealt(random.Random(f"pool_layout {seed}"), POOL_LAYOUTS, count)
+    zeros = _dealt(random.Random(f"zero_tokens {seed}"), ZERO_TOKENS, count)
     cases = []
     for i, config in enumerate(CONFIGS):
         fields = {k: v for k, v in config.items() if k not in ("packing", "h0")}
@@ -125,6 +129,7 @@ def guaranteed_cases(seed: int | None) -> list[Case]:
                 input_layout=layouts[i],
                 input_scale=magnitudes[i],
                 pool_layout=pools[i],
+                zero_tokens=zeros[i],
                 scale=rng.choice((0.5, 1.0, 2.0)) / config["head_k_dim"] ** 0.5 if scales[i] else None,
                 seed=rng.randrange(2**31),
                 tags=("guaranteed",),
@@ -140,6 +145,12 @@ def _server_batch(seed: int | None) -> Case:
     kinds = rng.choices(("short", "empty", "long"), weights=(12, 2, 1), k=rng.randint(*SERVER_SEQS))
     length = {"short": lambda: rng.randint(1, 2 * CHUNK), "empty": lambda: 0, "long": lambda: rng.randint(1000, 8192)}
     seq_lens = tuple(length[kind]() for kind in kinds)
+    # Decodes chunked with the prefills (vLLM's GLM-5.3-Flash and Kimi K3 paths): 2 to 6 requests of one token
+    # each, placed from a generator of their own, so the rest of each seed's batch is as it was.
+    decodes = random.Random(f"server batch decodes {seed}")
+    short = [i for i, kind in enumerate(kinds) if kind == "short"]
+    for i in decodes.sample(short, min(len(short), decodes.randint(2, 6))):
+        seq_lens = (*seq_lens[:i], 1, *seq_lens[i + 1 :])
     key_regime = rng.choice(KEY_REGIMES[:2])
     return Case(
         seq_lens=seq_lens,

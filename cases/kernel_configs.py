@@ -21,6 +21,7 @@ KERNEL_FIELDS = (
     "head_k_dim",
     "head_v_dim",
     "dtype",
+    "gate_dtype",
     "state_dtype",
     "gate",
     "lower_bound",

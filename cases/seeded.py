@@ -43,9 +43,28 @@ def draw(spec: Any) -> dict[str, torch.Tensor | None]:
     cu = torch.tensor(spec.offsets, dtype=torch.long) if spec.packed else None
 
     dtype = DTYPES[spec.dtype]
-    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    # g and beta in the tokens' dtype, or their own (float32 beside bf16 tokens, as servers' gate kernels hand them)
+    gate_dtype = dtype if getattr(spec, "gate_dtype", "same") == "same" else DTYPES[spec.gate_dtype]
+    g, beta = g.to(gate_dtype), beta.to(gate_dtype)
+    if getattr(spec, "zero_tokens", "none") == "rows":  # drawn last: the other tensors' bits are as they were
+        q, k, v = _zero_rows(q, k, v, gen)
     return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias, "initial_state": h0,
             "cu_seqlens": cu}  # fmt: skip
+
+
+def _zero_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gen: torch.Generator) -> tuple:
+    """About one token in 16 (and at least one) made exactly zero, all heads: a third of them in q, k and v (a
+    zero hidden state's projection, a zero-filled buffer's row), a third in k only, a third in q only."""
+    B, T = q.shape[:2]
+    picked = torch.rand(B, T, generator=gen) < 1 / 16
+    picked[torch.randint(B, (1,), generator=gen), torch.randint(T, (1,), generator=gen)] = True
+    kind = torch.randint(3, (B, T), generator=gen)  # 0: q, k and v; 1: k only; 2: q only
+
+    def zeroed(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        return x.masked_fill((picked & where).view(B, T, 1, 1), 0.0)
+
+    return zeroed(q, kind != 1), zeroed(k, kind != 2), zeroed(v, kind == 0)
 
 
 def _keys(spec: Any, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:

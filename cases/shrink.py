@@ -87,6 +87,10 @@ def _reductions(case: Case) -> Iterator[Callable[[], Case]]:
         yield lambda: case.replace(input_scale="typical")
     if case.pool_layout != "dense":
         yield lambda: case.replace(pool_layout="dense")
+    if case.gate_dtype != "same":
+        yield lambda: case.replace(gate_dtype="same")
+    if case.zero_tokens != "none":
+        yield lambda: case.replace(zero_tokens="none")
 
 
 def size(case: Case) -> tuple[int, ...]:

@@ -69,6 +69,7 @@ def seq_lens(
 
 
 SERVER_BATCH_SHARE = 4  # one drawn case in this many is a server-sized batch, where the profile has them
+DECODE_MIX_SHARE = 4  # one packed case with initial states in this many leads with 1-token decodes
 SHORT = 16  # most of a server batch's requests: a few tokens each (decode-like prefills, short prompts)
 
 
@@ -220,10 +221,25 @@ def cases(draw: st.DrawFn, profile: Profile, envelope: Envelope = ANY) -> Case:
         fields["checkpoints"] = draw(checkpoints(fields["seq_lens"])) if envelope.checkpoints else ()
     # Last of all: the serving harness's pool, dense or in padded pages (each seed's earlier draws kept).
     fields["pool_layout"] = draw(st.sampled_from(POOL_LAYOUTS))
+    # And the dtype g and beta arrive in: the tokens', or float32 beside bf16 or fp16 tokens (a server's gate
+    # kernel's output), where the envelope takes it; a kernel configuration's own where the run pools them.
+    dtype = config.get("dtype", fields["dtype"])
+    gate_dtypes = _inside(("same", "same", "fp32"), envelope.gate_dtypes) if dtype != "fp32" else ("same",)
+    fields["gate_dtype"] = draw(st.sampled_from(gate_dtypes))
     if "has_initial_state" in config:  # the pool fixes whether there is one; the kind stays drawn
         wanted = config.pop("has_initial_state")
         if (fields["initial_state"] != "none") != wanted:
             fields["initial_state"] = "random" if wanted else "none"
+    # Then exact-zero token rows (a zero-filled buffer's, zero q or k tokens), in about one case in four.
+    fields["zero_tokens"] = draw(st.sampled_from(("none", "none", "none", "rows")))
+    # And, in a packed batch that resumes states, 1 to 3 one-token decodes ahead of the prefills, as vLLM
+    # chunks non-speculative decodes with prefills into one call (its ROCm Kimi K3 path got NaN on those rows).
+    packed_with_h0 = fields["packed"] and fields["initial_state"] != "none"
+    room = min(3, budget - sum(fields["seq_lens"]), profile.max_seqs - len(fields["seq_lens"]))
+    if packed_with_h0 and room >= 1 and draw(st.integers(min_value=1, max_value=DECODE_MIX_SHARE)) == 1:
+        decodes = draw(st.integers(min_value=1, max_value=room))
+        fields["seq_lens"] = (1,) * decodes + tuple(fields["seq_lens"])
+        fields["checkpoints"] = tuple((seq + decodes, t) for seq, t in fields["checkpoints"])
     return Case(**{**fields, **config})
 
 

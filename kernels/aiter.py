@@ -39,7 +39,7 @@ from typing import ClassVar
 
 import torch
 
-from kda_cases.case import Case
+from kda_cases.case import GATE_DTYPES, Case
 from kda_cases.devices import gpu_arch
 from kda_cases.dtypes import stored
 from kda_cases.materialize import KDAInputs
@@ -126,6 +126,8 @@ class AiterBackend(Backend):
 
     flash_kda = False
     segment: int | None = None
+    # Both pipelines load g and beta as they come and widen them in the kernel (flash_kda.py: g_raw and beta
+    # loaded .to(tl.float32)); its docstring's example hands float32 beta.
     envelope = CHUNK_KDA
     libraries = (AITER,)
     # Its import without the HIP build, the interpreter on a CPU, and the fp32 dot precision AITER's
@@ -205,7 +207,9 @@ class AiterBackend(Backend):
 # FlashKDA as AITER's dispatcher admits calls (beyond it AITER runs the default pipeline): FlashKDA's own
 # envelope with the safe gate and its range (AITER's flash_kda_supported); cases with checkpoints are taken,
 # their states not returned.
-AITER_FLASH_KDA = FLASH_KDA.narrowed(safe_gate=(True,), in_kernel_lower_bound=SAFE_LOWER_BOUND_RANGE, checkpoints=True)
+AITER_FLASH_KDA = FLASH_KDA.narrowed(
+    safe_gate=(True,), in_kernel_lower_bound=SAFE_LOWER_BOUND_RANGE, checkpoints=True, gate_dtypes=GATE_DTYPES
+)
 
 
 class AiterFlashKDA(AiterBackend):

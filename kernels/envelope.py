@@ -23,4 +23,5 @@ FLASH_KDA = Envelope(
     l2norm_in_kernel=(True,),
     beta_sigmoid_in_kernel=(True,),
     checkpoints=False,
+    gate_dtypes=("same",),  # csrc/flash_kda.cpp: TORCH_CHECK(g.dtype() == kBFloat16), and beta the same
 )

@@ -266,6 +266,10 @@ class Backend(ABC):
     # paged API, as a server calls it (kernels/serving.py documents the arguments); the serving checks call it
     # instead of gathering and scattering around ``run``.
     run_paged: Callable[..., None] | None = None
+    # The sentinels ``run_paged`` takes in ``state_indices`` for padding entries: -1 (SGLang's PAD_SLOT_ID), 0
+    # (vLLM's NULL_BLOCK_ID, the null slot), or both; the serving harness hands each case one of them. The
+    # gather path for backends without ``run_paged`` drops padding entries itself, as vLLM's glue does.
+    pad_slot_ids: tuple[int, ...] = (-1, 0)
     # ``standalone_source(case) -> str``: the source of a ``call(q, k, v, g, beta, initial_state, cu_seqlens,
     # **kwargs)`` that needs only torch and the backend's own package, for `repro --write-test`.
     standalone_source: Callable[[Case], str] | None = None

@@ -2,7 +2,9 @@
 
 A server keeps each request's recurrent state in a slot of a pool ``[slots, HV, K, V]`` (``[slots, HV, V, K]``
 for V-first cases; fp32 or bf16), addressed per sequence by ``state_indices``. Slot 0 is the null block no
-request owns; ``PAD_SLOT_ID`` (-1) marks padding entries, which own nothing and must write nothing. A fresh
+request owns; padding entries, which own nothing and must write nothing, carry a sentinel: ``-1`` (SGLang's
+``PAD_SLOT_ID``) or ``0`` (vLLM's ``NULL_BLOCK_ID`` since its PR #35431), one per case from those the backend
+declares (``Backend.pad_slot_ids``). A fresh
 sequence (``has_initial_state`` False) starts from zeros and must never read its slot; its final state is
 written there. Checkpoint states (prefix caching) go to slots of their own. A case's ``pool_layout`` says how
 the slots lie in memory: one after another (``dense``), or in pages padded past one slot (``padded``: a
@@ -36,6 +38,8 @@ from kda_kernels.protocol import Backend, BackendOutput
 
 PAD_SLOT_ID = -1
 NULL_SLOT = 0
+# The sentinels servers give padding entries: SGLang's PAD_SLOT_ID, vLLM's NULL_BLOCK_ID (the null slot).
+PAD_SLOT_IDS = (PAD_SLOT_ID, NULL_SLOT)
 POISON_MODES = ("none", "nan", "inf", "sentinel", "garbage", "tenant")
 SENTINEL = 1e30
 
@@ -54,9 +58,8 @@ class PoolPlan:
     out_offset: int = 0  # rows of the caller's larger buffer before its output slice (someone else's)
     out_after: int = 0  # and after it
 
-    @property
-    def state_indices(self) -> tuple[int, ...]:
-        return (*self.seq_slots, *(PAD_SLOT_ID,) * self.padding)
+    def state_indices(self, pad_slot_id: int = PAD_SLOT_ID) -> tuple[int, ...]:
+        return (*self.seq_slots, *(pad_slot_id,) * self.padding)
 
     @property
     def named_slots(self) -> set[int]:
@@ -108,6 +111,19 @@ def pool_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return torch.as_strided(memory, shape, (slot + slot_padding, *inner))
 
 
+def pad_slot_for(backend: Backend, case: Case) -> int:
+    """The sentinel ``case``'s padding entries carry for ``backend``: one of those it declares, by the case's
+    seed, so a run and its repro hand the same one."""
+    declared = backend.pad_slot_ids
+    bad = [s for s in declared if s not in PAD_SLOT_IDS]
+    if not declared or bad:
+        raise ValueError(
+            f"backend {backend.name!r} declares pad_slot_ids {declared!r}; allowed: a non-empty tuple of "
+            f"{', '.join(map(str, PAD_SLOT_IDS))}"
+        )
+    return declared[case.seed % len(declared)]
+
+
 def check_slots(state_indices: torch.Tensor, num_slots: int, num_seqs: int) -> None:
     """Refuse indices a pool cannot honour: out of range, the null slot, or one slot named twice."""
     real = state_indices[:num_seqs].tolist()
@@ -115,7 +131,7 @@ def check_slots(state_indices: torch.Tensor, num_slots: int, num_seqs: int) -> N
     if bad:
         raise ValueError(
             f"state_indices {bad} out of range: a sequence's slot must be in 1..{num_slots - 1} "
-            f"(slot {NULL_SLOT} is the null block, {PAD_SLOT_ID} marks padding entries only)"
+            f"(slot {NULL_SLOT} is the null block; {PAD_SLOT_ID} and {NULL_SLOT} mark padding entries only)"
         )
     if len(set(real)) != len(real):
         twice = sorted({s for s in real if real.count(s) > 1})
@@ -124,8 +140,9 @@ def check_slots(state_indices: torch.Tensor, num_slots: int, num_seqs: int) -> N
             "recurrent state, and the order of their writes decides which survives; give each its own slot"
         )
     rest = state_indices[num_seqs:].tolist()
-    if any(s != PAD_SLOT_ID for s in rest):
-        raise ValueError(f"state_indices past the {num_seqs} sequences must be {PAD_SLOT_ID} (padding), got {rest}")
+    if any(s not in PAD_SLOT_IDS for s in rest):
+        allowed = " or ".join(map(str, PAD_SLOT_IDS))
+        raise ValueError(f"state_indices past the {num_seqs} sequences must be {allowed} (padding), got {rest}")
 
 
 def poison_like(x: torch.Tensor, mode: str, seed: int = 0) -> torch.Tensor:
@@ -227,14 +244,16 @@ def serve(
     cu_seqlens: torch.Tensor | None = None,
 ) -> None:
     """One batch, in place on ``pool`` and ``out``: the sequences of the packed ``inputs`` (their
-    ``initial_state`` is ignored: resumed sequences read their slot), ``padding`` PAD entries after them.
-    ``cu_seqlens``: a tensor object to reuse, given the batch's offsets as new contents."""
+    ``initial_state`` is ignored: resumed sequences read their slot), ``padding`` padding entries after them
+    (their sentinel: ``pad_slot_for``). ``cu_seqlens``: a tensor object to reuse, given the batch's offsets as
+    new contents."""
     case, device = inputs.case, inputs.device
     offsets = cu_seqlens_tensor(case, device, padding)
     if cu_seqlens is not None:
         cu_seqlens.copy_(offsets)  # same object, new contents: a kernel caching on its identity gets stale bounds
         offsets = cu_seqlens
-    indices = torch.tensor((*seq_slots, *(PAD_SLOT_ID,) * padding), dtype=torch.int32, device=device)
+    pad = pad_slot_for(backend, case)
+    indices = torch.tensor((*seq_slots, *(pad,) * padding), dtype=torch.int32, device=device)
     has_initial = torch.tensor((*has_initial_state, *(False,) * padding), dtype=torch.bool, device=device)
     checkpoints = torch.tensor(checkpoint_slots, dtype=torch.int32, device=device)
     batch = dataclasses.replace(inputs, initial_state=None, cu_seqlens=offsets)

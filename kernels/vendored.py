@@ -369,6 +369,8 @@ class VendoredBackend(Backend):
     probe_gate: str = "log"
     # The server's KDA layer: as many value heads as key heads, no intermediate states saved. Where the tree
     # loads, ``envelope`` narrows this to the gates its entry points take.
+    # Gates arrive in float32 as the servers' layers hand them (``g.float()``, ``beta.float()`` below): a case's
+    # float32 gate reaches the kernels unrounded, one in the tokens' dtype exactly.
     declared = CHUNK_KDA.narrowed(in_kernel_lower_bound=None, gva=False, checkpoints=False)
 
     @property
@@ -782,6 +784,7 @@ class VllmGlm5Chunk(VendoredBackend):
         safe_gate=(True,),
         l2norm_in_kernel=(True,),
         checkpoints=False,
+        gate_dtypes=("same",),  # the layer's raw gate is its projection's output, in the tokens' dtype
     )
 
     def call(self, inputs: KDAInputs, v_first: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,7 +78,10 @@ PROPERTY_FOR = {
     "planted_pool_dense_addressing": "serving: poison",
     "planted_reads_past_the_end_of_g": "budget",
     "planted_drops_heads_past_full_tiles_of_4": "budget",
+    "planted_reads_fp32_gate_as_token_dtype": "corpus",
     "planted_out_from_storage_start": "serving: poison",
+    "planted_null_slot_padding_as_a_slot": "serving: poison",
+    "planted_l2norm_without_eps": "corpus",
 }
 
 

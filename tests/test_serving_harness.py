@@ -28,9 +28,12 @@ from kda_kernels import registry
 from kda_kernels.serving import (
     NULL_SLOT,
     PAD_SLOT_ID,
+    PAD_SLOT_IDS,
     POISON_MODES,
     check_slots,
+    gather_run_scatter,
     outside,
+    pad_slot_for,
     plan_pool,
     poison_like,
     poisoned_scratch,
@@ -53,7 +56,8 @@ def test_plan_keeps_slot_zero_free_and_names_each_slot_once() -> None:
     named = [*plan.seq_slots, *plan.checkpoint_slots]
     assert NULL_SLOT not in named and len(set(named)) == len(named)
     assert NULL_SLOT in plan.unnamed_slots and len(plan.unnamed_slots) == plan.num_slots - len(named)
-    assert plan.state_indices[-plan.padding :] == (PAD_SLOT_ID,) * plan.padding
+    assert plan.state_indices()[-plan.padding :] == (PAD_SLOT_ID,) * plan.padding
+    assert plan.state_indices(NULL_SLOT)[-plan.padding :] == (NULL_SLOT,) * plan.padding
     assert plan.out_rows > CASE.total_tokens
 
 
@@ -63,13 +67,37 @@ def test_plan_keeps_slot_zero_free_and_names_each_slot_once() -> None:
         ([1, 1, -1], "name slot(s) [1] for more than one sequence"),
         ([0, 2, -1], "out of range"),
         ([1, 9, -1], "out of range"),
-        ([1, 2, 3], "must be -1 (padding)"),
+        ([1, 2, 3], "must be -1 or 0 (padding)"),
     ],
 )
 def test_bad_slot_indices_are_refused_with_the_argument_named(indices: list[int], message: str) -> None:
     with pytest.raises(ValueError, match="state_indices") as raised:
         check_slots(torch.tensor(indices), num_slots=5, num_seqs=2)
     assert message in str(raised.value)
+
+
+def test_each_padding_sentinel_a_backend_declares_is_handed_to_its_paged_api() -> None:
+    """vLLM pads state indices with 0 (its null block), SGLang with -1: a backend that declares both gets each
+    on some cases, one that declares -1 only never gets 0, and the paged API sees the sentinel it was given."""
+    seen: list[int] = []
+
+    class Recording(registry.get("torch_chunk").__class__):
+        def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:
+            seen.extend(state_indices[batch.case.num_seqs :].tolist())
+            gather_run_scatter(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots)
+
+    both, minus_one = Recording(), Recording()
+    minus_one.pad_slot_ids = (PAD_SLOT_ID,)
+    case = CASE.replace(checkpoints=())
+    assert {pad_slot_for(both, case.replace(seed=seed)) for seed in range(4)} == set(PAD_SLOT_IDS)
+    assert {pad_slot_for(minus_one, case.replace(seed=seed)) for seed in range(4)} == {PAD_SLOT_ID}
+    for seed in (0, 1):
+        served = case.replace(seed=seed)
+        run_serving(both, materialize(served, CPU), plan_pool(served))
+    assert set(seen) == set(PAD_SLOT_IDS)
+    minus_one.pad_slot_ids = (7,)
+    with pytest.raises(ValueError, match=r"pad_slot_ids \(7,\); allowed: a non-empty tuple of -1, 0"):
+        pad_slot_for(minus_one, case)
 
 
 def test_duplicate_slots_are_refused_by_the_harness() -> None:

@@ -36,13 +36,18 @@ def tail_rows(total: int) -> int:
 
 
 def padded(inputs: KDAInputs) -> KDAInputs:
-    """The batch's token tensors padded past the last sequence with tokens of another draw (what a reused
-    graph buffer holds); ``cu_seqlens`` and the case unchanged."""
+    """The batch's token tensors padded past the last sequence: with tokens of another draw (what a reused
+    graph buffer holds) or, for a case with zero token rows, with zeros (a zero-filled static buffer: SGLang
+    zeroes its KDA prefill graph's bucket past the batch); ``cu_seqlens`` and the case unchanged."""
     T = inputs.case.total_tokens
     extra = tail_rows(T)
     other_case = inputs.case.replace(seq_lens=(T + extra,), packed=True, checkpoints=(), seed=inputs.case.seed + 2)
     other = materialize(other_case, inputs.device)
-    tensors = {name: torch.cat([getattr(inputs, name), getattr(other, name)[:, T:]], dim=1) for name in TOKEN_TENSORS}
+    zeros = inputs.case.zero_tokens != "none"
+    tails = {name: getattr(other, name)[:, T:] for name in TOKEN_TENSORS}
+    if zeros:
+        tails = {name: torch.zeros_like(tail) for name, tail in tails.items()}
+    tensors = {name: torch.cat([getattr(inputs, name), tails[name]], dim=1) for name in TOKEN_TENSORS}
     return dataclasses.replace(inputs, **tensors)
 
 

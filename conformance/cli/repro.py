@@ -99,7 +99,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         soft_wrap=True,
     )
     if check.suite == "serving":
-        for line in plan_lines(case):
+        for line in plan_lines(case, backend):
             console.print(line, highlight=False)
     run = Run(config)  # the sweep's executor: journal, quarantine, watchdog, memory retry, ledger
     try:

@@ -20,14 +20,14 @@ from kda_conformance.checking.served import serving_case
 from kda_conformance.running.truth import case_truth, declared_precision
 from kda_kernels import registry
 from kda_kernels.protocol import Backend
-from kda_kernels.serving import NULL_SLOT, build_pool, new_out, plan_pool
+from kda_kernels.serving import NULL_SLOT, build_pool, new_out, pad_slot_for, plan_pool
 
 WORDS = {"o": "the output", "final_state": "the final states", "checkpoint_states": "the checkpoint states"}
 
 
-def plan_lines(case: Case) -> list[str]:
-    plan = plan_pool(case)
-    lines = [f"pool: {plan.num_slots} slots, slot {NULL_SLOT} the null block; {plan.padding} padding entries (-1)"]
+def plan_lines(case: Case, backend: Backend) -> list[str]:
+    plan, pad = plan_pool(case), pad_slot_for(backend, case)
+    lines = [f"pool: {plan.num_slots} slots, slot {NULL_SLOT} the null block; {plan.padding} padding entries ({pad})"]
     lines += [
         f"  sequence {n} ({length} tokens) -> slot {s}"
         for n, (s, length) in enumerate(zip(plan.seq_slots, case.seq_lens, strict=True))
@@ -152,7 +152,7 @@ def write_standalone(
         **{name: getattr(x, name).cpu() for name in ("q", "k", "v", "g", "beta")},
         "kwargs": {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
         "cu_seqlens": cu_seqlens_tensor(served, "cpu", plan.padding),
-        "state_indices": torch.tensor(plan.state_indices, dtype=torch.int32),
+        "state_indices": torch.tensor(plan.state_indices(pad_slot_for(backend, served)), dtype=torch.int32),
         "has_initial_state": torch.tensor([served.has_initial_state] * n + [False] * plan.padding),
         "num_seqs": n,
         "tokens": T,
@@ -202,7 +202,7 @@ def write_standalone(
 
             def serve_batch(d, pool, out):
                 # As vLLM's Triton path serves a kernel: fresh sequences start from zeros (their slot is never
-                # read), padding entries (-1) are dropped, final states are scattered by slot.
+                # read), padding entries (-1 or 0) are dropped, final states are scattered by slot.
                 n = d["num_seqs"]
                 slots = d["state_indices"][:n].long()
                 resumed = d["has_initial_state"][:n]

@@ -464,6 +464,38 @@ class DropsHeadsPastFullTilesOf4(TorchChunk):
         return BackendOutput(o=o, final_state=final, checkpoint_states=checkpoints)
 
 
+@planted(
+    "planted_reads_fp32_gate_as_token_dtype",
+    "reads g with the tokens' element size: a float32 gate beside bf16 or fp16 tokens is read as their halves",
+    "servers hand float32 g and beta beside bf16 tokens (fused_kda_gate's float32 output; vLLM's Kimi layer)",
+)
+class ReadsFp32GateAsTokenDtype(TorchChunk):
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        g, dtype = inputs.g, inputs.q.dtype
+        if g.dtype == dtype:
+            return super().run(inputs)
+        halves = g.contiguous().view(dtype)[..., : g.shape[-1]]  # a pointer stepping 2 bytes through 4-byte values
+        return super().run(dataclasses.replace(inputs, g=halves.float()))
+
+
+@planted(
+    "planted_l2norm_without_eps",
+    "the in-kernel l2norm divides by the norm with no epsilon: a zero q or k token is 0/0, NaN through the state",
+    "zero token rows of a zero-filled static buffer (SGLang's KDA prefill graph pads its bucket with them)",
+)
+class L2normWithoutEps(TorchChunk):
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        if not inputs.case.l2norm_in_kernel:
+            return super().run(inputs)
+
+        def unit(x: torch.Tensor) -> torch.Tensor:
+            return (x.float() / x.float().norm(dim=-1, keepdim=True)).to(x.dtype)
+
+        # Normalized here, as the kernel would have; the baseline then takes them as they are.
+        case = inputs.case.replace(l2norm_in_kernel=False)
+        return super().run(dataclasses.replace(inputs, case=case, q=unit(inputs.q), k=unit(inputs.k)))
+
+
 # Serving glue: backends with an in-place paged API (``run_paged``), each correct but for one bug.
 
 
@@ -503,9 +535,23 @@ class PaddingWritesSlot0(PagedBaseline):
     "sglang #36880/#38997 (PAD -1 remapped onto a live slot)",
 )
 class PadWrapsToLastSlot(PagedBaseline):
+    pad_slot_ids = (-1,)  # SGLang's sentinel, the one this bug class comes from
+
     def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:
         super().run_paged(batch, pool, state_indices, has_initial_state, out, checkpoint_slots)
         pool[state_indices[batch.case.num_seqs :].long()] = 0  # -1 wraps to the last slot
+
+
+@planted(
+    "planted_null_slot_padding_as_a_slot",
+    "only -1 marks padding: entries with vLLM's sentinel 0 are served as sequences, scattering into slot 0",
+    "vLLM PR #35431 (padding state indices became NULL_BLOCK_ID = 0; kernels that test for -1 miss them)",
+)
+class NullSlotPaddingAsASlot(PagedBaseline):
+    def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:
+        super().run_paged(batch, pool, state_indices, has_initial_state, out, checkpoint_slots)
+        padding = state_indices[batch.case.num_seqs :].long()
+        pool[padding[padding >= 0]] = 0  # an empty fresh sequence's final state, into the slot it names
 
 
 @planted(
