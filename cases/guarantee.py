@@ -34,10 +34,10 @@ from kda_cases.coverage import CHUNK
 
 # One kernel configuration per case, and the packing it is served with ("one", "batch": a [B, T] batch with
 # an initial state, "packed": packed with a zero-length member). Together they reach every required value
-# of a kernel axis: the three K = V = 128 dtypes, K and V of 32, 64, 128 and 256 (and 100, 60), every gate form, both
-# state dtypes and layouts, every head count class (1, 2-7, >= 8, GVA), and both values of each in-kernel
-# flag. The K = V = 128 ones are sentinels' 4-query / 8-value-head configurations (the three dtypes on one
-# sequence, fp16 with an initial state), so they add no compile.
+# of a kernel axis: the three K = V = 128 dtypes, K and V of 32, 64, 128 and 256 (and 100, 60, 192), every
+# gate form, both state dtypes and layouts, every head count class (1, 2-7, >= 8, GVA), and both values of
+# each in-kernel flag. The K = V = 128 ones are sentinels' 4-query / 8-value-head configurations (the three
+# dtypes on one sequence, fp16 with an initial state), so they add no compile.
 CONFIGS: tuple[dict, ...] = (
     dict(head_k_dim=128, head_v_dim=128, dtype="bf16", num_heads=4, num_v_heads=8, packing="one", h0=False),
     dict(head_k_dim=128, head_v_dim=128, dtype="fp16", num_heads=4, num_v_heads=8, packing="one", h0=False),
@@ -55,6 +55,9 @@ CONFIGS: tuple[dict, ...] = (
     # g and beta in float32 beside bf16 tokens, as vLLM's Kimi Linear layer passes them to chunk_kda.
     dict(head_k_dim=100, head_v_dim=60, dtype="bf16", num_heads=2, num_v_heads=6, packing="packed", h0=True,
          gate_dtype="fp32"),
+    # K = 192, the last of the state kernel's 64-wide key tiles (FLA chunk_delta_h.py: K > 192 opens a fourth),
+    # with 12 value heads in groups of 3 (48 heads over tensor-parallel 4).
+    dict(head_k_dim=192, head_v_dim=128, dtype="bf16", num_heads=4, num_v_heads=12, packing="one", h0=True),
 )  # fmt: skip
 EDGES = ("64m - 1", "64m", "64m + 1", "2047", "2048", "2049")
 # A server-sized batch on the packed configuration above (so no compile of its own): 48 to 64 requests,
