@@ -80,7 +80,11 @@ class Library:
 
 # Where a declared design holds: the platform a kernel runs on (``platform_of``).
 PLATFORMS = ("cpu", "nvidia", "amd")
-DOT_PRECISIONS = ("ieee", "tf32")
+# How a float32 matmul's operands enter it: exactly (``ieee``), rounded to TF32 (``tf32``: nearest, ties to
+# even, as cuBLAS converts them), or cut to TF32 (``tf32-truncated``: the low 13 mantissa bits dropped, as
+# Triton's ``tl.dot(input_precision="tf32")`` hands float32 registers to NVIDIA's tensor cores, which read
+# the upper 19 bits: triton-lang/triton#4574).
+DOT_PRECISIONS = ("ieee", "tf32", "tf32-truncated")
 
 
 def platform_of(device: torch.device) -> str:
@@ -93,15 +97,15 @@ def platform_of(device: torch.device) -> str:
 
 @dataclass(frozen=True)
 class WorkingPrecision:
-    """Where a kernel computes below the case's precision by a design its library states, declared with the
-    document, file or PR that states it: its recurrent state kept in ``state_dtype`` between updates, one
-    update per ``chunk`` tokens (FlashKDA: bf16, 16), and its float32 matmuls' operands rounded to ``dots``
-    (``tf32``: FLA's and SGLang's chunk kernels on NVIDIA GPUs). Its budgets then come from the baseline run
-    at that precision, and every record keeps its ratio to the strict baseline's limits beside it
-    (docs/tolerance.md): the design's cost, shown apart from the findings. It holds on ``platforms`` (empty:
-    every one) and for the library ``versions`` its source was read in (empty: any; on another version the
-    backend is judged strictly until someone reads the new source). A declaration is never a way to retire a
-    finding: what a kernel's users do not expect stays in the ledger."""
+    """Where a kernel computes below the case's precision by a design its library states, declared with the document,
+    file or PR that states it: its recurrent state kept in ``state_dtype`` between updates, one update per ``chunk``
+    tokens (FlashKDA: bf16, 16), and its float32 matmuls' operands rounded to ``dots`` (``tf32-truncated``: FLA's
+    and SGLang's Triton chunk kernels on NVIDIA GPUs; ``DOT_PRECISIONS``). Its budgets then come from the baseline
+    run at that precision, and every record keeps its ratio to the strict baseline's limits beside it
+    (docs/tolerance.md): the design's cost, shown apart from the findings. It holds on ``platforms`` (empty: every
+    one) and for the library ``versions`` its source was read in (empty: any; on another version the backend is
+    judged strictly until someone reads the new source). A declaration is never a way to retire a finding: what a
+    kernel's users do not expect stays in the ledger."""
 
     state_dtype: str | None = None
     chunk: int = 64
@@ -120,7 +124,7 @@ class WorkingPrecision:
         if self.dots not in DOT_PRECISIONS:
             raise ValueError(f"WorkingPrecision.dots {self.dots!r} not allowed; choose {' or '.join(DOT_PRECISIONS)}")
         if self.state_dtype is None and self.dots == "ieee":
-            raise ValueError("WorkingPrecision declares nothing: give a state_dtype, dots='tf32', or both")
+            raise ValueError("WorkingPrecision declares nothing: give a state_dtype, TF32 dots, or both")
         unknown = [p for p in self.platforms if p not in PLATFORMS]
         if unknown:
             raise ValueError(f"WorkingPrecision.platforms {unknown} not allowed; choose from {', '.join(PLATFORMS)}")
@@ -130,8 +134,11 @@ class WorkingPrecision:
     @classmethod
     def tf32_on_nvidia(cls, source: str, version: str) -> WorkingPrecision:
         """The design FLA's chunk kernels and their copies state: float32 matmuls in TF32 on NVIDIA GPUs (the
-        intra-chunk inverse's by a hard-coded precision, the rest at Triton's default), read in ``version``."""
-        return cls(dots="tf32", source=source, platforms=("nvidia",), versions=(version,))
+        intra-chunk inverse's by a hard-coded precision, the rest at Triton's default), read in ``version``.
+        Triton's TF32 dots cut their float32 operands rather than round them (``DOT_PRECISIONS``), so the
+        design's baseline cuts them too: on an H200 the FLA chunk kernels' fp32 error was about twice a
+        nearest-rounded TF32 baseline's (docs/tolerance.md)."""
+        return cls(dots="tf32-truncated", source=source, platforms=("nvidia",), versions=(version,))
 
     @property
     def label(self) -> str:
@@ -142,7 +149,7 @@ class WorkingPrecision:
     def unit_roundoff(self) -> float:
         """The coarsest rounding the design adds (TF32's 2^-11, a bf16 state's 2^-8): part of the working
         precision a budget's cap is taken from."""
-        units = {"bf16": 2.0**-8, "fp16": 2.0**-11, "tf32": 2.0**-11}
+        units = {"bf16": 2.0**-8, "fp16": 2.0**-11, "tf32": 2.0**-11, "tf32-truncated": 2.0**-10}
         return max(
             units[self.state_dtype] if self.state_dtype else 0.0, units[self.dots] if self.dots != "ieee" else 0.0
         )

@@ -26,12 +26,12 @@ class TorchChunk(Backend):
         self,
         chunk_size: int = DEFAULT_CHUNK,
         carried_state_dtype: str | None = None,
-        tf32_dots: bool = False,
+        tf32_dots: str | None = None,
         state_pass: str = "serial",
     ) -> None:
         self.chunk_size = self.chunk_tokens = chunk_size
         # A declared working precision's baseline keeps its state in this dtype between chunks, and rounds its
-        # matmuls' operands to TF32 where the design's dots are TF32.
+        # matmuls' operands to TF32 where the design's dots are TF32 ("nearest" or "truncated").
         self.carried_state_dtype = carried_state_dtype
         self.tf32_dots = tf32_dots
         # How the state passes from chunk to chunk (reference/chunked.py STATE_PASSES): a correct variant's
@@ -42,9 +42,8 @@ class TorchChunk(Backend):
     def at_precision(cls, precision: WorkingPrecision) -> TorchChunk:
         """The baseline at a declared working precision: its state kept in ``precision.state_dtype`` between
         chunks of ``precision.chunk`` tokens, its matmul operands rounded to ``precision.dots``."""
-        return cls(
-            chunk_size=precision.chunk, carried_state_dtype=precision.state_dtype, tf32_dots=precision.dots == "tf32"
-        )
+        tf32 = {"ieee": None, "tf32": "nearest", "tf32-truncated": "truncated"}[precision.dots]
+        return cls(chunk_size=precision.chunk, carried_state_dtype=precision.state_dtype, tf32_dots=tf32)
 
     def availability(self, device: torch.device) -> Support:
         return Support.yes()

@@ -28,7 +28,9 @@ and A and L from the pairwise decays themselves, as the kernels round them.
 
 Two options give the baseline of a kernel that computes otherwise by design, or rounds in other places:
 ``tf32_dots`` rounds every matmul operand to TF32 (float32 with a 10-bit mantissa, as NVIDIA's tensor cores
-take float32 operands: what FLA's and SGLang's chunk kernels choose for their float32 dots), and
+take float32 operands: what FLA's and SGLang's chunk kernels choose for their float32 dots): ``"nearest"``
+(ties to even, as cuBLAS converts) or ``"truncated"`` (the low 13 bits dropped, as Triton's TF32 dots
+leave them for the tensor cores to ignore), and
 ``state_pass="scan"`` computes the states entering the chunks by a parallel (Hillis-Steele) scan of the
 chunks' affine maps instead of one chunk after another, as a kernel whose inter-chunk pass is a tree does.
 """
@@ -49,6 +51,7 @@ DEFAULT_CHUNK = 64
 # How the working-precision baseline passes the state from chunk to chunk: one chunk after another, or a
 # parallel scan of the chunks' affine maps.
 STATE_PASSES = ("serial", "scan")
+TF32_OPERANDS = ("nearest", "truncated")
 # The widest range of G within one chunk (per key) the float64 form factors as exp(G_t - m) exp(m - G_s):
 # both exponents stay within +-600, far inside float64's +-709, so neither factor overflows or goes subnormal.
 FACTORED_SPAN = 1200.0
@@ -73,7 +76,7 @@ def kda_chunked(
     working_dtype: torch.dtype | None = None,
     carried_state_dtype: torch.dtype | None = None,
     block_elements: int | None = None,
-    tf32_dots: bool = False,
+    tf32_dots: str | None = None,
     state_pass: str = "serial",
 ) -> ReferenceResult:
     """KDA with ``kda_recurrent``'s arguments and conventions, computed chunk by chunk.
@@ -97,6 +100,8 @@ def kda_chunked(
         raise ValueError(f"block_elements must be a positive integer, got {block_elements}")
     if state_pass not in STATE_PASSES:
         raise ValueError(f"state_pass must be one of {', '.join(STATE_PASSES)}, got {state_pass!r}")
+    if tf32_dots not in (None, *TF32_OPERANDS):
+        raise ValueError(f"tf32_dots must be None, {' or '.join(map(repr, TF32_OPERANDS))}, got {tf32_dots!r}")
     if working_dtype is None and (carried_state_dtype is not None or tf32_dots or state_pass != "serial"):
         raise ValueError(
             "carried_state_dtype, tf32_dots and state_pass need a working_dtype: the exact form computes in float64"
@@ -403,7 +408,7 @@ class Rounding:
     store: torch.dtype
     compute: torch.dtype
     carried: torch.dtype | None = None  # the dtype the state is kept in between chunks (None: ``compute``)
-    tf32: bool = False  # matmul operands rounded to TF32 (``dot``)
+    tf32: str | None = None  # matmul operands rounded ("nearest") or cut ("truncated") to TF32 (``dot``)
     scan: bool = False  # the states entering the chunks by a parallel scan (``_scanned_states``)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -412,7 +417,7 @@ class Rounding:
     def dot(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as a matmul takes it: rounded to TF32 where the dots are TF32, else unchanged (a bf16 or fp16
         value is a TF32 value already, so only float32 operands move)."""
-        return round_to_tf32(x) if self.tf32 else x
+        return round_to_tf32(x, truncate=self.tf32 == "truncated") if self.tf32 else x
 
     def state(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (a carried state) rounded to the dtype the state is kept in."""
@@ -428,12 +433,13 @@ class Rounding:
         return torch.mul(a, b, out=torch.empty(shape, dtype=self.store, device=a.device))
 
 
-def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
-    """float32 ``x`` rounded to the nearest TF32 value (10 mantissa bits, ties to even), kept in float32: what a
-    tensor core multiplies when handed float32 operands. Infinities and NaN stay as they are."""
+def round_to_tf32(x: torch.Tensor, truncate: bool = False) -> torch.Tensor:
+    """float32 ``x`` rounded to the nearest TF32 value (10 mantissa bits, ties to even), or with ``truncate``
+    cut to it (toward zero), kept in float32: what a tensor core multiplies when handed float32 operands
+    converted (cuBLAS) or not (Triton). Infinities and NaN stay as they are."""
     bits = x.float().contiguous().view(torch.int32)
     keep = (bits >> 13) & 1  # the last kept bit: ties go to the even one
-    rounded = ((bits + 0xFFF + keep) & ~0x1FFF).view(torch.float32)
+    rounded = ((bits if truncate else bits + 0xFFF + keep) & ~0x1FFF).view(torch.float32)
     return torch.where(x.isfinite(), rounded, x.float()).view(x.shape)
 
 

@@ -126,6 +126,21 @@ def test_a_declaration_holds_only_on_its_platforms_and_library_versions() -> Non
 def test_the_libraries_that_state_tf32_dots_declare_them_with_the_line_that_states_it() -> None:
     for name in ("fla_chunk", "fla_chunk32"):
         precision = registry.get(name).working_precision
-        assert precision is not None and precision.dots == "tf32" and precision.platforms == ("nvidia",)
+        assert precision is not None and precision.dots == "tf32-truncated" and precision.platforms == ("nvidia",)
         assert "fla/ops/kda/chunk_intra.py" in precision.source and "0.6.0" in precision.versions
     assert registry.get("fla_recurrent").working_precision is None
+
+
+def test_triton_tf32_dots_cut_their_operands_and_the_baseline_cuts_them_too() -> None:
+    """Triton hands float32 registers to NVIDIA's TF32 tensor cores, which drop the low 13 mantissa bits
+    (triton-lang/triton#4574): the declared design's baseline cuts them toward zero, where cuBLAS rounds."""
+    from kda_reference.chunked import round_to_tf32
+
+    x = torch.tensor([1 + 2**-11, 1 + 2**-10 + 2**-12, -(1 + 2**-11 + 2**-13), float("inf")])
+    assert round_to_tf32(x, truncate=True).tolist() == [1.0, 1 + 2**-10, -1.0, float("inf")]
+    assert round_to_tf32(x).tolist() == [1.0, 1 + 2**-10, -(1 + 2**-10), float("inf")]  # ties to even
+    design = registry.get("fla_chunk").working_precision
+    assert design.label == "tf32-truncated dots" and design.unit_roundoff == 2.0**-10
+    assert TorchChunk.at_precision(design).tf32_dots == "truncated"
+    with pytest.raises(ValueError, match="tf32_dots must be"):
+        TorchChunk(tf32_dots="stochastic").run(materialize(Case(seq_lens=(4,), dtype="fp32"), torch.device("cpu")))

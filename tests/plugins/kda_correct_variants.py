@@ -73,4 +73,4 @@ class Tf32Dots(TorchChunk):
     working_precision = WorkingPrecision(dots="tf32", source="tests/plugins/kda_correct_variants.py (a test's design)")
 
     def __init__(self) -> None:
-        super().__init__(tf32_dots=True)
+        super().__init__(tf32_dots="nearest")

@@ -53,7 +53,7 @@ class Tf32DotsByDesign(TorchChunk):
     working_precision = TF32_DOTS
 
     def __init__(self) -> None:
-        super().__init__(tf32_dots=True)
+        super().__init__(tf32_dots="nearest")
 
 
 class Tf32DotsUndeclared(Tf32DotsByDesign):
