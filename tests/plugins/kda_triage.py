@@ -16,7 +16,7 @@ class Tf32UnlessIeee(TorchChunk):
     description = "float32 matmul operands rounded to TF32 unless TRITON_F32_DEFAULT=ieee, undeclared"
 
     def run(self, inputs: KDAInputs) -> BackendOutput:
-        self.tf32_dots = os.environ.get("TRITON_F32_DEFAULT") != "ieee"
+        self.tf32_dots = None if os.environ.get("TRITON_F32_DEFAULT") == "ieee" else "nearest"
         return super().run(inputs)
 
 
