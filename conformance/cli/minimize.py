@@ -50,7 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--backend", metavar="NAME", help="the backend (with --case; --from-run names its own)")
     parser.add_argument(
-        "--plugin", action="append", default=[], metavar="MODULE", help="module that registers backends (repeatable)"
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="module that registers backends (repeatable); the plugins a run file's repro line names are loaded "
+        "only when given here",
     )
     add_device(parser)
     add_out(parser)
@@ -89,7 +94,11 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         except (OSError, ValueError) as exc:
             say(console, f"--from-run: {exc}", "error:", "red")
             return 2
-        args.plugin = [*args.plugin, *(p for p in plugins if p not in args.plugin)]
+        missing = [p for p in plugins if p not in args.plugin]
+        if missing:  # a run file is data: the modules it names are never imported on its say-so
+            named = " ".join(f"--plugin {shlex.quote(p)}" for p in missing)
+            say(console, f"--from-run: its failure's repro line loads {named}; pass that to minimize it", "error:")
+            return 2
         check = get_check(check_name)
         params = {p.name: p.parse(given[p.name]) if p.name in given else None for p in check.params}
     else:

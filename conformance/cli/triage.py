@@ -5,6 +5,7 @@ and name the switch that clears it (conformance/repro/triage.py)."""
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 from rich.console import Console
@@ -13,7 +14,7 @@ from kda_cases.files import atomic_write_text
 from kda_conformance.cli.common import say
 from kda_conformance.cli.findings import store_findings
 from kda_conformance.judging.known import LEDGER
-from kda_conformance.repro.triage import triage, triage_json, triage_markdown
+from kda_conformance.repro.triage import parse_repro, triage, triage_json, triage_markdown
 
 NAME = "triage"
 HELP = "rerun each untriaged finding's smallest case with one switch at a time and name the one that clears it"
@@ -35,7 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--ledger", type=Path, default=LEDGER, metavar="FILE", help="the ledger of known issues")
     parser.add_argument(
-        "--plugin", action="append", default=[], metavar="MODULE", help="module that registers backends"
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="module that registers backends (repeatable); the plugins a store's repro lines name are loaded only "
+        "when given here, and a finding whose line names others is not rerun",
     )
 
 
@@ -57,8 +63,13 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     for finding in chosen:
         if not finding.repro:
             continue
+        missing = parse_repro(finding.repro, parser, args.plugin).missing_plugins
+        if missing:  # a store is data: the modules it names are never imported on its say-so
+            named = " ".join(f"--plugin {shlex.quote(p)}" for p in missing)
+            say(console, f"{finding.id}: its repro line loads {named}; pass that to triage it", "not rerun:", "yellow")
+            continue
         console.print(f"triage {finding.id}: {finding.backends}, {finding.check}", highlight=False)
-        results.append(triage(finding.id, finding.repro, parser, out))
+        results.append(triage(finding.id, finding.repro, parser, out, plugins=args.plugin))
         console.print(f"  cause: {results[-1].cause}", highlight=False)
     runs = ", ".join(sorted(store.records["run_id"].astype(str).unique()))
     atomic_write_text(out / "triage.md", triage_markdown(results, f"runs {runs}"))

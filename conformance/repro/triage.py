@@ -25,7 +25,7 @@ import os
 import shlex
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,7 +87,8 @@ class Triage:
 
 @dataclass(frozen=True)
 class Rerunnable:
-    """What a repro line reruns: the check, its case, backend, device, parameters and plugins."""
+    """What a repro line reruns: the check, its case, backend, device, parameters, and the plugins the rerun
+    loads (the command line's, never the line's: ``named_plugins`` are the ones the recorded line names)."""
 
     check: str
     case: Case
@@ -95,6 +96,12 @@ class Rerunnable:
     device: str
     params: dict[str, object]
     plugins: tuple[str, ...]
+    named_plugins: tuple[str, ...] = ()
+
+    @property
+    def missing_plugins(self) -> tuple[str, ...]:
+        """The plugins the recorded line names that the command line does not load."""
+        return tuple(p for p in self.named_plugins if p not in self.plugins)
 
     def line(self) -> str:
         line = repro_line(self.check, self.case, self.backend, self.device, self.params)
@@ -103,15 +110,17 @@ class Rerunnable:
         return line.replace(backend, plugins + backend)
 
 
-def parse_repro(line: str, parser: argparse.ArgumentParser) -> Rerunnable:
-    """A recorded repro line (``kda-conformance run|repro ... --case JSON``) read back by the CLI's own parser."""
+def parse_repro(line: str, parser: argparse.ArgumentParser, plugins: Sequence[str] = ()) -> Rerunnable:
+    """A recorded repro line (``kda-conformance run|repro ... --case JSON``) read back by the CLI's own parser.
+    A store is data: the modules its line names with ``--plugin`` are kept aside (``named_plugins``), and the
+    rerun loads only ``plugins``, the ones the person running it named."""
     words = shlex.split(line)
     args = parser.parse_args(words[1:])
     check = getattr(args, "check", BUDGET_CHECK) if args.command == "repro" else BUDGET_CHECK
     params = {p.name: getattr(args, p.name) for p in CHECKS[check].params if getattr(args, p.name, None) is not None}
     backend = args.backend if args.command == "repro" else args.backends[0]
     case = args.case if args.command == "repro" else args.cases[0]  # run's --case repeats
-    return Rerunnable(check, case, backend, args.device, params, tuple(args.plugin))
+    return Rerunnable(check, case, backend, args.device, params, tuple(plugins), tuple(args.plugin))
 
 
 # A switch: its name and, for a rerunnable finding on a backend, either why it does not apply or the
@@ -182,12 +191,18 @@ def _rerun(switch: str, r: Rerunnable, environment: dict[str, str], out: Path, e
 
 
 def triage(
-    finding_id: str, repro: str, parser: argparse.ArgumentParser, out: Path, env: dict[str, str] | None = None
+    finding_id: str,
+    repro: str,
+    parser: argparse.ArgumentParser,
+    out: Path,
+    env: dict[str, str] | None = None,
+    plugins: Sequence[str] = (),
 ) -> Triage:
     """Rerun one finding's case (its repro line) as it failed, then with each switch alone, each in a process of
-    its own (a compile-time switch must be set before anything compiles); records go to ``out``."""
+    its own (a compile-time switch must be set before anything compiles), loading only ``plugins``; records go
+    to ``out``."""
     env = dict(os.environ if env is None else env)
-    r = parse_repro(repro, parser)
+    r = parse_repro(repro, parser, plugins)
     backend = registry.get(r.backend)
     reruns = [_rerun("as it failed", r, {}, out, env)]
     for name, rule in SWITCHES.items():
