@@ -108,9 +108,17 @@ def _sequence(name: str, value: object) -> Sequence:
     return value
 
 
+# Every integer of a case is stored as a 64-bit one (a run's parquet columns): larger ones are refused here,
+# not by the run's writer after every case has run.
+INT64_MAX = 2**63 - 1
+
+
 def _integer(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not float(value).is_integer():
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+    whole = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value) and value.is_integer())
+    if isinstance(value, bool) or not whole:
+        raise ValueError(f"{name} must be an integer, got {value!r:.80}")
+    if not -INT64_MAX <= int(value) <= INT64_MAX:
+        raise ValueError(f"{name} must be within +-(2^63 - 1), got {str(int(value))[:40]}...")
     return int(value)
 
 
@@ -178,7 +186,10 @@ class Case:
         if any(len(p) != 2 for p in pairs):
             raise ValueError(f"checkpoints must be (sequence, tokens) pairs, got {self.checkpoints!r}")
         object.__setattr__(self, "checkpoints", pairs)
-        object.__setattr__(self, "tags", tuple(self.tags))
+        tags = _sequence("tags", self.tags)
+        if not all(isinstance(t, str) for t in tags):
+            raise ValueError(f"tags must be a list of strings, got {self.tags!r:.80}")
+        object.__setattr__(self, "tags", tuple(tags))
         for name in INTEGER_FIELDS:
             object.__setattr__(self, name, _integer(name, getattr(self, name)))
         for name in FLOAT_FIELDS:
@@ -188,6 +199,8 @@ class Case:
         for name in BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.scale is not None and not self.scale > 0:
             raise ValueError(f"scale must be a finite number > 0 (or null: 1/sqrt(head_k_dim)), got {self.scale}")
         if not self.seq_lens:

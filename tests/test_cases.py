@@ -72,6 +72,12 @@ def test_unknown_field_is_named() -> None:
         (dict(lower_bound=float("-inf")), "lower_bound must be a finite number, got -inf"),
         (dict(packed="yes"), "packed must be true or false, got 'yes'"),
         (dict(checkpoints=((0,),)), "checkpoints must be (sequence, tokens) pairs"),
+        # A run's parquet stores integers in 64 bits: a larger seed broke its writer after every case had run.
+        (dict(seed=2**70), "seed must be within +-(2^63 - 1), got 1180591620717411303424..."),
+        (dict(seed=10**400), "seed must be within +-(2^63 - 1)"),
+        (dict(seed=-3), "seed must be >= 0, got -3"),
+        (dict(tags={"a": 1}), "tags must be a list, got {'a': 1}"),
+        (dict(tags=("ok", {"a": 1})), "tags must be a list of strings"),
     ],
 )
 def test_bad_case_names_the_argument(changes: dict, message: str) -> None:

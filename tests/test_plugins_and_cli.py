@@ -62,6 +62,29 @@ def test_cli_rejects_bad_input_with_a_clear_message(capsys: pytest.CaptureFixtur
     assert "choose from bf16, fp16, fp32" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["run", "--case", '{"seq_lens": ' + "[" * 100_000 + "]" * 100_000 + "}"],
+            "--case: not a valid case: its JSON is nested too deep",
+        ),
+        (["run", "--case", '{"seq_lens": [20], "seed": 1180591620717411303424}'], "seed must be within +-(2^63 - 1)"),
+        (["run", "--case", '{"seq_lens": [20], "tags": {"a": 1}}'], "tags must be a list, got {'a': 1}"),
+        (["run", "--seed", str(2**70), "--lengths", "20"], "seed must be an integer from 0 to 2^63 - 1"),
+        (["detection", "--seed", str(2**70)], "--seed must be an integer from 0 to 2^63 - 1"),
+    ],
+    ids=["json-nested-100k-deep", "case-seed-2^70", "tags-a-dict", "run-seed-2^70", "detection-seed-2^70"],
+)
+def test_a_hostile_option_is_one_line_and_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and message in err and "Traceback" not in err
+
+
 def test_register_refuses_duplicates_and_bad_names() -> None:
     with pytest.raises(ValueError, match="already registered"):
         registry.register("fla_chunk", object)

@@ -36,10 +36,18 @@ def choices(what: str, allowed: tuple[str, ...]) -> Callable[[str], object]:
     return typed(lambda text: parse_choices(what, text, allowed))
 
 
+def _is_file(text: str) -> bool:
+    """Whether ``text`` names a file; a text no file system takes as a name (too long, a NUL) names none."""
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def parse_case(text: str) -> Case:
     """A case from JSON text, a .json file holding it, or the id of a pinned corpus case."""
     stripped = text.strip()
-    if stripped.startswith("kda-") and "{" not in stripped and not Path(stripped).is_file():
+    if stripped.startswith("kda-") and "{" not in stripped and not _is_file(stripped):
         for entry in load_corpus():
             if entry.case.id == stripped:
                 return entry.case
@@ -48,14 +56,16 @@ def parse_case(text: str) -> Case:
         )
     source = stripped
     if not stripped.startswith("{"):
-        if not Path(stripped).is_file():
-            raise ValueError(f"--case takes case JSON, a .json file or a corpus id; {text!r} is none of them")
+        if not _is_file(stripped):
+            raise ValueError(f"--case takes case JSON, a .json file or a corpus id; {text!r:.80} is none of them")
         source = Path(stripped).read_text()
     try:
         data = json.loads(source)
         if isinstance(data, dict) and isinstance(data.get("case"), dict) and "why" in data:
             data = data["case"]  # a corpus entry (cases/corpus/*.json): the case it pins
         return Case.from_dict(data) if isinstance(data, dict) else Case.from_json(source)
+    except RecursionError:
+        raise ValueError("--case: not a valid case: its JSON is nested too deep") from None
     except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"--case: not a valid case: {exc}") from None
 

@@ -4,6 +4,7 @@ pytest process and tabulate what caught each (reports/detection.py)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -19,7 +20,8 @@ from kda_cases.files import atomic_write_text
 from kda_cases.profiles import PROFILES
 from kda_conformance.checks import CHECKS
 from kda_conformance.cli.common import say
-from kda_conformance.running.options import pytest_argv
+from kda_conformance.running.config import parse_count
+from kda_conformance.running.options import pytest_argv, typed
 from kda_kernels import registry
 from kda_reports.detection import detection_markdown, detection_problems, detection_table
 from kda_reports.runfile import DEFAULT_OUT, read_run, record_coverage
@@ -77,9 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--profile", choices=list(PROFILES), default="ci", help="sweep profile (default: ci)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    parser.add_argument("--seed", type=int, default=None, help="seed of a randomized profile")
+    seed, count = functools.partial(parse_count, "--seed", lowest=0), functools.partial(parse_count, "--examples")
+    parser.add_argument("--seed", type=typed(seed), default=None, help="seed of a randomized profile")
     parser.add_argument(
-        "--examples", type=int, default=None, metavar="N", help="cases per check and backend (default: the profile's)"
+        "--examples",
+        type=typed(count),
+        default=None,
+        metavar="N",
+        help="cases per check and backend (default: the profile's)",
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: ./out)")
     parser.add_argument("--table", type=Path, default=None, help="also write the markdown table to this file")

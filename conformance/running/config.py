@@ -21,7 +21,7 @@ from typing import IO
 
 import torch
 
-from kda_cases.case import DTYPES, Case
+from kda_cases.case import DTYPES, INT64_MAX, Case
 from kda_cases.corpus import load_corpus
 from kda_cases.devices import resolve_device
 from kda_cases.files import unwritable
@@ -118,6 +118,8 @@ def parse_count(what: str, text: str, lowest: int = 1) -> int:
         raise ValueError(f"{what} must be an integer >= {lowest}, got {text!r}") from None
     if value < lowest:
         raise ValueError(f"{what} must be an integer >= {lowest}, got {value}")
+    if value > INT64_MAX:  # a run's parquet stores it in 64 bits
+        raise ValueError(f"{what} must be an integer from {lowest} to 2^63 - 1, got {text[:40]}...")
     return value
 
 
