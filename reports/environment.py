@@ -97,10 +97,12 @@ SUITE_BASELINE = "kda_kernels.torch_chunk.TorchChunk"
 # A variable whose name says it holds a secret is recorded by its name, never its value: a word anywhere in
 # the name, or a whole part of it between underscores (PAT inside PATTERN or PATH says nothing).
 SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "PASSPHRASE", "AUTH", "CREDENTIAL", "BEARER", "COOKIE")
-SECRET_PARTS = ("PASS", "PAT", "PW", "PWD", "CRED", "CREDS")
+SECRET_PARTS = ("PASS", "PAT", "PW", "PWD", "CRED", "CREDS", "PASSCODE", "PRIVATE", "SESSION", "SALT")
 REDACTED = "<redacted>"
-# A URL's user and password in any recorded value (a proxy or a cache server named in a TRITON_* variable).
-URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+# A URL's user and password in any recorded value (a proxy or a cache server named in a TRITON_* variable): all
+# up to the last "@" of the URL, so a password holding "/" or "@" goes too.
+URL_CREDENTIALS = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s\"'<>@]*(?:@[^\s\"'<>@/]*)*@")
+_SECRET_NAMES = r"(?:password|passwd|passphrase|passcode|secret|token|api[_-]?key|access[_-]?key|private[_-]?key)"
 # Values that are credentials by their shape, whatever the variable holding them is called: the issuers'
 # token formats, a bearer header, a secret in a query string or a key=value list, a private key, a JWT.
 # What a ``keep`` group matched stays (the parameter's name, the header's word); the rest is redacted.
@@ -114,8 +116,18 @@ SECRET_SHAPES = {
     "JSON web token": r"\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}",
     "authorization header": r"(?i)(?P<keep>\b(?:bearer|basic|token) )[A-Za-z0-9._~+/=-]{8,}",
     "secret parameter": (
-        r"(?i)(?P<keep>(?:^|[?&;,\s])(?:[a-z0-9]+[_-])*(?:password|passwd|pwd|pass|token|secret|api[_-]?key|"
-        r"access[_-]?key|auth|credentials?)=)[^&;,\s]+"
+        r"(?i)(?P<keep>(?:^|[?&;,\s\"'])(?:[a-z0-9]+[_-])*(?:password|passwd|pwd|pass|token|secret|api[_-]?key|"
+        r"access[_-]?key|auth|credentials?)=)[^&;,\s\"']+"
+    ),
+    "Slack webhook": r"(?P<keep>https://hooks\.slack\.com/)(?:services|workflows|triggers)/[A-Za-z0-9_/-]+",
+    "PyPI token": r"\bpypi-[A-Za-z0-9_-]{40,}",
+    "npm token": r"\bnpm_[A-Za-z0-9]{36}\b",
+    "Google API key": r"\bAIza[0-9A-Za-z_-]{35}",
+    "Azure SAS signature": r"(?i)(?P<keep>[?&]sig=)[^&\s\"']+",
+    "secret option": rf"(?i)(?P<keep>(?:^|\s)--?(?:[a-z0-9]+-)*{_SECRET_NAMES}(?:=|\s+))(?!<redacted>)[^\s\"']+",
+    "JSON or YAML secret": (
+        rf"(?im)(?P<keep>(?:\"(?:[a-z0-9]+[_-])*{_SECRET_NAMES}\"\s*:\s*\"?|^\s*(?:[a-z0-9]+[_-])*{_SECRET_NAMES}\s*:\s*"
+        rf"[\"']?))(?!<redacted>)[^\"'\s,}}]+"
     ),
     "private key": r"-----BEGIN [A-Z ]*PRIVATE KEY-----(?s:.*?)(?:-----END [A-Z ]*PRIVATE KEY-----|$)",
 }

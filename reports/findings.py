@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from kda_cases.case import Case
+from kda_reports.environment import redact
 
 # pass and fail judge a tensor; skip: the backend does not take the case; error: it raised (or crashed, or
 # hung); resource: the case did not fit the device's memory even alone, which says nothing of the kernel;
@@ -133,6 +134,23 @@ class Location:
         return f"seq {self.sequence} head {self.head}"
 
 
+# A backend's own text (an exception's message, what it printed) goes into every record, the JUnit file, the
+# console and the pages: a 10 MB message is cut to this many characters, saying so.
+MAX_TEXT = 2000
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def recorded_text(text: str, cut: bool = True) -> str:
+    """``text`` as a record keeps it: credentials redacted by their shape (kda_reports.environment.redact),
+    control characters written as ``\\xNN`` (an escape sequence must not reach a terminal), whatever UTF-8
+    cannot encode escaped (``writable``), and with ``cut`` no longer than MAX_TEXT characters."""
+    if not isinstance(text, str):
+        return text
+    more = len(text) - MAX_TEXT if cut and len(text) > MAX_TEXT else 0
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", redact(writable(text[:MAX_TEXT] if more else text)))
+    return f"{text}... [cut: {more} more characters]" if more else text
+
+
 def writable(text: str) -> str:
     """``text`` with whatever UTF-8 cannot encode (lone surrogates) written as backslash escapes."""
     if not isinstance(text, str):
@@ -220,11 +238,12 @@ class Finding:
         if self.verdict not in VERDICTS:
             raise ValueError(f"verdict {self.verdict!r} is not one of {', '.join(VERDICTS)}")
         # Text from a backend (an exception's message, a file name os.fsdecode made) may hold lone surrogates,
-        # which no UTF-8 writer takes: the parquet, the journal read back, a terminal. Written out as escapes
-        # here, once, so that one string never loses a run.
-        for name in ("subject", "repro", "reason", "observed", "known_issue", "backend", "device", "check", "redraws"):
-            object.__setattr__(self, name, writable(getattr(self, name)))
-        object.__setattr__(self, "problems", tuple(writable(problem) for problem in self.problems))
+        # which no UTF-8 writer takes, credentials, escape sequences, or megabytes: made safe here, once, for
+        # every writer after (recorded_text); the repro line is never cut.
+        for name in ("subject", "reason", "observed", "known_issue", "backend", "device", "check", "redraws"):
+            object.__setattr__(self, name, recorded_text(getattr(self, name)))
+        object.__setattr__(self, "repro", recorded_text(self.repro, cut=False))
+        object.__setattr__(self, "problems", tuple(recorded_text(problem) for problem in self.problems))
 
     @property
     def passed(self) -> bool:

@@ -179,6 +179,13 @@ SHAPED = {
     "authorization header": ("Authorization: Bearer abcdefgh.ijk", "abcdefgh.ijk", "Authorization: Bearer "),
     "secret parameter": ("https://cache.example/x?a=1&api_key=hunter22&b=2", "hunter22", "a=1&api_key=<"),
     "private key": ("-----BEGIN RSA PRIVATE KEY-----\nMIIEow\n-----END RSA PRIVATE KEY-----", "MIIEow", ""),
+    "Slack webhook": ("https://hooks.slack.com/services/T0001/B0002/XyZ123abc", "XyZ123abc", "hooks.slack.com/"),
+    "PyPI token": ("pypi-AgEIcHlwaS5vcmc" + "Q7x" * 15, "Q7xQ7xQ7x", ""),
+    "npm token": ("npm_" + "aB3" * 12, "aB3aB3", ""),
+    "Google API key": ("AIza" + "SyD-9" * 7, "SyD-9", ""),
+    "Azure SAS signature": ("https://a.blob.core.windows.net/c?sv=2022&sig=Zm9vYmFy%2B&se=1", "Zm9vYmFy", "&sig=<"),
+    "secret option": ("train --password hunter2/@x --steps 3", "hunter2", "--password <redacted> --steps 3"),
+    "JSON or YAML secret": ('{"db_password": "hunter2", "n": 1}', "hunter2", '"db_password": "<redacted>"'),
 }
 
 

@@ -27,6 +27,7 @@ from kda_conformance.running.config import (
     parse_positive,
 )
 from kda_conformance.running.options import add_options, typed
+from kda_reports.findings import recorded_text
 from kda_reports.runfile import DEFAULT_OUT
 
 CLI_DEFAULT_BACKENDS = ("fla_chunk", "fla_recurrent")
@@ -73,6 +74,7 @@ def parse_case(text: str) -> Case:
 def say(console: Console, text: str, label: str = "", style: str = "") -> None:
     """One line on the console, printed as it is: text from kernels, cases and users (a tag, a reason, a
     case's JSON) is never read as rich markup; ``label`` goes before it in ``style``."""
+    text = recorded_text(text, cut=False)  # credentials redacted, escape sequences escaped: a terminal is no record
     line = Text(f"{label} ", style=style) + Text(text) if label else Text(text)
     console.print(line, highlight=False, soft_wrap=True)
 
