@@ -80,16 +80,27 @@ def _check_environment(path: Path, problems: list[str]) -> None:
         problems.append(f"{env_path.name}: not this run's environment (no run_id {run_id_of(path)})")
 
 
+def _regular(paths: list[Path], problems: list[str]) -> list[Path]:
+    """The regular files of ``paths``; anything else named like a run file (a FIFO, which a read would wait on
+    forever; a folder; a device) is named in ``problems`` and skipped."""
+    regular = [p for p in paths if p.is_file()]
+    problems += [f"{p.name}: not a regular file; skipped" for p in paths if p not in regular]
+    return regular
+
+
 def load_store(root: Path) -> Store:
     """Every run under ``root`` (a store folder, or its ``runs`` folder). A folder that does not exist is an
     error (StoreError): a mistyped path must not read as an empty store."""
     root = Path(root)
     if not root.is_dir():
         raise StoreError(f"the store {str(root)!r} is not a folder: give the folder runs were written to")
+    if (root / "runs").exists() and not (root / "runs").is_dir():
+        raise StoreError(f"{str(root / 'runs')!r} is not a folder: a store keeps its runs in a folder of that name")
     runs_dir = root / "runs" if (root / "runs").is_dir() else root
     problems: list[str] = []
     frames, seen, live = [], set(), set()
-    paths = sorted(p for p in runs_dir.glob("*") if p.name.endswith(RECORD_SUFFIXES) and not p.name.startswith("."))
+    named = sorted(p for p in runs_dir.glob("*") if p.name.endswith(RECORD_SUFFIXES) and not p.name.startswith("."))
+    paths = _regular(named, problems)
     # A finished part's records win over its partial journal (normally removed when the part finishes).
     # The parts of one run id (the shards several hosts wrote) are one run.
     paths.sort(key=lambda p: (part_stem(p), p.name.endswith(JOURNAL_SUFFIX)))
@@ -133,7 +144,7 @@ def _nights(runs_dir: Path, problems: list[str]) -> tuple[pd.DataFrame, pd.DataF
     """The nights' own files: each part's night.json, and each part's quarantine list. A night file without
     its wall time is skipped and named; a field of the wrong kind is left out and named."""
     nights = []
-    for path in sorted(runs_dir.glob("*.night.json")):
+    for path in _regular(sorted(runs_dir.glob("*.night.json")), problems):
         night = read_object(path, problems)
         if night is None:
             continue
@@ -157,7 +168,7 @@ def _nights(runs_dir: Path, problems: list[str]) -> tuple[pd.DataFrame, pd.DataF
             }
         )
     quarantined = []
-    for path in sorted(runs_dir.glob("*.quarantine.jsonl")):
+    for path in _regular(sorted(runs_dir.glob("*.quarantine.jsonl")), problems):
         # Two workers may have written the same configuration's crash: once each (backend, configuration).
         first: dict[tuple[str, str], object] = {}
         for entry in read_quarantine(path):

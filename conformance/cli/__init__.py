@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.metadata
 import shlex
 import sys
@@ -93,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         return INTERRUPTED
     except PluginError as exc:  # a plugin's backend that breaks the registry's rules, met when first asked for
         console.print(f"error: {exc}", highlight=False)
+        return USAGE
+    except OSError as exc:  # the suite's own files (a full disk, a read-only store): one line naming the path
+        name = errno.errorcode.get(exc.errno or 0, "")
+        where = f"{exc.filename}: " if exc.filename else ""
+        said = f"{exc.strerror or exc}" + (f" ({name})" if name else "")
+        console.print(f"error: {where}{said}; what was written before it is kept", highlight=False)
         return USAGE
     finally:
         release_claims()
