@@ -4,6 +4,8 @@ report the run. What a run does lives below this module; here it is only wired t
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import shlex
@@ -378,6 +380,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not hasattr(config, "workerinput") and run.config.strict and run.frame is not None:
         if not stale_known_issues(run.frame).empty and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED  # --kda-strict: a retired issue must leave the ledger
+    if not hasattr(config, "workerinput") and session.exitstatus:
+        # Registered last, so run first at exit: a handler a backend registered (atexit.register(os._exit, 0))
+        # cannot turn a failed session into a green exit. The handlers registered before it do not run then.
+        atexit.register(_exit_with, int(session.exitstatus))
+
+
+def _exit_with(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a stream a backend closed
+            stream.flush()
+    os._exit(code)
 
 
 @pytest.hookimpl(optionalhook=True)

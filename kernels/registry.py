@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 from collections.abc import Callable
 
 from kda_kernels.protocol import Backend
@@ -65,14 +66,30 @@ def load_plugin(module: str) -> None:
     """Import ``module``, which registers its backends when imported; whatever goes wrong there (it cannot
     be found, it raises, it registers a name that is taken, it calls sys.exit) is a PluginError naming it."""
     _load()  # the built-in backends first, so that a plugin taking one of their names is told at once
+    real_exit = os._exit
+    os._exit = _exit_at_import  # a plugin that ends the process at import would end it with its code, unseen
     try:
         importlib.import_module(module)
+    except _ExitAtImport as exc:
+        raise PluginError(f"plugin module {module!r} called os._exit({exc.code!r}) at import") from None
     except ImportError as exc:
         raise PluginError(f"plugin module {module!r} cannot be imported: {exc}") from exc
     except SystemExit as exc:
         raise PluginError(f"plugin module {module!r} called sys.exit({exc.code!r}) at import") from None
     except Exception as exc:
         raise PluginError(f"plugin module {module!r} raised at import: {type(exc).__name__}: {exc}") from exc
+    finally:
+        os._exit = real_exit
+
+
+class _ExitAtImport(BaseException):
+    def __init__(self, code: object) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def _exit_at_import(code: int) -> None:
+    raise _ExitAtImport(code)
 
 
 def names() -> list[str]:

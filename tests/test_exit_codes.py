@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kda_conformance.cli import build_parser, main, nightly
-from kda_conformance.cli.exits import ERRORED, FAILED, MEANINGS, NOTHING_RAN, PASSED, verdict_exit
+from kda_conformance.cli.exits import ERRORED, FAILED, MEANINGS, NOT_CHECKED, NOTHING_RAN, PASSED, verdict_exit
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "exit-codes.md"
 PLUGINS = Path(__file__).with_name("plugins")
@@ -37,12 +37,23 @@ def test_the_documented_table_is_the_codes() -> None:
         (["pass", "warn"], True, FAILED),
         (["error", "fail"], False, FAILED),
         (["error", "pass"], False, ERRORED),
-        (["skip", "resource"], False, NOTHING_RAN),
+        (["skip", "resource"], False, NOT_CHECKED),
+        # A case out of memory beside passing ones was exit 0: a kernel never judged there passed CI.
+        (["pass", "resource"], False, NOT_CHECKED),
+        (["error", "resource"], False, ERRORED),
         ([], False, NOTHING_RAN),
     ],
 )
-def test_a_failure_outranks_an_error_which_outranks_nothing_ran(verdicts: list, strict: bool, code: int) -> None:
+def test_a_failure_outranks_an_error_which_outranks_nothing_ran(
+    verdicts: list, strict: bool, code: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KDA_ACCEPT_RESOURCE", raising=False)
     assert verdict_exit(verdicts, strict) == code
+
+
+def test_an_accepted_resource_verdict_counts_as_a_skip(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KDA_ACCEPT_RESOURCE", "1")
+    assert verdict_exit(["pass", "resource"]) == PASSED and verdict_exit(["resource"]) == NOTHING_RAN
 
 
 def test_repro_of_a_backend_that_cannot_run_here_is_nothing_ran_not_a_pass(

@@ -232,8 +232,13 @@ def test_out_of_memory_is_retried_alone_and_then_a_resource_outcome(tmp_path: Pa
     [resource] = budget("planted_oom_always")
     assert resource.verdict == "resource" and not resource.failed
     assert (
-        resource.reason.startswith("out of memory: needed 512.00 GiB more") and "alone on the device" in resource.reason
+        resource.reason.startswith("out of memory: needed 1.50 GiB more") and "alone on the device" in resource.reason
     )
+    # A kernel's own text, or an allocation past the whole device, is the kernel's error: never a resource
+    # outcome, which would leave a kernel that produced nothing looking like one the machine stopped.
+    for name, said in (("planted_oom_past_the_device", "16.00 TiB"), ("planted_says_out_of_memory", "bad tile")):
+        [error] = budget(name)
+        assert error.verdict == "error" and said in error.reason, error
     check = get_check("prefix")
 
     def raises(truth, backend, params):

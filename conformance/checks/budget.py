@@ -51,7 +51,7 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> lis
     except BackendFault as fault:
         return [fault_finding(judge, fault, lap.seconds)]
     except Exception as exc:  # a kernel failure is a result to record, not a crash of the sweep
-        if is_out_of_memory(exc):
+        if is_out_of_memory(exc, device):
             return [judge.outcome("resource", memory_report(exc, device), lap.seconds)]
         return [judge.outcome("error", raised_at(exc), lap.seconds)]
     with CLOCK.stage("compare", device):

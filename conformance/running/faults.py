@@ -34,16 +34,24 @@ STICKY = (
     "hiperrorassert",
     "memory access fault",
 )
-# Every form running out of memory takes: torch's OutOfMemoryError, and the AcceleratorError or RuntimeError
-# that CUDA, HIP or cuBLAS raise when a context, a handle or a workspace cannot be allocated.
+# Every form running out of memory takes: torch's OutOfMemoryError, and the runtime's own words in the
+# AcceleratorError or RuntimeError that CUDA, HIP or cuBLAS raise when a context, a handle or a workspace
+# cannot be allocated. A backend's own text that merely says "out of memory" is its error, not the machine's:
+# a kernel that never produced a result must not read as one the machine stopped.
 OUT_OF_MEMORY = (
-    "out of memory",
+    "cuda out of memory",
+    "cuda error: out of memory",
+    "hip out of memory",
+    "hip error: out of memory",
     "hiperroroutofmemory",
     "cudaerrormemoryallocation",
     "cublas_status_alloc_failed",
     "hipblas_status_alloc_failed",
     "can't allocate memory",  # torch's CPU allocator (DefaultCPUAllocator)
 )
+_ASKED = re.compile(r"(?:tried to allocate|allocate)\s+([\d.]+)\s*([KMGTP]i?B|bytes)", re.IGNORECASE)
+_UNITS = {"bytes": 1, "kb": 2**10, "kib": 2**10, "mb": 2**20, "mib": 2**20, "gb": 2**30, "gib": 2**30}
+_UNITS |= {"tb": 2**40, "tib": 2**40, "pb": 2**50, "pib": 2**50}
 # Exit code of a pytest-xdist worker that ended itself after a sticky device error (xdist replaces it).
 DEVICE_LOST_EXIT = 75
 
@@ -54,10 +62,31 @@ def is_sticky(text: str | BaseException) -> bool:
     return any(pattern in lowered for pattern in STICKY)
 
 
-def is_out_of_memory(exc: BaseException) -> bool:
-    if isinstance(exc, torch.cuda.OutOfMemoryError | MemoryError):
-        return True
-    return any(p in exception_text(exc).lower() for p in OUT_OF_MEMORY)
+def asked_bytes(text: str) -> float | None:
+    """The size an allocation error says was asked for ("Tried to allocate 2.00 GiB"), None where it says none."""
+    found = _ASKED.search(text)
+    return float(found.group(1)) * _UNITS[found.group(2).lower()] if found else None
+
+
+def device_memory(device: torch.device) -> int | None:
+    """All the memory ``device`` has (a GPU's, or the host's for the CPU); None where it cannot be told."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, RuntimeError, AssertionError):
+        return None
+
+
+def is_out_of_memory(exc: BaseException, device: torch.device | None = None) -> bool:
+    """Whether ``exc`` is the machine running out of memory (a ``resource`` outcome): torch's or Python's
+    memory error, or the runtime's own words for it (OUT_OF_MEMORY), asking for no more than ``device`` has
+    in all. An allocation larger than the whole device is the kernel's error (it asked for 16 TiB)."""
+    text = exception_text(exc).lower()
+    if not (isinstance(exc, torch.cuda.OutOfMemoryError | MemoryError) or any(p in text for p in OUT_OF_MEMORY)):
+        return False
+    asked, total = asked_bytes(text), None if device is None else device_memory(device)
+    return asked is None or total is None or asked <= total
 
 
 def memory_report(exc: BaseException, device: torch.device) -> str:

@@ -72,7 +72,7 @@ def blame(judge: Judge, exc: Exception, device: torch.device) -> Finding:
     backend = judge.backend
     stage = stage_of(exc) or "check"
     culprit = raised_by(exc)
-    if is_out_of_memory(exc):
+    if is_out_of_memory(exc, device):
         return judge.outcome("resource", f"{memory_report(exc, device)} (in the {stage} stage)")
     if isinstance(exc, BackendFault) and culprit == backend:
         return fault_finding(judge, exc)

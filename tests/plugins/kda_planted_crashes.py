@@ -79,7 +79,23 @@ class OutOfMemoryAlways(TorchChunk):
     description = "never fits: every call runs out of memory"
 
     def run(self, inputs: KDAInputs) -> BackendOutput:
-        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 GiB")
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")
+
+
+class AsksForTheImpossible(TorchChunk):
+    name = "planted_oom_past_the_device"
+    description = "asks for 16 TiB, more than any device has: the kernel's error, not the machine's"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 TiB")
+
+
+class SaysOutOfMemory(TorchChunk):
+    name = "planted_says_out_of_memory"
+    description = "raises its own RuntimeError whose text says 'out of memory': the kernel's error"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        raise RuntimeError("my_kernel: workspace out of memory (bad tile size)")
 
 
 class FailsWhenTold(TorchChunk):
@@ -102,5 +118,5 @@ class Raises(TorchChunk):
 
 
 PLANTED = (Segfault, Hang, StickyFault, CrashesOnBf16, OutOfMemoryOnce, OutOfMemoryAlways, FailsWhenTold, Raises)
-for backend in PLANTED:
+for backend in (*PLANTED, AsksForTheImpossible, SaysOutOfMemory):
     register(backend.name, backend)
