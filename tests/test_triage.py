@@ -52,9 +52,11 @@ def test_a_repro_line_reads_back_as_the_rerun_it_names(plugins: list[str]) -> No
     case = Case(seq_lens=(30,), head_k_dim=16, head_v_dim=16)
     line = "kda-conformance repro --device cpu --plugin kda_triage --backend triage_tf32_unless_ieee --at 7 "
     line += f"--check split_resume --case '{case.to_json()}'"
-    r = parse_repro(line, build_parser())
-    assert (r.check, r.backend, r.params, r.plugins, r.case) == (
-        "split_resume", "triage_tf32_unless_ieee", {"at": 7}, ("kda_triage",), case
+    # The line's plugins are read, never loaded on its say-so: the rerun takes the command line's.
+    assert parse_repro(line, build_parser()).missing_plugins == ("kda_triage",)
+    r = parse_repro(line, build_parser(), ["kda_triage"])
+    assert (r.check, r.backend, r.params, r.plugins, r.case, r.missing_plugins) == (
+        "split_resume", "triage_tf32_unless_ieee", {"at": 7}, ("kda_triage",), case, ()
     )  # fmt: skip
     assert r.line().startswith("kda-conformance repro --device cpu --plugin kda_triage --backend triage_tf32")
     assert set(SWITCHES) == {"IEEE dots", "zero-length members removed", "contiguous inputs",
