@@ -7,7 +7,8 @@ failed); one that sets ``KDA_REFERENCE_FORM`` switches the truth's form; one tha
 reference or baseline function loosens every later limit; one that writes the float64 truth it can reach
 (``gc.get_objects()``) passes itself and fails the next backend. So each call is taken in a clean world:
 
-- torch's settings (:data:`SETTINGS`) and ``os.environ``: a change is put back and is the backend's failure,
+- torch's settings, the working directory, the recursion limit and the SIGINT and SIGTERM handlers
+  (:data:`SETTINGS`), and ``os.environ``: a change is put back and is the backend's failure,
   except the environment variables the backend declares it sets (``Backend.sets_environment``: a library
   that switches itself on by a variable at import), and the ones torch sets itself the first time a part
   of it is used (:data:`TORCH_VARIABLES`), whoever's call that is. The suite's own variables (``KDA_*``) no
@@ -25,20 +26,54 @@ reference or baseline function loosens every later limit; one that writes the fl
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import types
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
 
+
+def _precision_switches() -> list[tuple[str, Callable[[], object], Callable[[object], None]]]:
+    """torch's newer per-backend float32 precision switches (``torch.backends.mkldnn.matmul.fp32_precision``,
+    ...), where this torch has them. One set to "bf16" or "tf32" makes the legacy getter raise for everyone
+    after (a mix of the two APIs), so they are put back before it."""
+    switches = []
+    for path in ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul", "mkldnn.conv",
+                 "mkldnn.rnn"):  # fmt: skip
+        holder: object = torch.backends
+        for part in filter(None, path.split(".")):
+            holder = getattr(holder, part, None)
+        if holder is None or not hasattr(holder, "fp32_precision"):
+            continue
+        name = f"torch.backends{'.' + path if path else ''}.fp32_precision"
+        switches.append(
+            (name, lambda h=holder: h.fp32_precision, lambda value, h=holder: setattr(h, "fp32_precision", value))
+        )
+    return switches
+
+
+def _set_signal(signum: int, handler: object) -> None:
+    if threading.current_thread() is threading.main_thread():  # only the main thread may set a handler
+        signal.signal(signum, handler)
+
+
 # A setting's name (as a message says it), its getter and its setter.
 SETTINGS: tuple[tuple[str, Callable[[], object], Callable[[object], None]], ...] = (
+    *_precision_switches(),
     ("torch's default dtype", torch.get_default_dtype, torch.set_default_dtype),
     ("torch's default device", torch.get_default_device, torch.set_default_device),
     ("torch's float32 matmul precision", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
     ("torch's deterministic mode", torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms),
     ("torch's thread count", torch.get_num_threads, torch.set_num_threads),
+    ("the working directory", os.getcwd, os.chdir),  # the run's relative paths (its store) would move with it
+    ("the recursion limit", sys.getrecursionlimit, sys.setrecursionlimit),
+    *(
+        (f"the handler of {sig.name}", lambda s=sig: signal.getsignal(s), lambda h, s=sig: _set_signal(s, h))
+        for sig in (signal.SIGINT, signal.SIGTERM)  # a run that could no longer be stopped
+    ),
 )
 SUITE_VARIABLES = "KDA_"  # the suite's own settings (the truth's form, the profile, strict mode, ...)
 SUITE_PACKAGES = ("kda_cases", "kda_reference", "kda_kernels", "kda_reports", "kda_conformance")
@@ -98,10 +133,17 @@ class World:
     cuda_rng: list[torch.Tensor] | None
 
 
+def _read(get: Callable[[], object]) -> object:
+    try:
+        return get()
+    except Exception as exc:  # a getter a call broke (torch's legacy precision after a mix of its two APIs)
+        return f"<unreadable: {type(exc).__name__}>"
+
+
 def take() -> World:
     cuda = torch.cuda.is_initialized()
     return World(
-        {name: get() for name, get, _ in SETTINGS},
+        {name: _read(get) for name, get, _ in SETTINGS},
         dict(os.environ),
         _definitions(),
         torch.get_rng_state(),
@@ -140,9 +182,13 @@ def _suite(variable: str) -> bool:
 def _put_settings_back(before: dict[str, object]) -> list[str]:
     changes = []
     for name, get, put in SETTINGS:
-        now = get()
+        now = _read(get)
         if now != before[name]:
-            put(before[name])
+            try:
+                put(before[name])
+            except Exception as exc:  # the suite's own state it cannot restore: said, never raised
+                changes.append(f"changed {name} from {before[name]!r} to {now!r} (not put back: {exc})")
+                continue
             changes.append(f"changed {name} from {before[name]!r} to {now!r} (put back)")
     return changes
 

@@ -10,7 +10,9 @@ import dataclasses
 import gc
 import multiprocessing
 import os
+import signal
 import sys
+import tempfile
 
 import torch
 
@@ -123,6 +125,49 @@ class SetsDefaultDtype(TorchChunk):
     def run(self, inputs: KDAInputs) -> BackendOutput:
         out = super().run(inputs)
         torch.set_default_dtype(torch.float64)
+        return out
+
+
+@hostile(
+    "hostile_sets_new_matmul_precision",
+    "fail",
+    "changed torch.backends.mkldnn.matmul.fp32_precision from 'none' to 'bf16'",
+)
+class SetsNewMatmulPrecision(TorchChunk):
+    """Right, but leaves oneDNN's float32 matmuls in bf16 by torch's newer switch: torch's legacy getter then
+    raised for everyone after, and every later baseline was a (suite) error."""
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+        return out
+
+
+@hostile("hostile_changes_directory", "fail", "changed the working directory from")
+class ChangesDirectory(TorchChunk):
+    """Right, but leaves the process in another folder: a run's relative store moved under it."""
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        os.chdir(tempfile.gettempdir())
+        return out
+
+
+@hostile("hostile_lowers_recursion_limit", "fail", "changed the recursion limit from")
+class LowersRecursionLimit(TorchChunk):
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        sys.setrecursionlimit(max(sys.getrecursionlimit() // 2, 400))
+        return out
+
+
+@hostile("hostile_ignores_sigterm", "fail", "changed the handler of SIGTERM")
+class IgnoresSigterm(TorchChunk):
+    """Right, but ignores SIGTERM from then on: a CI job's time limit could no longer stop the run."""
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return out
 
 
