@@ -11,6 +11,7 @@ error and ends itself, so that no later case runs on its dead context.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -27,15 +28,22 @@ from kda_conformance.running.config import DEFAULT_CASE_TIMEOUT, RunConfig
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost, die_with_parent
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
-from kda_reports.findings import MARGIN_REDRAWS, Finding
+from kda_reports.findings import MARGIN_REDRAWS, SUITE_BACKEND, Finding
 
 STARTUP_TIMEOUT = 600.0  # seconds for a fresh worker to import torch, the suite and the plugins
+CLOCK_EVENT = "clock"  # a worker's word that a backend call starts ("call") or has returned ("returned")
 
 
 def _worker(conn: Connection, device: str, plugins: list[str], parent_pid: int, redraws: int) -> None:
-    from kda_kernels import registry
+    from kda_kernels import guard, registry
 
     die_with_parent(parent_pid)
+
+    def clock(event: str, backend: object) -> None:  # the parent times each backend call on its own clock
+        if event in ("call", "returned"):
+            conn.send((CLOCK_EVENT, event))
+
+    guard.add_listener(clock)
 
     for module in plugins:
         registry.load_plugin(module)
@@ -104,22 +112,36 @@ class IsolatedRunner:
         start = time.perf_counter()
         case = drawn.case
         self.conn.send((check, case.to_json(), dict(drawn.params), backend))
-        reason = ""
-        if self.conn.poll(self.case_timeout):
+        judge = judge_for(check.name, case, backend, self.device, drawn.params)
+        # Two clocks, each of the timeout: a backend's call from its start to its return is the backend's; the
+        # suite's work around it (drawing, the truth, the baseline, comparing) is the suite's.
+        in_call, since = False, time.perf_counter()
+        while True:
+            if not self.conn.poll(max(0.0, since + self.case_timeout - time.perf_counter())):
+                self._discard()
+                if in_call:
+                    reason = f"no result within {self.case_timeout:g} s (hung or too slow): its process was killed"
+                    return [judge.outcome("error", reason, time.perf_counter() - since)]
+                reason = (
+                    f"the suite's own work on the case (drawing, truth, baseline, comparing) took more than "
+                    f"{self.case_timeout:g} s at a stretch: its process was killed (not {backend}'s error)"
+                )
+                return [dataclasses.replace(judge.outcome("error", reason), backend=SUITE_BACKEND)]
             try:
-                findings, stages, ending = self.conn.recv()
-                CLOCK.absorb(stages)
-                if ending:  # it ends itself after a sticky device error: the next case gets a fresh one
-                    self._discard()
-                return findings
+                message = self.conn.recv()
             except (EOFError, ConnectionError):
                 self.process.join(timeout=30)
                 reason = f"the backend's process died ({_exit_status(self.process.exitcode)}); the night went on"
-        else:
-            reason = f"no result within {self.case_timeout:g} s (hung or too slow): its process was killed"
-        self._discard()
-        judge = judge_for(check.name, case, backend, self.device, drawn.params)
-        return [judge.outcome("error", reason, time.perf_counter() - start)]
+                self._discard()
+                return [judge.outcome("error", reason, time.perf_counter() - start)]
+            if len(message) == 2 and message[0] == CLOCK_EVENT:
+                in_call, since = message[1] == "call", time.perf_counter()
+                continue
+            findings, stages, ending = message
+            CLOCK.absorb(stages)
+            if ending:  # it ends itself after a sticky device error: the next case gets a fresh one
+                self._discard()
+            return findings
 
     def close(self) -> None:
         if self.conn is not None and self.process is not None and self.process.is_alive():

@@ -138,9 +138,10 @@ OPTIONS: dict[str, Option] = {
                env=SHARD_VARIABLE),
         Option("gpus", "the GPUs parallel workers spread over, e.g. 0,1 (default: every visible one)", None,
                metavar="LIST"),
-        Option("case-timeout", "seconds one check of one case may take once the case's truth is ready (the "
-               "suite's truth and its wait for GPU memory have their own S, charged to the suite); past it the "
-               "case is recorded as hung and its process ends", None, positive_seconds, "number", metavar="S"),
+        Option("case-timeout", "seconds a backend's call may take from its start to its return (under "
+               "--isolate), or one check once the case's truth is ready; the suite's own work on the case (its "
+               "truth, its wait for GPU memory) has its own S, charged to the suite; past it the case is "
+               "recorded as hung and its process ends", None, positive_seconds, "number", metavar="S"),
         Option("lengths", "first-sweep sequence lengths, comma-separated", None, parse_lengths, "list"),
         Option("dtypes", f"first-sweep input dtypes, comma-separated ({', '.join(DTYPES)})", None, parse_dtypes,
                "list"),
