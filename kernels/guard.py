@@ -461,10 +461,28 @@ def plain_tensor(value: torch.Tensor) -> torch.Tensor:
         return value.as_subclass(torch.Tensor)
 
 
+@contextlib.contextmanager
+def _case_kept(backend: Backend, case: Case) -> Iterator[None]:
+    """The Case a call is handed, frozen in fact: a field a backend set (``object.__setattr__`` gets past
+    the frozen dataclass) is put back and is its failure; every later backend, check and record reads the
+    case the suite drew."""
+    fields = dict(vars(case))
+    try:
+        yield
+    finally:
+        changed = sorted(name for name, value in fields.items() if vars(case).get(name) is not value)
+        for name in changed:
+            object.__setattr__(case, name, fields[name])
+        if changed:
+            broken = fault(backend, f"changed the Case it was handed ({', '.join(changed)}; put back)")
+            broken.verdict = "fail"
+            _breaches.append(broken)
+
+
 def run_backend_call(backend: Backend, inputs: KDAInputs) -> BackendOutput:
     """``backend.run(inputs)`` under the contract (see the module's docstring)."""
     autotune_replay.activate(inputs.device)  # before the first launch: a cold machine replays, not tunes
-    with _in_call(backend, Snapshot.of(input_tensors(inputs))):
+    with _case_kept(backend, inputs.case), _in_call(backend, Snapshot.of(input_tensors(inputs))):
         result = backend.run(inputs)
     return check_output(backend, result, inputs)
 
@@ -486,7 +504,7 @@ def run_paged_call(
     snapshot = Snapshot.of({**input_tensors(batch), **metadata, "pool": pool})
     n = batch.case.num_seqs
     own = {int(s) for s in state_indices[:n].tolist()} | {int(s) for s in checkpoint_slots.tolist()}
-    with _in_call(backend, snapshot, keep=("pool",)):  # the pool is the call's to write: as it left it
+    with _case_kept(backend, batch.case), _in_call(backend, snapshot, keep=("pool",)):  # the pool: as it left it
         backend.run_paged(batch, pool, state_indices, has_initial_state, out, checkpoint_slots)
     _check_pool(backend, snapshot, own)
 

@@ -87,6 +87,7 @@ WRITERS = [f"hostile_writes_{name}" for name in INPUTS]
         "hostile_changes_directory",
         "hostile_lowers_recursion_limit",
         "hostile_ignores_sigterm",
+        "hostile_mutates_the_case",
         "hostile_sets_suite_variable",
         "hostile_sets_a_variable",
         "hostile_replaces_the_baseline",

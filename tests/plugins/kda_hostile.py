@@ -171,6 +171,16 @@ class IgnoresSigterm(TorchChunk):
         return out
 
 
+@hostile("hostile_mutates_the_case", "fail", "changed the Case it was handed (seq_lens; put back)")
+class MutatesTheCase(TorchChunk):
+    """Right, but rewrites the frozen Case it was handed: every later backend would be judged on another."""
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        object.__setattr__(inputs.case, "seq_lens", tuple(n + 1 for n in inputs.case.seq_lens))
+        return out
+
+
 @hostile("hostile_sets_suite_variable", "fail", "set the suite's variable KDA_REFERENCE_FORM (removed)")
 class SetsSuiteVariable(TorchChunk):
     """Right, but switches the truth's form for every later case."""
