@@ -5,7 +5,6 @@ report the run. What a run does lives below this module; here it is only wired t
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import os
 import shlex
@@ -38,7 +37,7 @@ from kda_conformance.running.search import (
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
 from kda_kernels import guard, registry, triton_interpret
-from kda_kernels.guard import BackendFault
+from kda_kernels.guard import BackendFault, flush_and_exit
 from kda_kernels.protocol import Backend
 from kda_reports.console import RECORD_LINE_HEADER, record_line
 from kda_reports.findings import Finding, stale_known_issues
@@ -383,14 +382,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not hasattr(config, "workerinput") and session.exitstatus:
         # Registered last, so run first at exit: a handler a backend registered (atexit.register(os._exit, 0))
         # cannot turn a failed session into a green exit. The handlers registered before it do not run then.
-        atexit.register(_exit_with, int(session.exitstatus))
-
-
-def _exit_with(code: int) -> None:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):  # a stream a backend closed
-            stream.flush()
-    os._exit(code)
+        atexit.register(flush_and_exit, int(session.exitstatus))
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -136,6 +136,15 @@ def end_process(code: int) -> None:
     _real_exit(code)
 
 
+def flush_and_exit(code: int) -> None:
+    """End this process with ``code`` after flushing its standard streams, whatever a backend registered to
+    run at exit or left of ``os._exit`` (a stream it closed is skipped)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    _real_exit(code)
+
+
 _depth: dict[int, int] = {}  # guarded calls in progress per thread (a paged call may run a plain one inside)
 
 
@@ -145,9 +154,14 @@ def _put_world_back(backend: Backend, before: World) -> None:
     declared = getattr(backend, "sets_environment", ())
     declared = tuple(declared) if isinstance(declared, (tuple, list, set, frozenset)) else ()
     for what in put_back(before, [name for name in declared if isinstance(name, str)]):
-        broken = fault(backend, what)
-        broken.verdict = "fail"
-        _breaches.append(broken)
+        _breach(backend, what)
+
+
+def _breach(backend: Backend, what: str) -> None:
+    """Note that the call did ``what`` to what it must leave as it was (put back already): its failure."""
+    broken = fault(backend, what)
+    broken.verdict = "fail"
+    _breaches.append(broken)
 
 
 # Whether a signal (Ctrl-C, a time limit's SIGTERM) reached this process: a KeyboardInterrupt inside a call
@@ -201,10 +215,7 @@ def _end_forked_child(exc: BaseException | None) -> None:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     else:
         code = 0 if exc is None else 1
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    _real_exit(code)
+    flush_and_exit(code)
 
 
 @contextlib.contextmanager
@@ -474,9 +485,7 @@ def _case_kept(backend: Backend, case: Case) -> Iterator[None]:
         for name in changed:
             object.__setattr__(case, name, fields[name])
         if changed:
-            broken = fault(backend, f"changed the Case it was handed ({', '.join(changed)}; put back)")
-            broken.verdict = "fail"
-            _breaches.append(broken)
+            _breach(backend, f"changed the Case it was handed ({', '.join(changed)}; put back)")
 
 
 def run_backend_call(backend: Backend, inputs: KDAInputs) -> BackendOutput:

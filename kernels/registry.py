@@ -14,6 +14,7 @@ import importlib.metadata
 import os
 from collections.abc import Callable
 
+from kda_kernels.guard import BackendExit
 from kda_kernels.protocol import Backend
 
 ENTRY_POINT_GROUP = "kda_conformance.backends"
@@ -70,7 +71,7 @@ def load_plugin(module: str) -> None:
     os._exit = _exit_at_import  # a plugin that ends the process at import would end it with its code, unseen
     try:
         importlib.import_module(module)
-    except _ExitAtImport as exc:
+    except BackendExit as exc:
         raise PluginError(f"plugin module {module!r} called os._exit({exc.code!r}) at import") from None
     except ImportError as exc:
         raise PluginError(f"plugin module {module!r} cannot be imported: {exc}") from exc
@@ -82,14 +83,8 @@ def load_plugin(module: str) -> None:
         os._exit = real_exit
 
 
-class _ExitAtImport(BaseException):
-    def __init__(self, code: object) -> None:
-        super().__init__(code)
-        self.code = code
-
-
 def _exit_at_import(code: int) -> None:
-    raise _ExitAtImport(code)
+    raise BackendExit(code)
 
 
 def names() -> list[str]:

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import importlib.metadata
-import os
 import shlex
 import sys
 from types import ModuleType
@@ -35,6 +33,7 @@ from kda_conformance.cli import (
 from kda_conformance.cli.exits import INTERRUPTED, USAGE
 from kda_conformance.running.config import release_claims
 from kda_conformance.running.interrupts import sigterm_interrupts
+from kda_kernels.guard import flush_and_exit
 from kda_kernels.registry import PluginError
 from kda_reports.environment import suite_commit
 
@@ -112,10 +111,7 @@ def entry() -> None:
     plugin registered to run at exit (``atexit.register(os._exit, 0)`` made a failed run exit 0)."""
     code = main()
     if code:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):  # a stream a backend closed
-                stream.flush()
-        os._exit(code)
+        flush_and_exit(code)
     sys.exit(0)
 
 
