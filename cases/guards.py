@@ -31,8 +31,13 @@ def extent(x: torch.Tensor) -> tuple[int, int]:
     return x.storage_offset(), x.storage_offset() + span
 
 
-def poison_value(dtype: torch.dtype) -> float | int:
-    return float("nan") if dtype.is_floating_point else INTEGER_POISON
+def poison_value(dtype: torch.dtype) -> float | int | bool:
+    """NaN for floats; for integers a huge value (as large as the type holds, where 2^40 does not fit)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    if dtype == torch.bool:
+        return True
+    return min(INTEGER_POISON, torch.iinfo(dtype).max)
 
 
 def guarded(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:

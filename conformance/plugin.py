@@ -10,6 +10,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -19,10 +20,17 @@ import torch
 
 from kda_cases.case import Case
 from kda_cases.grids import FIRST_SWEEP_DTYPES
-from kda_conformance.plugin_summary import RUN, WRITTEN, empty_selection
+from kda_conformance.plugin_summary import RUN, WRITTEN, empty_selection, not_checked
 from kda_conformance.plugin_summary import pytest_terminal_summary as pytest_terminal_summary
 from kda_conformance.running.check import Check, Drawn
-from kda_conformance.running.config import ConfigError, Grid, baseline_warning, build_config, release_claims
+from kda_conformance.running.config import (
+    NOT_CHECKED_EXIT,
+    ConfigError,
+    Grid,
+    baseline_warning,
+    build_config,
+    release_claims,
+)
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost
 from kda_conformance.running.interrupts import sigterm_as_interrupt
 from kda_conformance.running.memory import chosen_gpus, visible_device
@@ -37,7 +45,7 @@ from kda_conformance.running.search import (
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
 from kda_kernels import guard, registry, triton_interpret
-from kda_kernels.guard import BackendFault, flush_and_exit
+from kda_kernels.guard import BackendFault, exit_past_left_work, flush_and_exit
 from kda_kernels.protocol import Backend
 from kda_reports.console import RECORD_LINE_HEADER, record_line
 from kda_reports.findings import Finding, stale_known_issues
@@ -120,8 +128,20 @@ def _recorded_args(args: Sequence[str]) -> list[str]:
     return recorded
 
 
+# The session's exit status, for an exit that cannot wait on a thread a backend left running.
+_EXIT_STATUS = [int(pytest.ExitCode.INTERNAL_ERROR)]
+
+
+def _exit_past_left_work() -> None:
+    """Run first at interpreter exit, before it joins the threads: one a backend left running would hold
+    the exit forever, a child it left would hold the run's pipes (everything is written by then)."""
+    exit_past_left_work(_EXIT_STATUS[0])
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kda_device_dependent: runs on the device chosen by --kda-device")
+    if _exit_past_left_work not in getattr(threading, "_threading_atexits", []):
+        threading._register_atexit(_exit_past_left_work)  # public since 3.9 in all but name (concurrent.futures)
     _share_cores()
     # A CI job's time limit (SIGTERM to every process) stops the controller and each worker as Ctrl-C does.
     config.stash[SIGTERM_BEFORE] = sigterm_as_interrupt()
@@ -379,6 +399,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not hasattr(config, "workerinput") and run.config.strict and run.frame is not None:
         if not stale_known_issues(run.frame).empty and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED  # --kda-strict: a retired issue must leave the ledger
+    if not hasattr(config, "workerinput") and not_checked(run) and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = NOT_CHECKED_EXIT  # a case never judged is no pass (as kda-conformance's exit 4)
+    _EXIT_STATUS[0] = int(session.exitstatus)
     if not hasattr(config, "workerinput") and session.exitstatus:
         # Registered last, so run first at exit: a handler a backend registered (atexit.register(os._exit, 0))
         # cannot turn a failed session into a green exit. The handlers registered before it do not run then.

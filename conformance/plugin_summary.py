@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kda_cases.devices import gpu_arch
+from kda_conformance.running.config import ACCEPT_RESOURCE_VARIABLE, NOT_CHECKED_EXIT, accepts_resource
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
 from kda_kernels import guard, registry
@@ -74,6 +75,14 @@ def skip_counts(reports: list) -> dict[str, int]:
     return dict(reasons.most_common())
 
 
+def not_checked(run: Run) -> int:
+    """How many records of the run did not run for want of memory, where that is not accepted as a skip."""
+    if accepts_resource():
+        return 0
+    rows = run.rows if run.frame is None else run.frame.to_dict("records")
+    return sum(r["verdict"] == "resource" for r in rows)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     run = config.stash[RUN]
     written = config.stash.get(WRITTEN, {})
@@ -87,6 +96,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         for name, reason in unavailable.items():
             tr.write_line(f"{name}: {reason}")
         tr.write_line("every test of theirs skipped; --kda-strict (KDA_STRICT=1) makes that a failure")
+    unjudged = not_checked(run)
+    if unjudged:
+        tr.section("KDA conformance: not checked")
+        tr.write_line(
+            f"{unjudged} record(s) did not run for want of memory (resource): a kernel never judged there is no "
+            f"pass, so the session exits {NOT_CHECKED_EXIT} where nothing failed; {ACCEPT_RESOURCE_VARIABLE}=1 "
+            "counts them as skips"
+        )
     if empty_selection(config, exitstatus):
         tr.section("KDA conformance: why no test was selected")
         for line in _selection_lines(config):

@@ -6,6 +6,10 @@ per case). A backend that writes into them (``q``, ``initial_state``, ``cu_seqle
 itself and make the next backend fail. So every call here keeps a bitwise copy of what it hands over,
 compares after the call, puts the inputs back where they changed, and notes a breach naming what the
 backend wrote (the tensor and its first changed element; :func:`take_breaches`); the call goes on. The
+tensors themselves are handed, not copies: a server reuses its buffers from call to call (a kernel caching
+on a tensor's identity is a bug only that shows). Where a call leaves a thread running
+(kernels/left_work.py), the copies of what it was handed are kept while the thread lives, and a later
+write into them is put back and charged to it, before any other call starts or is judged. The
 same holds for a state pool a paged backend is given: it may write the slots its call names (the
 sequences' and the checkpoints'), nothing else. A result that is not a :class:`BackendOutput` of tensors
 on the inputs' device, or a returned tensor that shares memory with an input or with another returned
@@ -34,9 +38,9 @@ from kda_cases.dtypes import bits
 from kda_cases.envelope import Envelope
 from kda_cases.guards import bands, extent, memory_of
 from kda_cases.materialize import KDAInputs
-from kda_kernels import autotune_replay
+from kda_kernels import autotune_replay, left_work
 from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported
-from kda_kernels.world import World, put_back, take
+from kda_kernels.world import World, put_back, put_torch_back, take
 
 TOKEN_INPUTS = ("q", "k", "v", "g", "beta")  # [B, T, heads, ...]
 INPUT_TENSORS = (*TOKEN_INPUTS, "A_log", "dt_bias", "initial_state", "cu_seqlens")
@@ -54,6 +58,7 @@ class BackendFault(Exception):
         super().__init__(reason)
         self.reason, self.tensor, self.index, self.slot = reason, tensor, index, slot
         self.verdict = "fail" if (index is not None or slot is not None) else "error"
+        self.late = False  # found after its call, in another's (a thread it left running did it)
 
 
 class BackendExit(BaseException):
@@ -138,23 +143,38 @@ def end_process(code: int) -> None:
 
 def flush_and_exit(code: int) -> None:
     """End this process with ``code`` after flushing its standard streams, whatever a backend registered to
-    run at exit or left of ``os._exit`` (a stream it closed is skipped)."""
+    run at exit or left of ``os._exit`` (a stream it closed is skipped), and the children backends left
+    running killed (kernels/left_work.py)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    left_work.end_children()
     _real_exit(code)
+
+
+def exit_past_left_work(code: int) -> None:
+    """Where a backend left a thread the interpreter would join forever, or a child holding the run's pipes:
+    end the process now with ``code`` (everything is written by then). Else return, for a normal exit."""
+    if left_work.blocks_exit():
+        flush_and_exit(code)
 
 
 _depth: dict[int, int] = {}  # guarded calls in progress per thread (a paged call may run a plain one inside)
 
 
 def _put_world_back(backend: Backend, before: World) -> None:
-    """Restore what the call changed of the process (kernels/world.py), each change the backend's failure.
-    ``put_back`` is bound here at import: a backend that replaces the world's has it put back by the real one."""
+    """Restore what the call changed of the process (kernels/world.py), each change the backend's failure;
+    while threads an earlier call left running are alive, theirs instead (:func:`_late`). ``put_back`` is
+    bound here at import: a backend that replaces the world's has it put back by the real one."""
     declared = getattr(backend, "sets_environment", ())
     declared = tuple(declared) if isinstance(declared, (tuple, list, set, frozenset)) else ()
-    for what in put_back(before, [name for name in declared if isinstance(name, str)]):
-        _breach(backend, what)
+    changes = put_back(before, [name for name in declared if isinstance(name, str)])
+    others = [owner for owner in left_work.owners() if owner is not backend]
+    for what in changes:
+        if others:
+            _late(others, what, f"found after {backend.name}'s call, which may have done it itself")
+        else:
+            _breach(backend, what)
 
 
 def _breach(backend: Backend, what: str) -> None:
@@ -162,6 +182,33 @@ def _breach(backend: Backend, what: str) -> None:
     broken = fault(backend, what)
     broken.verdict = "fail"
     _breaches.append(broken)
+
+
+def _late(owners: list, what: str, when: str) -> None:
+    """``what`` was done while threads the ``owners`` left running were alive: each owner's failure."""
+    for owner in owners:
+        _breach(owner, f"{what}, after its call had returned: a thread it left running was alive ({when})")
+        _breaches[-1].late = True
+
+
+# The world as the last call left it, while threads a call left running live: proven before the next call.
+_settled: World | None = None
+
+
+def _prove_between_calls() -> None:
+    """What threads left running changed since the last call (the inputs their calls were handed, the
+    world): put back, charged to their backends. Then forget the threads that have ended."""
+    global _settled
+    owners = left_work.owners()
+    if owners:
+        _check_kept("found before the next call")
+    if owners and _settled is not None:
+        for what in put_back(_settled, between_calls=True):
+            _late(owners, what, "found before the next call")
+    left_work.forget_ended()
+    alive = left_work.owners()
+    _kept[:] = [kept for kept in _kept if any(kept[0] is owner for owner in alive)]
+    _settled = None
 
 
 # Whether a signal (Ctrl-C, a time limit's SIGTERM) reached this process: a KeyboardInterrupt inside a call
@@ -219,23 +266,32 @@ def _end_forked_child(exc: BaseException | None) -> None:
 
 
 @contextlib.contextmanager
-def _in_call(backend: Backend, handed: Snapshot | None = None, keep: tuple[str, ...] = ()) -> Iterator[None]:
+def _in_call(
+    backend: Backend, tensors: Mapping[str, torch.Tensor] | None = None, keep: tuple[str, ...] = ()
+) -> Iterator[Snapshot | None]:
     """The backend's call: listeners told, ``os._exit`` and ``SystemExit`` turned into a fault of the call,
-    every exception marked as the backend's. After it, the tensors ``handed`` over proved unchanged (put back,
-    a breach where the call returned; ``keep``: the ones it may write), then the world (kernels/world.py):
-    in that order, so a truth made again is made from the suite's inputs."""
+    every exception marked as the backend's. Yields the snapshot of the ``tensors`` handed over, taken after
+    what threads earlier calls left running did is put back. After the call, the tensors proved unchanged
+    (put back, a breach where the call returned; ``keep``: the ones it may write), then the world
+    (kernels/world.py): in that order, so a truth made again is made from the suite's inputs."""
+    global _settled
     _watch_ctrl_c()
+    thread = threading.get_ident()
+    outermost = not _depth.get(thread)
+    if outermost:
+        _prove_between_calls()
+    handed = Snapshot.of(tensors) if tensors is not None else None
     for listener in list(_listeners):
         listener("call", backend)
-    thread = threading.get_ident()
-    before = take() if not _depth.get(thread) else None  # the outermost call of this thread takes it
+    before = take() if outermost else None  # the outermost call of this thread takes it
+    work = left_work.running() if outermost else None
     _depth[thread] = _depth.get(thread, 0) + 1
     os._exit = _trapped_exit
     process = os.getpid()
     returned = False
     try:
         try:
-            yield
+            yield handed
         except BaseException as exc:
             if os.getpid() != process:
                 _end_forked_child(exc)
@@ -258,6 +314,9 @@ def _in_call(backend: Backend, handed: Snapshot | None = None, keep: tuple[str, 
         _charge(exc, backend)
         raise
     finally:
+        if before is not None:  # before the suite computes anything itself (a mode left open sees it all)
+            for what in put_torch_back(before):
+                _breach(backend, what)
         _depth[thread] -= 1
         if not _depth[thread]:
             del _depth[thread]
@@ -265,12 +324,22 @@ def _in_call(backend: Backend, handed: Snapshot | None = None, keep: tuple[str, 
             os._exit = _real_exit
         for listener in list(_listeners):
             listener("returned", backend)
+        left = left_work.started_since(work) if work is not None else None  # what ends in the grace is the call's
+        if outermost and any(owner is not backend for owner in left_work.owners()):
+            _check_kept(f"found after {backend.name}'s call, which may have done it itself")  # before its own check
         if handed is not None and returned:
             _check_unchanged(backend, handed, keep)
         elif handed is not None:
-            handed.put_back(skip=keep)  # the backend's exception stands; later calls still get the suite's inputs
+            handed.put_back(skip=keep)  # the backend's exception stands; what it was handed is as it was
         if before is not None:  # after "returned": the suite's own proof (the truths watched) is not the call's
             _put_world_back(backend, before)
+        if left:
+            _breach(backend, left_work.described(left))
+            left_work.leave(left, backend)
+            if handed is not None:
+                _kept[:] = [*_kept[1 - KEPT_CALLS :], (backend, handed, keep)]
+        if outermost and left_work.owners():
+            _settled = take()
 
 
 def _answer(backend: Backend, question: str, ask: Callable[[], object], case: Case | None) -> object:
@@ -331,10 +400,10 @@ def input_tensors(inputs: KDAInputs) -> dict[str, torch.Tensor]:
 
 @dataclass
 class Snapshot:
-    """Bitwise copies of tensors handed to a backend, to prove them unchanged after the call."""
+    """Tensors handed to a backend and what each must still hold after the call, bit for bit."""
 
-    tensors: Mapping[str, torch.Tensor]
-    copies: dict[str, torch.Tensor]
+    tensors: Mapping[str, torch.Tensor]  # as handed
+    copies: dict[str, torch.Tensor]  # what they held
     # The memory around each tensor (its guard bands, cases/guards.py), as it was: nobody's to write.
     around: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
@@ -399,8 +468,10 @@ def take_breaches() -> list[BackendFault]:
     return taken
 
 
-def _check_unchanged(backend: Backend, snapshot: Snapshot, skip: tuple[str, ...] = ()) -> None:
-    """Note a breach for every input tensor the backend wrote (its first changed element), and put it back."""
+def _check_unchanged(backend: Backend, snapshot: Snapshot, skip: tuple[str, ...] = (), late: str = "") -> None:
+    """Note a breach for every input tensor the backend wrote (its first changed element), and put it back.
+    ``late``: when it was found, where a thread the backend left running wrote after its call returned."""
+    after_return = f", after its call had returned: a thread it left running was alive ({late})" if late else ""
     for name in snapshot.tensors:
         if name in skip:
             continue
@@ -409,13 +480,31 @@ def _check_unchanged(backend: Backend, snapshot: Snapshot, skip: tuple[str, ...]
             continue
         before, after = _value(snapshot.copies[name], where), _value(snapshot.tensors[name], where)
         at = f"first changed element {list(where)} ({before} -> {after})" if where else "its shape or dtype changed"
-        _breaches.append(fault(backend, f"wrote into its input {name}: {at}", tensor=name, index=where))
+        what = f"wrote into its input {name}{after_return}: {at}"
+        _breaches.append(fault(backend, what, tensor=name, index=where))
+        _breaches[-1].late = bool(late)
         snapshot.restore(name)
     for name in snapshot.around:
         if name not in skip and snapshot.band_change(name):
             what = f"wrote into the memory around its input {name} (the guard band past its end or before its start)"
-            _breaches.append(fault(backend, what, tensor=name, index=()))
+            _breaches.append(fault(backend, what + after_return, tensor=name, index=()))
+            _breaches[-1].late = bool(late)
             snapshot.restore_bands(name)
+
+
+# What calls that left threads running were handed (their copies kept to compare), while those threads live:
+# the last KEPT_CALLS calls' (a backend that leaves a thread on every call would otherwise hold every case).
+_kept: list[tuple[Backend, Snapshot, tuple[str, ...]]] = []
+KEPT_CALLS = 8
+
+
+def _check_kept(when: str) -> None:
+    """Put back and charge what threads left running wrote into what their calls were handed."""
+    for owner, snapshot, keep in list(_kept):
+        try:
+            _check_unchanged(owner, snapshot, keep, late=when)
+        except Exception:  # a device the thread left dead: the next call's error says so
+            return
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -491,7 +580,7 @@ def _case_kept(backend: Backend, case: Case) -> Iterator[None]:
 def run_backend_call(backend: Backend, inputs: KDAInputs) -> BackendOutput:
     """``backend.run(inputs)`` under the contract (see the module's docstring)."""
     autotune_replay.activate(inputs.device)  # before the first launch: a cold machine replays, not tunes
-    with _case_kept(backend, inputs.case), _in_call(backend, Snapshot.of(input_tensors(inputs))):
+    with _case_kept(backend, inputs.case), _in_call(backend, input_tensors(inputs)):
         result = backend.run(inputs)
     return check_output(backend, result, inputs)
 
@@ -510,10 +599,10 @@ def run_paged_call(
     autotune_replay.activate(batch.device)
     metadata = {"state_indices": state_indices, "has_initial_state": has_initial_state}
     metadata["checkpoint_slots"] = checkpoint_slots
-    snapshot = Snapshot.of({**input_tensors(batch), **metadata, "pool": pool})
+    handed = {**input_tensors(batch), **metadata, "pool": pool}
     n = batch.case.num_seqs
     own = {int(s) for s in state_indices[:n].tolist()} | {int(s) for s in checkpoint_slots.tolist()}
-    with _case_kept(backend, batch.case), _in_call(backend, snapshot, keep=("pool",)):  # the pool: as it left it
+    with _case_kept(backend, batch.case), _in_call(backend, handed, keep=("pool",)) as snapshot:  # pool: as left
         backend.run_paged(batch, pool, state_indices, has_initial_state, out, checkpoint_slots)
     _check_pool(backend, snapshot, own)
 

@@ -7,12 +7,17 @@ failed); one that sets ``KDA_REFERENCE_FORM`` switches the truth's form; one tha
 reference or baseline function loosens every later limit; one that writes the float64 truth it can reach
 (``gc.get_objects()``) passes itself and fails the next backend. So each call is taken in a clean world:
 
-- torch's settings, the working directory, the recursion limit and the SIGINT and SIGTERM handlers
-  (:data:`SETTINGS`), and ``os.environ``: a change is put back and is the backend's failure,
+- torch's settings (precision switches old and new, grad and autocast modes, ...), the working directory,
+  the recursion limit and the SIGINT and SIGTERM handlers (:data:`SETTINGS`), torch's function- and
+  dispatch-mode stacks, the torch callables the suite computes with (:data:`TORCH_HOLDERS`: a wrapped
+  ``torch.matmul`` moved the baseline 1.9e3 times its limit), the standard streams and file descriptors
+  0-2, and ``os.environ``: a change is put back and is the backend's failure,
   except the environment variables the backend declares it sets (``Backend.sets_environment``: a library
   that switches itself on by a variable at import), and the ones torch sets itself the first time a part
   of it is used (:data:`TORCH_VARIABLES`), whoever's call that is. The suite's own variables (``KDA_*``) no
-  backend may set.
+  backend may set. Only the standard file descriptors are held: any other may be closed at any moment by
+  the garbage collector finalising a file object nobody holds, inside a call or not (seen: the suite's
+  "closed file descriptor 17" charged to a backend that touched no file).
 - the suite's own definitions (the functions and classes of its five packages, and the methods of its
   classes): one replaced is put back and is the backend's failure.
 - suite state a backend can reach but is not handed (the truths a run holds): watchers the suite registers
@@ -25,6 +30,8 @@ reference or baseline function loosens every later limit; one that writes the fl
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import sys
@@ -60,9 +67,38 @@ def _set_signal(signum: int, handler: object) -> None:
         signal.signal(signum, handler)
 
 
+def _flag(path: str) -> tuple[str, Callable[[], object], Callable[[object], None]]:
+    """One of torch's older boolean switches (``torch.backends.cudnn.allow_tf32``, ...)."""
+    *holder_path, key = path.split(".")
+    holder: object = torch
+    for part in holder_path[1:]:
+        holder = getattr(holder, part)
+    return path, lambda: getattr(holder, key), lambda value: setattr(holder, key, value)
+
+
+def _autocast(device: str) -> tuple[str, Callable[[], object], Callable[[object], None]]:
+    return (
+        f"torch's {device} autocast",
+        lambda: torch.is_autocast_enabled(device),
+        lambda on: torch.set_autocast_enabled(device, on),
+    )
+
+
 # A setting's name (as a message says it), its getter and its setter.
 SETTINGS: tuple[tuple[str, Callable[[], object], Callable[[object], None]], ...] = (
     *_precision_switches(),
+    *(
+        _flag(path)
+        for path in (
+            "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
+            "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
+            "torch.backends.cudnn.allow_tf32",
+            "torch.backends.cudnn.benchmark",
+            "torch.backends.cudnn.deterministic",
+        )
+    ),
+    ("torch's grad mode", torch.is_grad_enabled, torch.set_grad_enabled),
+    *(_autocast(device) for device in ("cpu", "cuda")),
     ("torch's default dtype", torch.get_default_dtype, torch.set_default_dtype),
     ("torch's default device", torch.get_default_device, torch.set_default_device),
     ("torch's float32 matmul precision", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
@@ -75,6 +111,10 @@ SETTINGS: tuple[tuple[str, Callable[[], object], Callable[[object], None]], ...]
         for sig in (signal.SIGINT, signal.SIGTERM)  # a run that could no longer be stopped
     ),
 )
+# Settings a thread left running by an earlier call may change between two calls, proven and put back before
+# the next call starts (the rest the suite itself moves between calls: pytest swaps the standard streams,
+# a test changes directory).
+BETWEEN_CALLS = frozenset(name for name, _, _ in SETTINGS) - {"the working directory"}
 SUITE_VARIABLES = "KDA_"  # the suite's own settings (the truth's form, the profile, strict mode, ...)
 SUITE_PACKAGES = ("kda_cases", "kda_reference", "kda_kernels", "kda_reports", "kda_conformance")
 # Set by torch itself, when unset, the first time a part of it is used, in whichever call that happens:
@@ -122,6 +162,82 @@ def _definitions() -> list[tuple[Binding, object]]:
     return [(binding, vars(binding[1]).get(binding[2])) for binding in _bindings]
 
 
+# Where the torch callables the suite computes with are bound (the reference's and the baseline's
+# torch.matmul, F.normalize, torch.linalg.solve_triangular, the Tensor methods). torch.Tensor is held whole:
+# a method set on it shadows torch._C.TensorBase's (which cannot be set); in the others a name added is no
+# one's business, a callable replaced or removed is.
+TORCH_HOLDERS: tuple[tuple[str, object], ...] = (
+    ("torch.Tensor", torch.Tensor),
+    ("torch", torch),
+    ("torch.nn.functional", torch.nn.functional),
+    ("torch.linalg", torch.linalg),
+)
+
+
+def _torch_callables() -> dict[str, dict[str, object]]:
+    """Each holder's namespace as it is (a C-speed copy: compared whole first, name by name only if it moved)."""
+    return {label: dict(vars(holder)) for label, holder in TORCH_HOLDERS}
+
+
+def _counts(label: str, value: object) -> bool:
+    """Whether a name bound to ``value`` is one the suite computes with: a function (torch rebinds classes
+    itself: ``set_default_dtype`` moves ``torch.Storage``)."""
+    return label == "torch.Tensor" or (callable(value) and not isinstance(value, (type, types.ModuleType)))
+
+
+# torch's mode stacks (thread-local, as a call runs in one thread): a TorchFunctionMode or
+# TorchDispatchMode entered and left open sees every later torch call, the suite's arithmetic included.
+MODE_STACKS = (
+    ("function", torch._C._len_torch_function_stack, torch._C._get_function_stack_at,
+     torch._C._pop_torch_function_stack, torch._C._push_on_torch_function_stack),
+    ("dispatch", torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at,
+     lambda: torch._C._pop_torch_dispatch_stack(None), torch._C._push_on_torch_dispatch_stack),
+)  # fmt: skip
+
+
+def _modes() -> dict[str, tuple[object, ...]]:
+    return {kind: tuple(at(i) for i in range(length())) for kind, length, at, _, _ in MODE_STACKS}
+
+
+STREAMS = {"stdin": 0, "stdout": 1, "stderr": 2}  # each with its file descriptor
+STANDARD_FDS = {0: "standard input", 1: "standard output", 2: "standard error"}
+
+
+def _streams() -> dict[str, tuple[object, bool]]:
+    return {name: (getattr(sys, name), bool(getattr(getattr(sys, name), "closed", False))) for name in STREAMS}
+
+
+def _identity(fd: int) -> tuple[int, int] | None:
+    """What a file descriptor points at (device, inode), None where it is closed."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _standard_fds() -> dict[int, tuple[int, int]]:
+    found = {fd: _identity(fd) for fd in STANDARD_FDS}
+    return {fd: ident for fd, ident in found.items() if ident is not None}
+
+
+# A copy (dup) of each standard file descriptor as it was when a call last started, to put back one a call
+# closed or pointed elsewhere; taken again only when the descriptor itself moved (pytest's capture).
+_std_copies: dict[int, int] = {}
+
+
+def _keep_standard_fds(fds: dict[int, tuple[int, int]]) -> None:
+    for fd in STANDARD_FDS:
+        kept = _std_copies.get(fd)
+        if fd not in fds or (kept is not None and _identity(kept) == fds[fd]):
+            continue
+        if kept is not None:
+            with contextlib.suppress(OSError):
+                os.close(kept)
+        with contextlib.suppress(OSError):
+            _std_copies[fd] = os.dup(fd)
+
+
 @dataclass
 class World:
     """The world as a call found it."""
@@ -131,6 +247,10 @@ class World:
     definitions: list[tuple[Binding, object]]
     rng: torch.Tensor
     cuda_rng: list[torch.Tensor] | None
+    torch_callables: dict[str, dict[str, object]]
+    modes: dict[str, tuple[object, ...]]
+    streams: dict[str, tuple[object, bool]]
+    fds: dict[int, tuple[int, int]]
 
 
 def _read(get: Callable[[], object]) -> object:
@@ -142,12 +262,18 @@ def _read(get: Callable[[], object]) -> object:
 
 def take() -> World:
     cuda = torch.cuda.is_initialized()
+    fds = _standard_fds()
+    _keep_standard_fds(fds)
     return World(
         {name: _read(get) for name, get, _ in SETTINGS},
         dict(os.environ),
         _definitions(),
         torch.get_rng_state(),
         torch.cuda.get_rng_state_all() if cuda else None,
+        _torch_callables(),
+        _modes(),
+        _streams(),
+        fds,
     )
 
 
@@ -160,13 +286,19 @@ def add_watcher(watcher: Callable[[], list[str]]) -> None:
     _watchers.append(watcher)
 
 
-def put_back(before: World, declared: Collection[str] = ()) -> list[str]:
+def put_back(before: World, declared: Collection[str] = (), between_calls: bool = False) -> list[str]:
     """Restore what a call changed of ``before``; each change, as what the backend did (its name goes first).
-    ``declared``: the environment variables the backend may set (kept as it left them)."""
-    changes = _put_settings_back(before.settings)
+    ``declared``: the environment variables the backend may set (kept as it left them). ``between_calls``:
+    ``before`` is the world as the last call left it, proven before the next starts (a thread left running
+    changed it): what the suite itself moves between calls is not compared (see :data:`BETWEEN_CALLS`)."""
+    changes = put_torch_back(before)  # first: a mode left open stands between torch and its getters
+    changes += _put_settings_back(before.settings, BETWEEN_CALLS if between_calls else None)
     changes += _put_environment_back(before.environment, {name for name in declared if not _suite(name)})
     changes += _put_definitions_back(before.definitions)
-    _put_random_back(before)
+    if not between_calls:
+        changes += _put_streams_back(before.streams)
+        changes += _put_fds_back(before.fds)
+        _put_random_back(before)
     for watcher in list(_watchers):
         try:
             changes += watcher()
@@ -179,9 +311,17 @@ def _suite(variable: str) -> bool:
     return variable.startswith(SUITE_VARIABLES)
 
 
-def _put_settings_back(before: dict[str, object]) -> list[str]:
+def put_torch_back(before: World) -> list[str]:
+    """torch's mode stacks and the callables the suite computes with, as ``before``: done first after a
+    call (the guard's own comparisons of the inputs compute with torch)."""
+    return _put_modes_back(before.modes) + _put_torch_back(before.torch_callables)
+
+
+def _put_settings_back(before: dict[str, object], only: Collection[str] | None = None) -> list[str]:
     changes = []
     for name, get, put in SETTINGS:
+        if only is not None and name not in only:
+            continue
         now = _read(get)
         if now != before[name]:
             try:
@@ -219,6 +359,103 @@ def _put_definitions_back(before: list[tuple[Binding, object]]) -> list[str]:
         if vars(holder).get(key) is not value:
             setattr(holder, key, value)
             changes.append(f"replaced the suite's {where} (put back)")
+    return changes
+
+
+def _same(a: dict[str, object], b: dict[str, object]) -> bool:
+    try:
+        return a == b  # identity first, value by value: the common case, no change, costs microseconds
+    except Exception:  # a value whose == is not a bool (a tensor bound in a namespace that changed)
+        return False
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _torchs_own(value: object) -> bool:
+    """A callable torch itself binds on the first use of a part of it (torch._dynamo, imported by the
+    ``torch.compiler.disable`` FLA wraps its entry points in, rebinds ``torch.manual_seed`` to a wrapper of
+    its own): the process's, kept and charged to no one, like :data:`TORCH_VARIABLES`."""
+    code = getattr(value, "__code__", None)
+    return isinstance(code, types.CodeType) and os.path.abspath(code.co_filename).startswith(_TORCH_DIR + os.sep)
+
+
+def _put_torch_back(before: dict[str, dict[str, object]]) -> list[str]:
+    changes = []
+    for label, holder in TORCH_HOLDERS:
+        now = dict(vars(holder))
+        if _same(now, before[label]):
+            continue
+        for key, value in before[label].items():
+            if key in now and _torchs_own(now[key]):
+                continue
+            if now.get(key) is not value and _counts(label, value):
+                setattr(holder, key, value)
+                what = "replaced" if key in now else "removed"
+                changes.append(f"{what} {label}.{key}, which the suite computes with (put back)")
+        for key in now.keys() - before[label].keys():
+            if label == "torch.Tensor" and not _torchs_own(now[key]):  # shadows torch._C.TensorBase's
+                delattr(holder, key)
+                changes.append(f"set torch.Tensor.{key}, which the suite computes with (removed)")
+    return changes
+
+
+def _put_modes_back(before: dict[str, tuple[object, ...]]) -> list[str]:
+    changes = []
+    for kind, length, at, pop, push in MODE_STACKS:
+        now = tuple(at(i) for i in range(length()))
+        if len(now) == len(before[kind]) and all(a is b for a, b in zip(now, before[kind], strict=True)):
+            continue
+        while length():
+            pop()
+        for mode in before[kind]:
+            push(mode)
+        left = [type(mode).__name__ for mode in now if not any(mode is m for m in before[kind])]
+        what = f"left {', '.join(left)} on torch's {kind}-mode stack" if left else f"changed torch's {kind}-mode stack"
+        changes.append(f"{what}: every later torch call would go through it (put back)")
+    return changes
+
+
+def _reopened(name: str, stream: object) -> io.TextIOWrapper:
+    """A fresh text stream on the standard file descriptor ``stream`` wrote to, in its manner."""
+    return open(  # the process's stream from now on, never closed here
+        STREAMS[name],
+        "r" if name == "stdin" else "w",
+        encoding=getattr(stream, "encoding", None) or "utf-8",
+        errors=getattr(stream, "errors", None) or "backslashreplace",
+        buffering=1 if getattr(stream, "line_buffering", False) else -1,
+        closefd=False,
+    )
+
+
+def _put_streams_back(before: dict[str, tuple[object, bool]]) -> list[str]:
+    changes = []
+    for name, (stream, was_closed) in before.items():
+        now = getattr(sys, name)
+        closed = bool(getattr(stream, "closed", False))
+        if now is stream and closed == was_closed:
+            continue
+        if closed and not was_closed:
+            setattr(sys, name, _reopened(name, stream))
+            changes.append(f"closed sys.{name} (a fresh one on its file descriptor put in its place)")
+        else:
+            setattr(sys, name, stream)
+            changes.append(f"replaced sys.{name} (put back)")
+    return changes
+
+
+def _put_fds_back(before: dict[int, tuple[int, int]]) -> list[str]:
+    changes = []
+    for fd, ident in before.items():
+        if _identity(fd) == ident:
+            continue
+        what = "closed" if _identity(fd) is None else "pointed elsewhere"
+        kept = _std_copies.get(fd)
+        if kept is not None and _identity(kept) == ident:
+            os.dup2(kept, fd)
+            changes.append(f"{what} file descriptor {fd} ({STANDARD_FDS[fd]}; put back)")
+        else:
+            changes.append(f"{what} file descriptor {fd} ({STANDARD_FDS[fd]}; not put back: no copy of it kept)")
     return changes
 
 

@@ -46,3 +46,15 @@ def interruptible() -> dict[str, Any]:
     """Popen arguments for a child that a test interrupts as a terminal's Ctrl-C would: its own process
     group (os.killpg reaches its workers too) hearing SIGINT however this pytest was started."""
     return {"start_new_session": True, "preexec_fn": _as_after_a_terminal_fork}
+
+
+@pytest.fixture(autouse=True)
+def leaves_torch_as_it_found_it() -> Any:
+    """Each test leaves torch's default dtype and grad mode as it found them: a test that left float64
+    behind made a later one's pool float64 and failed it far from the cause."""
+    import torch
+
+    before = torch.get_default_dtype(), torch.is_grad_enabled()
+    yield
+    after = torch.get_default_dtype(), torch.is_grad_enabled()
+    assert after == before, f"the test changed torch's default dtype or grad mode: {before} -> {after}"

@@ -39,3 +39,18 @@ def test_a_plugin_that_ends_the_process_at_import_is_exit_2_naming_it(command: l
     done = _run([sys.executable, "-c", ENTRY, *command, "--plugin", "kda_exits_at_import"])
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert "plugin module 'kda_exits_at_import' called os._exit(0) at import" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("accept", "code"), [("0", 4), ("1", 0)])
+def test_a_pytest_session_whose_case_ran_out_of_memory_is_not_checked(accept: str, code: int, tmp_path: Path) -> None:
+    # A kernel never judged passed CI under pytest (its test a skip, the session 0): the session says
+    # "not checked" with kda-conformance's exit 4, unless KDA_ACCEPT_RESOURCE=1 counts it as a skip.
+    args = [sys.executable, "-m", "pytest", "conformance/test_first_sweep.py", "-q", "-p", "no:cacheprovider"]
+    args += ["--kda-plugin", "kda_planted_crashes", "--kda-backend", "planted_oom_always", "--kda-device", "cpu"]
+    env = {**os.environ, "PYTHONPATH": str(PLUGINS), "KDA_ACCEPT_RESOURCE": accept}
+    done = subprocess.run(
+        [*args, "--kda-out", str(tmp_path), "-k", "37 and bf16"], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == code, done.stdout[-2000:] + done.stderr[-2000:]
+    assert ("KDA conformance: not checked" in done.stdout) == (accept == "0")

@@ -88,6 +88,10 @@ WRITERS = [f"hostile_writes_{name}" for name in INPUTS]
         "hostile_lowers_recursion_limit",
         "hostile_ignores_sigterm",
         "hostile_mutates_the_case",
+        "hostile_leaves_a_function_mode",
+        "hostile_wraps_torch_matmul",
+        "hostile_turns_grad_mode",
+        "hostile_closes_standard_error",
         "hostile_sets_suite_variable",
         "hostile_sets_a_variable",
         "hostile_replaces_the_baseline",
@@ -143,6 +147,7 @@ def test_a_write_into_an_input_names_its_first_changed_element(tmp_path: Path) -
     assert "first changed element [0, 36, 0, 15]" in row["reason"] and row["first_bad"] == "row 0 token 36 head 0"
 
 
+@pytest.mark.slow
 def test_a_hung_call_without_isolation_ends_the_sweep_with_its_row(tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "kda_conformance.cli", "run", "--device", "cpu", "--plugin", "kda_planted_crashes"]
     cli += ["--backend", "torch_chunk", "--backend", "planted_hang", "--case-timeout", "5", *CASE_ARGS]
@@ -241,6 +246,7 @@ def test_a_replaced_baseline_is_recorded_and_shown(
     )
 
 
+@pytest.mark.slow
 def test_a_worker_that_dies_in_a_call_leaves_its_row_in_the_merged_run(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "pytest", "-q", "-n", "2", "conformance/test_corpus.py", "-k", "kda-7735f63ee3cc"]
     command += ["--kda-device", "cpu", "--kda-plugin", "kda_planted_crashes", "--kda-out", str(tmp_path)]
@@ -263,6 +269,7 @@ def _budget_rows(out: Path, case: Case) -> list[dict]:
     return rows[SAID].astype(object).fillna("").astype(str).sort_values("tensor").to_dict("records")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "backend", ["hostile_writes_q", "hostile_os_exit", "hostile_raises_in_supports", "hostile_abort"]
 )
@@ -292,6 +299,7 @@ def test_repro_minimize_and_checks_record_what_the_sweep_records(backend: str, t
         assert rows[name] == rows["run"], (name, rows[name], rows["run"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isolate", [False, True], ids=["in-process", "isolated"])
 def test_backends_that_fork_pass_once_each_and_the_run_exits(isolate: bool, tmp_path: Path) -> None:
     """A forked child is the backend's: it ends with the call, writes no row and is no second sweep."""

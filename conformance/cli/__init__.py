@@ -33,7 +33,7 @@ from kda_conformance.cli import (
 from kda_conformance.cli.exits import INTERRUPTED, USAGE
 from kda_conformance.running.config import release_claims
 from kda_conformance.running.interrupts import sigterm_interrupts
-from kda_kernels.guard import flush_and_exit
+from kda_kernels.guard import exit_past_left_work, flush_and_exit
 from kda_kernels.registry import PluginError
 from kda_reports.environment import suite_commit
 
@@ -108,10 +108,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """The ``kda-conformance`` command: ``main``'s code is the process's exit code, whatever a backend or a
-    plugin registered to run at exit (``atexit.register(os._exit, 0)`` made a failed run exit 0)."""
+    plugin registered to run at exit (``atexit.register(os._exit, 0)`` made a failed run exit 0), and the
+    process ends when main returns, whatever threads or children a backend left running."""
     code = main()
     if code:
         flush_and_exit(code)
+    exit_past_left_work(0)
     sys.exit(0)
 
 

@@ -1,5 +1,3 @@
-import sys
+from kda_conformance.cli import entry
 
-from kda_conformance.cli import main
-
-sys.exit(main())
+entry()

@@ -6,14 +6,17 @@ from a job that tested nothing (docs/exit-codes.md lists each command's).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
+
+from kda_conformance.running.config import NOT_CHECKED_EXIT, accepts_resource
 
 PASSED = 0  # everything that ran passed (known issues and warnings included, but under --kda-strict)
 FAILED = 1  # a kernel failed a check: a tensor out of its limits, memory it must not write, a strict warning
 USAGE = 2  # a bad option or input, a plugin that cannot load, an unwritable output folder, a run id that exists
 ERRORED = 3  # nothing failed, but something raised, crashed or hung: a backend (its rows) or the suite's own code
-NOT_CHECKED = 4  # nothing failed or raised, but a case did not run for want of memory (a resource verdict)
+NOT_CHECKED = (
+    NOT_CHECKED_EXIT  # nothing failed or raised, but a case did not run for want of memory (a resource verdict)
+)
 NOTHING_RAN = 5  # no case ran on any selected backend (every one skipped or out of memory), as pytest's 5
 INTERRUPTED = 130  # Ctrl-C or a time limit's SIGTERM; what ran is kept
 
@@ -43,7 +46,7 @@ def verdict_exit(verdicts: Iterable[str], strict: bool = False, accept_resource:
     ``accept_resource`` (default: ``KDA_ACCEPT_RESOURCE=1``) counts a resource verdict as a skip."""
     seen = set(verdicts)
     if accept_resource is None:
-        accept_resource = os.environ.get("KDA_ACCEPT_RESOURCE") == "1"
+        accept_resource = accepts_resource()
     if "fail" in seen or (strict and "warn" in seen):
         return FAILED
     if "error" in seen:

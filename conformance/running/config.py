@@ -41,6 +41,10 @@ from kda_reports.runfile import DEFAULT_OUT, new_run_id, run_file, run_files, ru
 
 DEFAULT_CASE_TIMEOUT = 900.0  # seconds for one case on one backend, its reference and compile included
 STRICT_VARIABLE = "KDA_STRICT"
+# A case that did not run for want of memory (a resource verdict) is "not checked", never a pass, unless this
+# is 1: then it counts as a skip. The exit code that says "not checked", in kda-conformance and pytest alike.
+ACCEPT_RESOURCE_VARIABLE = "KDA_ACCEPT_RESOURCE"
+NOT_CHECKED_EXIT = 4
 PROFILE_VARIABLE = "KDA_PROFILE"
 RUN_ID_VARIABLE = "KDA_RUN_ID"
 SHARD_VARIABLE = "KDA_SHARD"
@@ -348,6 +352,10 @@ def default_profile_name(device: torch.device) -> str:
 
 def strict_from_environment() -> bool:
     return os.environ.get(STRICT_VARIABLE, "") not in ("", "0")
+
+
+def accepts_resource() -> bool:
+    return os.environ.get(ACCEPT_RESOURCE_VARIABLE) == "1"
 
 
 def build_config(

@@ -28,6 +28,7 @@ from kda_conformance.running.config import DEFAULT_CASE_TIMEOUT, RunConfig
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost, die_with_parent
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
+from kda_kernels.left_work import kill_tree
 from kda_reports.findings import MARGIN_REDRAWS, SUITE_BACKEND, Finding
 
 STARTUP_TIMEOUT = 600.0  # seconds for a fresh worker to import torch, the suite and the plugins
@@ -53,6 +54,7 @@ def _worker(conn: Connection, device: str, plugins: list[str], parent_pid: int, 
     while True:
         task = conn.recv()
         if task is None:
+            guard.exit_past_left_work(0)  # a thread a backend left would hold the worker's exit forever
             return
         check, case_json, params, backend_name = task
         drawn, backend = Drawn(Case.from_json(case_json), params), registry.get(backend_name)
@@ -98,7 +100,7 @@ class IsolatedRunner:
     def _discard(self) -> None:
         atexit.unregister(self._discard)
         if self.process is not None and self.process.is_alive():
-            self.process.kill()
+            kill_tree(self.process.pid)  # with the children a backend left in it, which hold our pipes
         if self.process is not None:
             self.process.join(timeout=30)
         self.process, self.conn = None, None

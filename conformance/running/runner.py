@@ -12,7 +12,7 @@ import torch
 
 from kda_cases.case import Case
 from kda_cases.materialize import KDAInputs
-from kda_conformance.judging.judge import Judge
+from kda_conformance.judging.judge import Judge, judge_for
 from kda_conformance.judging.tolerance import InvalidTruth
 from kda_conformance.running.faults import is_out_of_memory, is_sticky, memory_report
 from kda_conformance.running.memory import release_quietly
@@ -105,8 +105,9 @@ def blamed(judge: Judge, device: torch.device, run: Callable[[], list[Finding]])
 
 def breach_findings(judge: Judge, findings: list[Finding]) -> list[Finding]:
     """The contract breaks the calls of a check survived (kernels/guard.py), as findings: the backend's, or
-    the suite's where its baseline broke them; a pool slot the check's own findings already point at is
-    not said twice."""
+    the suite's where its baseline broke them, or, where a thread another backend left running did it after
+    its call (a late breach), that backend's, on this case; a pool slot the check's own findings already
+    point at is not said twice."""
     pointed = {f.first_bad.slot for f in findings if f.first_bad is not None and f.first_bad.slot is not None}
     said: set[str] = set()
     extra = []
@@ -115,7 +116,10 @@ def breach_findings(judge: Judge, findings: list[Finding]) -> list[Finding]:
             continue
         said.add(breach.reason)
         finding = fault_finding(judge, breach)
-        if raised_by(breach) != judge.backend:
+        owner = raised_by(breach)
+        if breach.late and owner is not None and owner != judge.backend:
+            finding = fault_finding(judge_for(judge.check, judge.case, owner, torch.device(judge.device)), breach)
+        elif owner != judge.backend:
             reason = f"the baseline broke the call contract (not {judge.backend}'s error): {breach.reason}"
             finding = dataclasses.replace(judge.outcome("error", reason), backend=SUITE_BACKEND)
         extra.append(finding)

@@ -15,6 +15,7 @@ import sys
 import tempfile
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from kda_cases.case import Case
 from kda_cases.dtypes import INT_OF_SIZE
@@ -178,6 +179,69 @@ class MutatesTheCase(TorchChunk):
     def run(self, inputs: KDAInputs) -> BackendOutput:
         out = super().run(inputs)
         object.__setattr__(inputs.case, "seq_lens", tuple(n + 1 for n in inputs.case.seq_lens))
+        return out
+
+
+class _NoisyMatmul(TorchFunctionMode):
+    """Every matmul 1e-3 off: left open, the suite's truth and baseline computed through it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.einsum):
+            return result + 1e-3
+        return result
+
+
+@hostile("hostile_leaves_a_function_mode", "fail", "left _NoisyMatmul on torch's function-mode stack")
+class LeavesAFunctionMode(TorchChunk):
+    """Right, but enters a TorchFunctionMode and never leaves it: every later torch call goes through it."""
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        _NoisyMatmul().__enter__()
+        return out
+
+
+@hostile("hostile_wraps_torch_matmul", "fail", ", which the suite computes with (")
+class WrapsTorchMatmul(TorchChunk):
+    """Right, but wraps torch.matmul and the @ operator 1e-3 off for everyone after it (the baseline moved
+    1.9e3 times its limit, and the patcher was never named)."""
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        real_matmul, real_operator = torch.matmul, torch.Tensor.__matmul__
+        torch.matmul = lambda a, b, **kw: real_matmul(a, b, **kw) + 1e-3
+        torch.Tensor.__matmul__ = lambda a, b: real_operator(a, b) + 1e-3
+        return out
+
+
+@hostile("hostile_turns_grad_mode", "fail", "changed torch's grad mode from")
+class TurnsGradMode(TorchChunk):
+    """Right, but flips torch's grad mode for everyone after it (a gradient check would see none)."""
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        torch.set_grad_enabled(not torch.is_grad_enabled())
+        return out
+
+
+@hostile("hostile_closes_stdout", "fail", "closed sys.stdout (a fresh one on its file descriptor put in its place)")
+class ClosesStdout(TorchChunk):
+    """Right, but closes sys.stdout: the run could print nothing more (its summary, its repro lines)."""
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        sys.stdout.close()
+        return out
+
+
+@hostile("hostile_closes_standard_error", "fail", "closed file descriptor 2 (standard error; put back)")
+class ClosesStandardError(TorchChunk):
+    """Right, but closes file descriptor 2: every later warning and traceback would go nowhere."""
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        out = super().run(inputs)
+        os.close(2)
         return out
 
 
