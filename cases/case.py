@@ -132,6 +132,22 @@ def _finite(name: str, value: object) -> float:
     return float(value)
 
 
+# torch's dtypes and their names, as FLA's tests spell them (``dtype=torch.bfloat16``), by their text: a case
+# stays free of torch.
+_TORCH_NAMES = {
+    "torch.bfloat16": "bf16", "bfloat16": "bf16",
+    "torch.float16": "fp16", "float16": "fp16", "torch.half": "fp16", "half": "fp16",
+    "torch.float32": "fp32", "float32": "fp32", "torch.float": "fp32", "float": "fp32",
+}  # fmt: skip
+
+
+def _dtype_name(value: object) -> object:
+    """A torch dtype (or its name) as the case's name for it; anything else as it is (checked after)."""
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        value = str(value)
+    return _TORCH_NAMES.get(value, value) if isinstance(value, str) else value
+
+
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not allowed; choose one of {', '.join(allowed)}")
@@ -219,6 +235,8 @@ class Case:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_v_heads % self.num_heads:
             raise ValueError(f"num_v_heads={self.num_v_heads} must be a multiple of num_heads={self.num_heads} (GVA)")
+        for name in ("dtype", "state_dtype", "gate_dtype"):
+            object.__setattr__(self, name, _dtype_name(getattr(self, name)))
         _choice("dtype", self.dtype, DTYPES)
         _choice("state_dtype", self.state_dtype, STATE_DTYPES)
         _choice("gate", self.gate, GATE_FORMS)

@@ -40,6 +40,8 @@ from hypothesis import strategies as st
 
 from kda_cases.case import Case
 from kda_cases.envelope import ANY
+from kda_cases.presets import PRESETS as PRESETS
+from kda_cases.presets import preset as preset
 from kda_cases.profiles import get_profile
 from kda_cases.strategies import cases as profile_cases
 from kda_conformance.check_tests import check_report
@@ -56,35 +58,95 @@ from kda_reports.findings import Finding
 __all__ = [
     *api.__all__,
     *("CallableBackend", "Checker", "as_backend", "assert_conforms", "conforms", "kda_cases", "kda_checker"),
-    "use_triton_interpreter_on_cpu",
+    *("PRESETS", "preset", "use_triton_interpreter_on_cpu"),
 ]
 
 Kernel = Callable[..., Any] | Backend | str
 
 
+# What a case computes in the kernel that FLA's own tests compute before the call (preset "fla" drops them).
+IN_KERNEL_FLAGS = {"use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "use_gate_in_kernel"}
+
+
+def needed_keywords(case: Case) -> dict[str, str]:
+    """chunk_kda's keywords that ``case`` passes a value that matters to (not None or False), each with why."""
+    needs = {}
+    if case.scale is not None:
+        needs["scale"] = f"scale {case.scale:g}"
+    if case.has_initial_state:
+        needs["initial_state"] = "an initial state"
+    if case.packed:
+        needs["cu_seqlens"] = "packed sequences"
+    if case.l2norm_in_kernel:
+        needs["use_qk_l2norm_in_kernel"] = "q and k normalised in the kernel"
+    if case.beta_sigmoid_in_kernel:
+        needs["use_beta_sigmoid_in_kernel"] = "beta's sigmoid in the kernel"
+    if case.gate_in_kernel:
+        gate = f"the {case.gate} gate computed in the kernel"
+        needs.update(use_gate_in_kernel=gate, A_log=gate, dt_bias=gate)
+        if case.lower_bound is not None:
+            needs["lower_bound"] = f"the gate's lower bound {case.lower_bound:g}"
+    if case.state_v_first:
+        needs["state_v_first"] = "a [V, K] state"
+    return needs
+
+
 class CallableBackend(Backend):
     """A function with ``chunk_kda``'s signature as a backend: called the way FLA's adapter calls
     ``chunk_kda`` (the case's inputs and keywords, an fp32 initial state, ``output_final_state=True``), with
-    ``safe_gate`` where its signature names it. Its envelope is ``chunk_kda``'s unless given."""
+    ``safe_gate`` where its signature names it. Its envelope is ``chunk_kda``'s unless given.
+
+    A function that names its keywords (no ``**kwargs``) is passed only those; a case that needs one it
+    lacks (``cu_seqlens`` for packed sequences, ``use_gate_in_kernel`` for a gate computed in the kernel,
+    ...) is outside it, said before any call (:meth:`supports`), never a TypeError from the call."""
 
     def __init__(self, function: Callable[..., Any], name: str | None = None, envelope: Envelope | None = None):
         self.function = function
         self.name = name or getattr(function, "__qualname__", None) or type(function).__name__
         self.description = f"{self.name}, a chunk_kda-style callable checked from a test file"
         self.envelope = envelope or CHUNK_KDA
+        self.signature = ""  # "" where it has none to read (a builtin, a C++ op): it is passed every keyword
+        self.named: set[str] = set()  # the parameters it names
+        self.takes_any = True  # it takes keywords it does not name (**kwargs, or no signature to read)
         try:
-            self._keywords = set(inspect.signature(function).parameters)
-        except (TypeError, ValueError):  # a builtin or a C++ op without a signature: pass what chunk_kda takes
-            self._keywords = {"safe_gate"}
+            signature = inspect.signature(function)
+        except (TypeError, ValueError):
+            return
+        self.signature, self.named = str(signature), set(signature.parameters)
+        self.takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
 
     def availability(self, device: torch.device) -> Support:
         return Support.yes()
+
+    def supports(self, case: Case) -> Support:
+        within = super().supports(case)
+        lacking = {} if self.takes_any else {k: why for k, why in needed_keywords(case).items() if k not in self.named}
+        if not within or not lacking:
+            return within
+        said = ", ".join(f"{k} ({why})" for k, why in lacking.items())
+        reason = f"{self.name} takes no keyword {said}, which this case needs; its signature: {self.signature}"
+        if lacking.keys() & IN_KERNEL_FLAGS:
+            reason += "; chunk_kda's own defaults (a precomputed gate and beta, l2norm outside) are preset('fla', ...)"
+        return Support.no(reason)
+
+    def dropped_hint(self, case: Case) -> str:
+        """Where the function takes ``**kwargs``: the keywords this case needs that reach it only that way (a
+        wrapper that swallows them computes another function than the case's)."""
+        through = [k for k in needed_keywords(case) if k not in self.named] if self.signature and self.takes_any else []
+        if not through:
+            return ""
+        return (
+            f"note: {self.name} takes {', '.join(through)} only through **kwargs ({self.signature}); a wrapper "
+            "that drops them computes another function than this case's"
+        )
 
     def run(self, inputs: KDAInputs) -> BackendOutput:
         kwargs = {**inputs.kernel_kwargs(), **(inputs.host_metadata or {})}
         state = inputs.initial_state
         kwargs["initial_state"] = None if state is None else state.float()
-        if "safe_gate" in self._keywords:
+        if not self.takes_any:  # the keywords it names; the rest hold None or False here (supports)
+            kwargs = {key: value for key, value in kwargs.items() if key in self.named}
+        if "safe_gate" in self.named or not self.signature:  # where it names it: older kernels have none
             kwargs["safe_gate"] = inputs.case.safe_gate
         with torch.inference_mode():
             o, final = self.function(
@@ -191,8 +253,9 @@ def conforms(
                 found = [dataclasses.replace(f, repro=again) for f in found]
             findings += found
             report = check_report(check, found, mine, fails)
+            hint = backend.dropped_hint(case) if isinstance(backend, CallableBackend) else ""
             if report:
-                reports.append(report)
+                reports.append(f"{report}\n{hint}" if hint else report)
     return findings, reports
 
 

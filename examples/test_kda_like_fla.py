@@ -14,6 +14,7 @@ from kda_conformance.testing import (
     assert_conforms,
     kda_cases,
     kda_checker,  # noqa: F401  (the fixture: records into a run store)
+    preset,
     use_triton_interpreter_on_cpu,
 )
 
@@ -36,6 +37,18 @@ def fused_recurrent_kda(q, k, v, g, beta, **kwargs):
 def test_fused_recurrent(T: int, H: int, D: int, dtype: str, initial_state: str) -> None:
     case = Case(seq_lens=(T,), num_heads=H, num_v_heads=H, head_k_dim=D, head_v_dim=D, dtype=dtype,
                 initial_state=initial_state)  # fmt: skip
+    assert_conforms(fused_recurrent_kda, case, device=DEVICE)
+
+
+@pytest.mark.parametrize(
+    ("T", "H", "D", "scale", "dtype"),
+    [(37, 1, 16, 1.0, torch.float), (64, 2, 16, 0.1, torch.bfloat16)],
+)
+def test_fused_recurrent_as_flas_test_calls_it(T: int, H: int, D: int, scale: float, dtype: torch.dtype) -> None:
+    """FLA's own conventions (chunk_kda's defaults): g = logsigmoid(...) and beta = sigmoid(...) computed
+    before the call, q and k normalised outside, FLA's dtypes, an fp32 initial state."""
+    case = preset("fla", seq_lens=(T,), num_heads=H, num_v_heads=H, head_k_dim=D, head_v_dim=D, dtype=dtype,
+                  scale=scale, initial_state="random")  # fmt: skip
     assert_conforms(fused_recurrent_kda, case, device=DEVICE)
 
 

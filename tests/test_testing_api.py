@@ -9,7 +9,7 @@ from hypothesis import given, settings
 
 from kda_conformance.running.config import RunConfig
 from kda_conformance.running.session import Run
-from kda_conformance.testing import Case, Checker, Envelope, as_backend, assert_conforms, kda_cases
+from kda_conformance.testing import Case, Checker, Envelope, as_backend, assert_conforms, kda_cases, preset
 from kda_kernels.torch_chunk import TorchChunk
 from kda_reports.store import load_store
 
@@ -86,3 +86,67 @@ def test_the_session_checker_records_into_a_store(tmp_path) -> None:
     run.finish()
     records = load_store(tmp_path).records
     assert set(records["verdict"]) == {"pass", "fail"} and records["case_id"].nunique() == 2
+
+
+def test_a_case_takes_torch_dtypes_as_fla_spells_them() -> None:
+    # "dtype=torch.bfloat16 is not allowed; choose one of bf16, fp16, fp32"
+    spelled = Case(dtype=torch.bfloat16, state_dtype=torch.float32, gate_dtype="same")
+    assert spelled == Case() and spelled.id == Case().id
+    assert Case(dtype=torch.float16).dtype == "fp16" and Case(dtype="float32").dtype == "fp32"
+    with pytest.raises(ValueError, match=r"dtype=.torch.float64. is not allowed; choose one of bf16, fp16, fp32"):
+        Case(dtype=torch.float64)
+
+
+def test_the_fla_preset_is_chunk_kdas_own_defaults() -> None:
+    case = preset("fla", seq_lens=(300,), dtype=torch.bfloat16)
+    assert (case.gate, case.lower_bound, case.safe_gate) == ("log", None, False)
+    assert not case.beta_sigmoid_in_kernel and not case.l2norm_in_kernel and case.seq_lens == (300,)
+    with pytest.raises(ValueError, match="preset 'vllm' is unknown; choose one of fla"):
+        preset("vllm")
+
+
+def _naive(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
+    """FLA's naive_recurrent_kda's signature (fla/ops/kda/naive.py): no cu_seqlens, no in-kernel flags."""
+    return BASELINE.run(materialized_as(q, k, v, g, beta, scale, initial_state))
+
+
+def materialized_as(q, k, v, g, beta, scale, initial_state):
+    from kda_cases.materialize import KDAInputs
+
+    T, H, K, V = q.shape[1], q.shape[2], q.shape[3], v.shape[3]
+    case = preset("fla", seq_lens=(T,), dtype="fp32", num_heads=H, num_v_heads=v.shape[2], head_k_dim=K, head_v_dim=V)
+    case = case.replace(initial_state="random" if initial_state is not None else "none", scale=scale)
+    inputs = KDAInputs(case, q, k, v, g, beta, None, None, initial_state, None)
+    return inputs
+
+
+def test_a_callable_without_a_keyword_the_case_needs_is_told_which_before_any_call() -> None:
+    # assert_conforms(naive_recurrent_kda, case) failed with "unexpected keyword argument 'cu_seqlens'".
+    calls = []
+
+    def naive(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
+        calls.append(1)
+        out = _naive(q, k, v, g, beta, scale, initial_state)
+        return out.o, out.final_state
+
+    small = {"num_heads": 1, "num_v_heads": 1, "head_k_dim": 16, "head_v_dim": 16}
+    with pytest.raises(ValueError, match=r"naive takes no keyword cu_seqlens \(packed sequences\), which this case"):
+        assert_conforms(naive, preset("fla", seq_lens=(20, 13), packed=True, **small), device="cpu")
+    with pytest.raises(ValueError, match=r"use_gate_in_kernel \(.*preset\('fla', \.\.\.\)"):
+        assert_conforms(naive, Case(seq_lens=(20,), **small), device="cpu")
+    assert not calls
+    fla = preset("fla", seq_lens=(37,), dtype=torch.float32, initial_state="random", **small)
+    assert {f.verdict for f in assert_conforms(naive, fla, device="cpu")} == {"pass"}
+
+
+def test_a_wrapper_that_takes_the_flags_only_through_kwargs_is_told_so_when_it_fails() -> None:
+    # A wrapper that swallowed **kwargs got "8192 non-finite values" with no hint the gate flags were dropped.
+    def drops_flags(q, k, v, g, beta, **kwargs):
+        out = _naive(q, k, v, g, beta, kwargs.get("scale"), kwargs.get("initial_state"))
+        return out.o, out.final_state
+
+    with pytest.raises(AssertionError) as raised:
+        assert_conforms(drops_flags, CASE, device="cpu")
+    assert "drops_flags takes use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, use_gate_in_kernel" in str(
+        raised.value
+    )
