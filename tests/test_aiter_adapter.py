@@ -155,6 +155,7 @@ def test_pytest_m_gfx950_selects_what_the_markers_say(tmp_path: Path) -> None:
     assert selected and all("fake_gfx950" in line for line in selected), done.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_the_conformance_tests_run_the_adapters_against_the_double(tmp_path: Path) -> None:
     """What AMD CI runs with `-m gfx950`, here on the CPU with the double: drawn cases moved into each
     backend's envelope (K = V = 128, bf16, ...), within budget, served with poison, reused cu_seqlens."""

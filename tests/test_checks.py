@@ -82,6 +82,7 @@ def test_the_budget_check_reruns_through_run(tmp_path: Path) -> None:
     assert main([*shlex.split(finding.repro)[1:], "--no-dashboard", "--out", str(tmp_path)]) == 1
 
 
+@pytest.mark.slow
 def test_checks_run_tabulates_every_check_on_one_case(tmp_path: Path) -> None:
     table = tmp_path / "serving.md"
     assert main(["checks", "--run", "--device", "cpu", "--backend", "torch_chunk", "--table", str(table)]) == 0
@@ -92,6 +93,7 @@ def test_checks_run_tabulates_every_check_on_one_case(tmp_path: Path) -> None:
     assert ("cu_seqlens", "pass") in seen and ("padded_tail", "pass") in seen
 
 
+@pytest.mark.slow
 def test_checks_run_side_by_side_gives_the_same_table_and_one_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

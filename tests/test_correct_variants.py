@@ -21,6 +21,9 @@ from kda_reports.detection import detection_problems
 from kda_reports.findings import worst_ratios
 from kda_reports.runfile import read_run
 
+# Slow, every test of it: its module fixture runs every correct variant through every check (about 170 s on 2 cores).
+pytestmark = pytest.mark.slow
+
 PLUGINS = Path(__file__).with_name("plugins")
 EXAMPLES = 25
 

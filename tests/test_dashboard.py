@@ -123,6 +123,7 @@ def test_a_store_that_is_not_there_is_an_error(tmp_path: Path, capsys: pytest.Ca
     assert "--store: the store" in capsys.readouterr().out and not (tmp_path / "mistyped").exists()
 
 
+@pytest.mark.slow
 def test_concurrent_dashboard_rebuilds_all_succeed(history: Path, tmp_path: Path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
@@ -223,6 +224,7 @@ def test_dashboard_renders_in_a_real_browser(history: Path, tmp_path: Path) -> N
         assert screenshot.exists() and screenshot.stat().st_size > 10_000, shot.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_nightly_command_adds_a_run_and_rebuilds_the_dashboard(tmp_path: Path) -> None:
     """Two nights: each compiles its kernel configurations up front (--compile on: on a CPU it is otherwise
     off), keeps Triton's cache beside the store, and writes its night file; the dashboard shows each night's
@@ -245,6 +247,7 @@ def test_nightly_command_adds_a_run_and_rebuilds_the_dashboard(tmp_path: Path) -
     assert "The night's wall time (minutes)" in page
 
 
+@pytest.mark.slow
 def test_an_interrupted_nightly_keeps_what_ran_and_shows_it(tmp_path: Path, interruptible: dict) -> None:
     """Ctrl-C (or a CI job's time limit) in the middle of a night: no traceback, exit 130, the part of the
     night that ran is in the store and on the dashboard. A hanging backend keeps the night from ending."""
@@ -271,6 +274,7 @@ def test_an_interrupted_nightly_keeps_what_ran_and_shows_it(tmp_path: Path, inte
     assert (tmp_path / "dashboard.html").stat().st_size > 20_000
 
 
+@pytest.mark.slow
 def test_a_crashing_and_a_hanging_backend_cost_their_cases_only(tmp_path: Path) -> None:
     cases = [arg for case in ('{"seq_lens": [37]}', '{"seq_lens": [64], "dtype": "fp32"}') for arg in ("--case", case)]
     backends = [arg for b in ("planted_segfault", "planted_hang", "torch_chunk") for arg in ("--backend", b)]

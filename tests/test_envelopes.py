@@ -77,6 +77,7 @@ def _pytest(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_backend_as_narrow_as_flashkda_gets_every_test_its_examples(tmp_path: Path) -> None:
     """Every property and serving test of the ci profile on a correct plugin backend with FlashKDA's
     envelope: each passes with at least 5 examples (before envelopes were drawn inside, each failed with
@@ -96,6 +97,7 @@ def test_a_backend_as_narrow_as_flashkda_gets_every_test_its_examples(tmp_path: 
     assert "returns no checkpoint states" in done.stdout or "checkpoint" not in ran, skipped
 
 
+@pytest.mark.slow
 def test_a_planted_bug_behind_a_narrow_envelope_is_caught(tmp_path: Path) -> None:
     done = _pytest(
         str(REPO / "conformance" / "test_properties.py") + "::test_within_budget",

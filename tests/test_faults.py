@@ -64,6 +64,7 @@ def test_sticky_device_errors_are_told_from_other_errors() -> None:
     assert not is_sticky(ValueError("shapes do not match"))
 
 
+@pytest.mark.slow
 def test_a_sticky_error_in_a_worker_costs_its_cases_only(tmp_path: Path) -> None:
     done = pytest_run(
         "conformance/test_corpus.py",
@@ -99,6 +100,7 @@ def test_a_sticky_error_in_a_worker_costs_its_cases_only(tmp_path: Path) -> None
     assert "crashed while running" in done.stdout  # pytest-xdist replaced the worker and went on
 
 
+@pytest.mark.slow
 def test_a_configuration_that_crashed_is_launched_once_a_night(tmp_path: Path) -> None:
     """The first sweep's bf16 cases of 64 and 130 tokens fall in two kernel configurations (with and without an
     initial state); a backend that crashes on bf16 is launched once per configuration, its later cases of
@@ -144,6 +146,7 @@ def test_a_configuration_that_crashed_is_launched_once_a_night(tmp_path: Path) -
     assert set(records[records["verdict"] == "pass"]["case_id"]) == fp32, records[["case_id", "verdict", "reason"]]
 
 
+@pytest.mark.slow
 def test_without_xdist_a_sticky_error_stops_the_session_naming_the_case(tmp_path: Path) -> None:
     done = pytest_run(
         "conformance/test_corpus.py",
@@ -164,6 +167,7 @@ def test_without_xdist_a_sticky_error_stops_the_session_naming_the_case(tmp_path
     assert list(records["verdict"]) == ["error"] and list(records["backend"]) == ["planted_sticky_fault"]
 
 
+@pytest.mark.slow
 def test_the_sweep_stops_on_a_sticky_error_and_isolated_cases_go_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -283,6 +287,7 @@ def test_a_sticky_error_raised_when_the_case_gives_its_memory_back_is_still_that
     assert "misaligned address" in error.reason and "release_on_a_dead_context" not in error.reason
 
 
+@pytest.mark.slow
 def test_one_invocation_over_workers_is_one_run_and_a_new_failure_in_it_is_flagged(tmp_path: Path) -> None:
     args = ["conformance/test_first_sweep.py", "-n", "2", "--kda-plugin", "kda_planted_crashes"]
     args += ["--kda-backend", "planted_fails_when_told", "--kda-lengths", "37,40", "--kda-out", str(tmp_path)]
@@ -297,6 +302,7 @@ def test_one_invocation_over_workers_is_one_run_and_a_new_failure_in_it_is_flagg
     assert all(family.startswith("fp32 ") for family in flags["family"])
 
 
+@pytest.mark.slow
 def test_shards_split_the_tests_and_the_store_merges_them_into_one_run(tmp_path: Path) -> None:
     assert parse_shard("2/4") == (2, 4)
     for bad in ("0/4", "5/4", "two"):
@@ -344,6 +350,7 @@ def test_two_gpus_take_half_the_workers_each(tmp_path: Path) -> None:
     assert isinstance(records, pd.DataFrame)
 
 
+@pytest.mark.slow
 def test_a_hung_case_in_a_worker_costs_that_case_only(tmp_path: Path) -> None:
     done = pytest_run(
         "conformance/test_corpus.py",
@@ -370,6 +377,7 @@ def test_a_hung_case_in_a_worker_costs_that_case_only(tmp_path: Path) -> None:
     assert set(records[records["backend"] == "torch_chunk"]["verdict"]) == {"pass"}
 
 
+@pytest.mark.slow
 def test_an_interrupted_night_keeps_its_workers_stage_times(tmp_path: Path, interruptible: dict) -> None:
     """A CI job's time limit (SIGTERM to every process, as `timeout` sends it; Ctrl-C's SIGINT is the
     dashboard's interrupted-night test) on pytest -n: the merged run still says where the workers' time went
@@ -464,6 +472,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc (Linux)")
 def test_an_isolated_worker_dies_with_its_killed_parent(tmp_path: Path) -> None:
     """SIGKILL of the sweep while its worker hangs in a kernel: the worker must not live on (on a GPU it would
@@ -527,6 +536,7 @@ def test_workers_per_gpu_come_from_its_memory_and_the_largest_case() -> None:
     assert plan_workers(expected_gib(long[0]) / 2, 1, long).workers_per_gpu == 1  # never none, even too small
 
 
+@pytest.mark.slow
 def test_the_compile_stage_runs_each_job_once_and_goes_on_after_a_crash(tmp_path: Path, monkeypatch) -> None:
     """A configuration whose compile leaves the device context dead ends its process; the jobs after it go on
     in a new one, and each job has one result."""
@@ -546,6 +556,7 @@ def test_the_compile_stage_runs_each_job_once_and_goes_on_after_a_crash(tmp_path
     assert totals["jobs"] == 6 and totals["outcomes"] == {"failed": 1, "compiled": 5}
 
 
+@pytest.mark.slow
 def test_a_configuration_whose_compile_crashed_is_quarantined_before_the_cases(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -601,6 +612,7 @@ def test_a_shard_compiles_the_configurations_of_its_own_tests() -> None:
     assert len(jobs) == 5 and all(job.case.max_len == 70 for job in jobs)  # short cases of each configuration
 
 
+@pytest.mark.slow
 def test_compile_only_runs_the_stage_alone_and_writes_the_night_file(tmp_path: Path) -> None:
     """``--compile only``: the compile stage as ``on`` runs it (here forced on the CPU), its night file, and no
     tests, to warm a host's cache or time the stage with and without autotune replay."""
@@ -631,6 +643,7 @@ def test_a_long_case_gets_a_warm_up_of_its_own_size_class() -> None:
     assert warm_up_case(wide).seq_lens == (262,) * 4 and size_class(warm_up_case(wide)) == size_class(wide)
 
 
+@pytest.mark.slow
 def test_a_compile_stage_cut_by_its_budget_skips_what_it_did_not_compile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -727,6 +740,7 @@ def test_hypothesis_replaying_a_failure_that_does_not_repeat_gets_the_same_failu
     assert "repro: kda-conformance run" in done.stdout
 
 
+@pytest.mark.slow
 def test_a_case_timeout_is_the_checks_time_not_the_suites_truth(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -25,11 +25,13 @@ def _run(tmp_path: Path, truth_s: float, call_s: float) -> tuple[int, pd.DataFra
     return done.returncode, pd.read_parquet(next((tmp_path / "runs").glob("*.parquet")))
 
 
+@pytest.mark.slow
 def test_a_slow_truth_and_a_slower_call_each_within_the_timeout_pass(tmp_path: Path) -> None:
     code, records = _run(tmp_path, truth_s=1.5, call_s=1.5)  # 3 s in all, each under 2.5 s
     assert code == 0 and set(records["verdict"]) == {"pass"}, records[["verdict", "reason"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("truth_s", "call_s", "who"), [(0, 4, "slow_call"), (4, 0, "(suite)")])
 def test_past_the_timeout_the_call_is_the_backends_and_the_truth_the_suites(
     tmp_path: Path, truth_s: float, call_s: float, who: str

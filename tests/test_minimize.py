@@ -47,6 +47,7 @@ PLANTED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", PLANTED)
 def test_planted_bugs_minimize_to_small_cases(backend: str, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["minimize", "--plugin", "kda_planted_bugs", "--backend", backend, "--device", "cpu"]
@@ -66,6 +67,7 @@ def test_a_passing_case_has_nothing_to_minimize(capsys: pytest.CaptureFixture[st
     assert "passes check budget on torch_chunk: nothing to minimize" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_runs_first_failure_is_minimized(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = ["run", "--plugin", "kda_planted_bugs", "--backend", "planted_nan_at_one_position", "--device", "cpu"]
     assert main([*run, "--case", START.to_json(), "--out", str(tmp_path), "--no-dashboard"]) == 1

@@ -21,6 +21,9 @@ from kda_conformance.cli.detection import DetectionRun, run_detection
 from kda_reports.detection import COLUMNS, detection_problems
 from kda_reports.findings import Finding
 
+# Slow, every test of it: its module fixture runs the whole zoo's detection (about 115 s on 2 cores).
+pytestmark = pytest.mark.slow
+
 PLUGINS = Path(__file__).with_name("plugins")
 
 

@@ -48,6 +48,7 @@ def _verdicts(records: pd.DataFrame, backend: str) -> set[str]:
     return set(records[records["backend"] == backend]["verdict"])
 
 
+@pytest.mark.slow
 def test_a_declared_state_precision_passes_where_only_the_states_rounding_differs(records: pd.DataFrame) -> None:
     assert _verdicts(records, "declared_bf16_state") == {"pass"}
     # The same kernel undeclared fails its fp32 cases: the declaration is what moved the verdicts.

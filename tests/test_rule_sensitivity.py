@@ -20,6 +20,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.kda_device_dependent
 def test_fla_chunk_passes_and_its_doubled_error_is_caught(kda_device: torch.device) -> None:
     backend = registry.get("fla_chunk")

@@ -195,6 +195,7 @@ def test_the_output_slice_lies_inside_a_larger_buffer_whose_other_rows_are_watch
     assert torch.equal(bits(others), bits(served.out_memory_before[outside(served.out)]))
 
 
+@pytest.mark.slow
 def test_repro_command_localizes_and_writes_a_failing_standalone_test(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -227,6 +228,7 @@ def test_repro_command_localizes_and_writes_a_failing_standalone_test(
     assert "needs kda_planted_bugs (the module that registers planted_padding_writes_slot0)" in without_plugin.stdout
 
 
+@pytest.mark.slow
 def test_a_standalone_test_holds_every_limit_the_suite_judged_and_names_its_check(tmp_path: Path) -> None:
     """Max-abs and rel-RMS of the output, the final states and the checkpoint states, each the suite's own
     limit; named for the finding's check. A rel-RMS-only failure (1.24x its limit) once wrote a file that
@@ -272,6 +274,7 @@ class _Tampered:
         return (Path.touch, (self.marker,))
 
 
+@pytest.mark.slow
 def test_a_tampered_repro_bundle_is_refused_not_run(tmp_path: Path) -> None:
     test_file = tmp_path / "test_bundle.py"
     argv = ["repro", "--backend", "torch_chunk", "--device", "cpu", "--case", CASE.to_json()]
@@ -298,6 +301,7 @@ def test_repro_names_a_bad_case(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["repro", "--backend", "torch_chunk", "--device", "cpu", "--case", CASE.to_json()]) == 0
 
 
+@pytest.mark.slow
 def test_fla_standalone_test_needs_only_torch_and_fla(tmp_path: Path) -> None:
     """The file written for FLA's chunk kernel imports nothing of this suite and passes where FLA passes
     (here on the CPU, in Triton's interpreter, which the suite switches on before pytest runs the file)."""

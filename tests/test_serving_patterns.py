@@ -70,6 +70,7 @@ def test_host_metadata_passed_in_is_bitwise_the_derived_and_stale_metadata_is_re
     assert "ValueError: cu_seqlens_cpu does not match cu_seqlens" in checked[1].reason
 
 
+@pytest.mark.slow
 def test_host_metadata_that_differs_says_which_result_is_wrong() -> None:
     # Right with the host's bounds and wrong without them (SGLang's graph tables beside its own derivation
     # on a zero-length member): a warning that names the derived result as the wrong one.

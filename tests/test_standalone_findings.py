@@ -66,6 +66,7 @@ def test_suite_imports_are_found_however_written() -> None:
     assert imports_of_the_suite(source) == ["kda_kernels", "kda_cases.case", "kda_reference.x"]
 
 
+@pytest.mark.slow
 def test_a_written_file_imports_nothing_of_the_suite_fails_and_skips_without_its_package(tmp_path: Path) -> None:
     path = os.pathsep.join([str(PLUGINS), str(DOUBLES), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path}

@@ -47,6 +47,7 @@ def _journal(path: Path, lines: list[str | bytes]) -> None:
     path.write_bytes(b"".join((x if isinstance(x, bytes) else x.encode()) + b"\n" for x in lines))
 
 
+@pytest.mark.slow
 def test_every_single_field_type_mutation_is_skipped_and_named_and_no_valid_row_is_lost(
     rows: list[dict], tmp_path: Path
 ) -> None:

@@ -32,6 +32,7 @@ def test_test_ids_read_and_select_by_the_cases_label() -> None:
     assert "scale0.25" in Case(seq_lens=(9,), scale=0.25).label  # two cases apart by their scale print apart
 
 
+@pytest.mark.slow
 def test_a_failure_says_it_once_with_its_ratio_and_repro_and_lf_and_junit_work(tmp_path: Path) -> None:
     select = ["conformance/test_corpus.py", "-k", "bf16 and T130", "--kda-plugin", "kda_planted_bugs"]
     select += ["--kda-backend", "planted_nan_at_one_position", "--kda-backend", "torch_chunk"]
@@ -51,6 +52,7 @@ def test_a_failure_says_it_once_with_its_ratio_and_repro_and_lf_and_junit_work(t
     assert again.returncode == 1 and f"{len(failed)} failed" in again.stdout and " passed" not in again.stdout
 
 
+@pytest.mark.slow
 def test_detection_takes_planted_bugs_and_correct_controls_and_counts_warnings_when_strict(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -24,6 +24,7 @@ def plugins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return ["--plugin", "kda_triage", "--plugin", "kda_planted_bugs"]
 
 
+@pytest.mark.slow
 def test_triage_names_the_switch_that_clears_a_tf32_error_and_an_empty_member_bug(
     tmp_path: Path, plugins: list[str]
 ) -> None:

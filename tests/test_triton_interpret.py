@@ -56,18 +56,22 @@ def test_bf16_arithmetic_runs_on_raw_bits_without_the_workaround() -> None:
     assert probe("arith", "bf16_arith").get("mismatches", 0) > 100
 
 
+@pytest.mark.slow
 def test_fp32_chunk_kda_matches_fp64() -> None:
     assert probe("chunk_fp32")["max_abs"] < 1e-6
 
 
+@pytest.mark.slow
 def test_autotuner_needs_a_gpu_without_the_workaround() -> None:
     assert "0 active drivers" in probe("chunk_fp32", "autotune")["exception"]
 
 
+@pytest.mark.slow
 def test_loop_index_to_fails_without_the_workaround() -> None:
     assert "has no attribute 'to'" in probe("chunk_fp32", "loop_index")["exception"]
 
 
+@pytest.mark.slow
 def test_flas_gather_alias_fails_without_the_builtin_alias_workaround() -> None:
     assert "Did you forget to add @triton.jit" in probe("chunk_fp32", "builtin_alias")["exception"]
 
@@ -80,16 +84,19 @@ def test_a_builtin_alias_fails_without_the_workaround() -> None:
     assert "Did you forget to add @triton.jit" in probe("alias", "builtin_alias")["exception"]
 
 
+@pytest.mark.slow
 def test_bf16_chunk_kda_has_gpu_like_error() -> None:
     # On an H200, chunk_kda's bf16 max-abs output error at T=37 is about 3e-4 to 1e-3.
     assert probe("chunk_bf16")["max_abs"] < 2e-3
 
 
+@pytest.mark.slow
 def test_bf16_chunk_kda_is_garbage_without_bf16_arithmetic() -> None:
     result = probe("chunk_bf16", "bf16_arith")
     assert "exception" in result or not result["max_abs"] < 1.0
 
 
+@pytest.mark.slow
 def test_bf16_chunk_kda_error_grows_without_rounding() -> None:
     assert probe("chunk_bf16", "bf16_round")["max_abs"] > 2 * probe("chunk_bf16")["max_abs"]
 
@@ -99,6 +106,7 @@ def test_enable_rejects_unknown_workaround_names() -> None:
         triton_interpret.enable(skip=["no_such_thing"])
 
 
+@pytest.mark.slow
 def test_fla_workarounds_wait_for_fla_and_apply_whoever_imports_it() -> None:
     """Switching the interpreter on imports no FLA (seconds a process); FLA imported afterwards by any code
     (a standalone repro file, not the suite's adapter) still gets its workaround."""

@@ -190,6 +190,7 @@ def test_the_findings_page_goes_under_the_output_folder_unless_given_a_path(
     assert (tmp_path / "one.md").exists() and not (tmp_path / "docs").exists()
 
 
+@pytest.mark.slow
 def test_a_findings_rerun_that_loses_the_device_goes_last_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
