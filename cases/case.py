@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
 from typing import Any, Protocol
@@ -148,9 +149,16 @@ def _dtype_name(value: object) -> object:
     return _TORCH_NAMES.get(value, value) if isinstance(value, str) else value
 
 
+def did_you_mean(word: object, choices: Iterable[str]) -> str:
+    """ " (did you mean 'x'?)" for the closest of ``choices`` to a misspelled ``word``, "" where none is close."""
+    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not allowed; choose one of {', '.join(allowed)}")
+        hint = did_you_mean(value, allowed)
+        raise ValueError(f"{name}={value!r} is not allowed{hint}; choose one of {', '.join(allowed)}")
 
 
 @dataclass(frozen=True)
@@ -328,7 +336,8 @@ class Case:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known - {"id"})
         if unknown:
-            raise ValueError(f"unknown Case fields {unknown}; known fields: {sorted(known)}")
+            hints = "".join(did_you_mean(name, known) for name in unknown)
+            raise ValueError(f"unknown Case fields {unknown}{hints}; known fields: {sorted(known)}")
         if "seq_lens" not in data:
             raise ValueError("case JSON must give seq_lens (fields it leaves out take the defaults of cases/case.py)")
         fields = {key: value for key, value in data.items() if key in known}

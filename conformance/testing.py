@@ -38,7 +38,7 @@ import torch
 from hypothesis import reject
 from hypothesis import strategies as st
 
-from kda_cases.case import Case
+from kda_cases.case import Case, did_you_mean
 from kda_cases.envelope import ANY
 from kda_cases.presets import PRESETS as PRESETS
 from kda_cases.presets import preset as preset
@@ -267,7 +267,9 @@ def kda_cases(profile: str = "ci", envelope: Envelope | None = None, **fixed: ob
     fields = set(Case.__dataclass_fields__)
     unknown = sorted(set(fixed) - fields)
     if unknown:
-        raise ValueError(f"kda_cases: {', '.join(unknown)} are no Case fields; choose from {', '.join(sorted(fields))}")
+        hints = "".join(did_you_mean(name, fields) for name in unknown)
+        said = f"kda_cases: {', '.join(unknown)} are no Case fields{hints}"
+        raise ValueError(f"{said}; choose from {', '.join(sorted(fields))}")
     drawn = profile_cases(get_profile(profile), envelope or ANY)
     return drawn.map(functools.partial(_with_fields, fixed)) if fixed else drawn
 

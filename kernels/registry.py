@@ -3,17 +3,25 @@
 Built-in backends register here. A plugin adds its own without editing this
 project: a module that calls :func:`register` when imported, named either by
 an entry point in the group ``kda_conformance.backends`` (loaded on first use)
-or by ``--kda-plugin MODULE`` (pytest) / ``--plugin MODULE`` (the CLI).
+or by ``--kda-plugin MODULE`` (pytest) / ``--plugin MODULE`` (the CLI), where MODULE
+is a module's name or the path of its file (or of its package's folder).
 See docs/plugins.md.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
+from kda_cases.case import did_you_mean
 from kda_kernels.guard import BackendExit
 from kda_kernels.protocol import Backend
 
@@ -63,24 +71,87 @@ def unregister(name: str) -> None:
     _FACTORIES.pop(name, None)
 
 
-def load_plugin(module: str) -> None:
-    """Import ``module``, which registers its backends when imported; whatever goes wrong there (it cannot
-    be found, it raises, it registers a name that is taken, it calls sys.exit) is a PluginError naming it."""
+def _as_path(spec: str) -> Path | None:
+    """The file or folder a ``--plugin`` value names, where it is a path rather than a module's name."""
+    return Path(spec) if spec.endswith(".py") or "/" in spec or os.sep in spec else None
+
+
+def plugin_module(spec: str) -> str:
+    """The module a ``--plugin`` value loads: a file's stem, a package folder's name, or the value itself."""
+    path = _as_path(spec)
+    if path is None:
+        return spec
+    return path.stem if path.suffix == ".py" else path.resolve().name
+
+
+def _findable(spec: str) -> str:
+    """``spec``'s module name, its folder put on sys.path where ``spec`` is a path, or the current
+    directory's where the module is no importable name but a file or package there."""
+    path = _as_path(spec)
+    module = plugin_module(spec)
+    if path is None:
+        top = module.split(".")[0]
+        here = Path.cwd()
+        if importlib.util.find_spec(top) is None and ((here / f"{top}.py").is_file() or (here / top).is_dir()):
+            sys.path.insert(0, str(here))
+        return module
+    if not path.exists():
+        raise PluginError(f"plugin {spec!r}: no such file or folder")
+    if path.is_dir() and not (path / "__init__.py").is_file():
+        raise PluginError(f"plugin {spec!r}: a folder without an __init__.py is no package to import")
+    file = (path / "__init__.py" if path.is_dir() else path).resolve()
+    loaded = sys.modules.get(module)
+    if loaded is not None and getattr(loaded, "__file__", None) and Path(loaded.__file__).resolve() != file:
+        raise PluginError(f"plugin {spec!r}: another module named {module!r} is imported, from {loaded.__file__}")
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return module
+
+
+def load_plugin(spec: str) -> None:
+    """Import the plugin ``spec`` names (a module's name, a ``.py`` file's path or a package folder's), which
+    registers its backends when imported; whatever goes wrong there (it cannot be found, it raises, it
+    registers a name that is taken, it calls sys.exit) is a PluginError naming it."""
     _load()  # the built-in backends first, so that a plugin taking one of their names is told at once
+    module = _findable(spec)
     real_exit = os._exit
     os._exit = _exit_at_import  # a plugin that ends the process at import would end it with its code, unseen
     try:
         importlib.import_module(module)
     except BackendExit as exc:
-        raise PluginError(f"plugin module {module!r} called os._exit({exc.code!r}) at import") from None
+        raise PluginError(f"plugin module {spec!r} called os._exit({exc.code!r}) at import") from None
     except ImportError as exc:
-        raise PluginError(f"plugin module {module!r} cannot be imported: {exc}") from exc
+        raise PluginError(f"plugin module {spec!r} cannot be imported: {exc}") from exc
     except SystemExit as exc:
-        raise PluginError(f"plugin module {module!r} called sys.exit({exc.code!r}) at import") from None
+        raise PluginError(f"plugin module {spec!r} called sys.exit({exc.code!r}) at import") from None
     except Exception as exc:
-        raise PluginError(f"plugin module {module!r} raised at import: {type(exc).__name__}: {exc}") from exc
+        raise PluginError(f"plugin module {spec!r} raised at import: {type(exc).__name__}: {exc}") from exc
     finally:
         os._exit = real_exit
+
+
+@functools.cache
+def _plainly_importable(module: str) -> bool:
+    """Whether a fresh interpreter, started elsewhere without PYTHONPATH (a pasted line's), finds top-level
+    ``module`` (an installed package, an editable install): its spec only, nothing imported."""
+    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(sys.argv[1]) else 1)"
+    try:
+        done = subprocess.run([sys.executable, "-E", "-c", probe, module], cwd=tempfile.gettempdir(), timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+def plugin_argument(module: str) -> str:
+    """How ``--plugin`` names ``module`` so that a line pasted into a fresh shell, in any directory, loads
+    it: its name where a plain interpreter imports it (an installed package), else the path of its file (or
+    its package's folder), found by this process on PYTHONPATH, in its current directory or by a path."""
+    file = getattr(sys.modules.get(module), "__file__", None)
+    if "." in module or not file or _plainly_importable(module):
+        return module
+    path = Path(file).resolve()
+    return str(path.parent if path.name == "__init__.py" else path)
 
 
 def _exit_at_import(code: int) -> None:
@@ -95,7 +166,8 @@ def names() -> list[str]:
 def get(name: str) -> Backend:
     _load()
     if name not in _FACTORIES:
-        raise KeyError(f"unknown backend {name!r}; known backends: {', '.join(sorted(_FACTORIES))}")
+        hint = did_you_mean(name, _FACTORIES)
+        raise KeyError(f"unknown backend {name!r}{hint}; known backends: {', '.join(sorted(_FACTORIES))}")
     backend = _FACTORIES[name]()
     # Records, repro lines and the ledger name a backend by its .name: it must be the name it is run by.
     if getattr(backend, "name", None) != name:

@@ -429,6 +429,8 @@ def grouped_failures(findings: Iterable[Finding]) -> list[tuple[str, str]]:
         smallest = min(members, key=lambda f: (f.case.total_tokens, f.case.num_v_heads, f.case.head_k_dim))
         worst = max((f.worst for f in members if not math.isnan(f.worst)), default=float("nan"))
         how_bad = "" if math.isnan(worst) else f", worst {worst:.3g}x its limit"
+        if math.isinf(worst):  # "worst infx its limit" said nothing
+            how_bad = ", non-finite values"
         tier = worst_tier(f.tier for f in members)
         text = f"{backend}, check {check}: {kind} [{tier}]: {cases} case{'s' if cases != 1 else ''}{how_bad}; "
         text += "the smallest:\n"

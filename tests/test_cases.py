@@ -243,3 +243,10 @@ def test_the_truth_cache_uses_what_it_drew_ahead(monkeypatch: pytest.MonkeyPatch
     assert drawn == [case.id] and torch.equal(truth.inputs.v, materialize(case).v)
     cache.draw_ahead(case)  # kept: nothing to draw
     assert drawn == [case.id] and not cache._drawn
+
+
+def test_a_misspelled_field_or_value_is_told_the_closest_name() -> None:
+    with pytest.raises(ValueError, match=r"unknown Case fields \['dtpye'\] \(did you mean 'dtype'\?\)"):
+        Case.from_dict({"seq_lens": [3], "dtpye": "bf16"})
+    with pytest.raises(ValueError, match=r"dtype='bf61' is not allowed \(did you mean 'bf16'\?\)"):
+        Case(dtype="bf61")

@@ -76,8 +76,9 @@ def test_a_failed_check_s_repro_line_reruns_that_check(name: str, capsys: pytest
 def test_the_budget_check_reruns_through_run(tmp_path: Path) -> None:
     backend = registry.get("planted_nan_at_one_position")
     [finding] = [f for f in run_check(get_check("budget"), Case(seq_lens=(40,)), backend, CPU) if f.failed]
+    planted = Path(__file__).resolve().with_name("plugins") / "kda_planted_bugs.py"  # found by its path
     assert finding.repro.startswith(
-        "kda-conformance run --device cpu --plugin kda_planted_bugs --backend planted_nan_at_one_position --case "
+        f"kda-conformance run --device cpu --plugin {planted} --backend planted_nan_at_one_position --case "
     )
     assert main([*shlex.split(finding.repro)[1:], "--no-dashboard", "--out", str(tmp_path)]) == 1
 

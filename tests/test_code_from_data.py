@@ -30,9 +30,8 @@ def run_naming_a_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tupl
     assert main([*run, "--case", Case(seq_lens=(40,)).to_json(), "--out", str(store)]) == 1
     records = next((store / "runs").glob("*.parquet"))
     frame = pd.read_parquet(records)
-    frame["repro"] = frame["repro"].str.replace(
-        "--plugin kda_planted_bugs", "--plugin planted_module --plugin kda_planted_bugs"
-    )
+    planted = f"--plugin {(PLUGINS / 'kda_planted_bugs.py').resolve()}"
+    frame["repro"] = frame["repro"].str.replace(planted, f"--plugin planted_module {planted}", regex=False)
     frame.to_parquet(records, index=False)
     return records, marker
 

@@ -91,7 +91,7 @@ def test_a_sticky_error_in_a_worker_costs_its_cases_only(tmp_path: Path) -> None
     sticky = by_backend["planted_sticky_fault"]
     assert set(sticky["verdict"]) == {"error"} and sticky["case_id"].nunique() == 3
     assert sticky["reason"].str.contains("illegal memory access").all()
-    plugin = "--plugin kda_planted_crashes"
+    plugin = f"--plugin {(PLUGINS / 'kda_planted_crashes.py').resolve()}"
     assert (
         sticky["repro"]
         .str.startswith(f"kda-conformance run --device cpu {plugin} --backend planted_sticky_fault")

@@ -58,7 +58,8 @@ def test_planted_bugs_minimize_to_small_cases(backend: str, capsys: pytest.Captu
     tokens = int(re.search(r"500 -> (\d+) tokens", line).group(1))
     assert tokens <= most and line.rstrip().endswith(f"still {kept}"), line
     assert "heads 2/4 -> 1/1" in line and "K x V 64x64 -> 16x16" in line
-    assert f"repro: kda-conformance run --device cpu --plugin kda_planted_bugs --backend {backend} --case" in out
+    planted = (PLUGINS / "kda_planted_bugs.py").resolve()
+    assert f"repro: kda-conformance run --device cpu --plugin {planted} --backend {backend} --case" in out
 
 
 def test_a_passing_case_has_nothing_to_minimize(capsys: pytest.CaptureFixture[str]) -> None:

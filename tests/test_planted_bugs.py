@@ -122,6 +122,7 @@ def test_every_printed_repro_line_reruns_what_it_names(detection: DetectionRun, 
     """Every repro line the zoo's failures printed parses, names its plugin, and (one per check, pasted into
     a fresh process) reproduces its finding: exit 1 where a tensor failed, 3 where the call erred."""
     parser = build_parser()
+    planted = str((PLUGINS / "kda_planted_bugs.py").resolve())  # by its path: the line runs as pasted
     first_per_check: dict[str, tuple[str, int]] = {}
     lines = 0
     for entry in detection.entries.values():
@@ -130,11 +131,11 @@ def test_every_printed_repro_line_reruns_what_it_names(detection: DetectionRun, 
             lines += 1
             words = shlex.split(finding.repro)
             args = parser.parse_args(words[1:])
-            assert args.plugin == ["kda_planted_bugs"] and words[0] == "kda-conformance", finding.repro
+            assert args.plugin == [planted] and words[0] == "kda-conformance", finding.repro
             expected = 1 if any(f.verdict == "fail" for f in failed if f.repro == finding.repro) else 3
             first_per_check.setdefault(entry["check"], (finding.repro, expected))
     assert lines > 100 and len(first_per_check) >= 8, first_per_check
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # a fresh shell's
     repros = [line for line, _ in first_per_check.values()]
     done = subprocess.run(
         [sys.executable, "-c", PASTE, *repros], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600

@@ -343,8 +343,8 @@ def test_run_says_each_finding_once_with_its_cases_and_prints_each_record_once(
     out = capsys.readouterr().out
     fails = [line for line in out.splitlines() if line.startswith(("FAIL ", "ERROR "))]
     assert fails == [
-        "FAIL planted_nan_at_one_position, check budget: tensor o not finite [broken]: 9 cases, worst infx its "
-        "limit; the smallest:",
+        "FAIL planted_nan_at_one_position, check budget: tensor o not finite [broken]: 9 cases, non-finite values; "
+        "the smallest:",
         "ERROR planted_raises, check budget: RuntimeError: no kernel for this shape (at kda_planted_crashes.py:N) "
         "[broken]: 9 cases; the smallest:",
     ], fails
@@ -389,3 +389,22 @@ def test_a_long_sweep_says_how_long_it_expects_before_it_starts_and_what_is_left
     planned = next(line for line in out.splitlines() if line.startswith("planned: "))
     assert "3 case x backend runs, 1217 tokens in all, the largest T300+0+300+17" in planned and "about " in planned
     assert "progress: 3 of 3 case x backend runs, 0 failures" in out and "s left" in out
+
+
+def test_a_misspelled_backend_and_an_empty_list_item_are_told_not_run(capsys: pytest.CaptureFixture[str]) -> None:
+    from kda_conformance.cli.exits import USAGE
+
+    assert main(["run", "--device", "cpu", "--backend", "torch_chunck"]) == USAGE
+    assert "(did you mean 'torch_chunk'?)" in capsys.readouterr().out
+    for option, value, said in (("--lengths", "37,,64", "none left empty, got '37,,64'"),
+                                 ("--dtypes", "bf16,,fp32", "an empty item not allowed in 'bf16,,fp32'")):  # fmt: skip
+        with pytest.raises(SystemExit) as bad:  # argparse's usage error: exit 2 with the option's message
+            main(["run", "--device", "cpu", "--backend", "torch_chunk", option, value])
+        assert bad.value.code == USAGE and said in capsys.readouterr().err
+
+
+def test_corpus_without_a_subcommand_prints_its_help(capsys: pytest.CaptureFixture[str]) -> None:
+    # It was a bare argparse error, "the following arguments are required: corpus_command".
+    assert main(["corpus"]) == 0
+    out = capsys.readouterr().out
+    assert "usage: kda-conformance corpus" in out and "pin a case, or every failing case of a run file" in out

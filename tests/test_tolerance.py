@@ -60,7 +60,7 @@ def test_nan_fails_even_with_an_unbounded_budget() -> None:
     got[0, 2, 0, 1] = float("nan")
     verdict = judge(got, want, fixed_budget(math.inf))
     assert not verdict.passed
-    assert "1 non-finite values" in verdict.problems
+    assert "1 non-finite value" in verdict.problems
     assert str(verdict.first_bad) == "seq 0 token 2 head 0"
 
 

@@ -39,7 +39,8 @@ def test_a_failure_says_it_once_with_its_ratio_and_repro_and_lf_and_junit_work(t
     done = pytest_run(tmp_path, *select, "--junitxml", str(tmp_path / "junit.xml"))
     assert done.returncode == 1, done.stdout[-3000:]
     failures = done.stdout.split("= FAILURES =")[1].split("short test summary")[0]
-    assert failures.count("repro: kda-conformance run --device cpu --plugin kda_planted_bugs") == 1
+    planted = (PLUGINS / "kda_planted_bugs.py").resolve()
+    assert failures.count(f"repro: kda-conformance run --device cpu --plugin {planted}") == 1
     assert "x its limit" in failures and "reproduce_failure" not in failures and "assert None" not in failures
     assert "Traceback" not in failures and "AssertionError" not in failures
     suite = ET.parse(tmp_path / "junit.xml").getroot()

@@ -12,6 +12,7 @@ import pytest
 from kda_cases.case import Case
 from kda_conformance.cli import build_parser, main
 from kda_conformance.repro.triage import SWITCHES, parse_repro
+from kda_kernels import registry
 
 PLUGINS = Path(__file__).with_name("plugins")
 
@@ -50,6 +51,7 @@ def test_triage_names_the_switch_that_clears_a_tf32_error_and_an_empty_member_bu
 
 
 def test_a_repro_line_reads_back_as_the_rerun_it_names(plugins: list[str]) -> None:
+    registry.load_plugin("kda_triage")  # as the rerun has it loaded: its line names it by its file
     case = Case(seq_lens=(30,), head_k_dim=16, head_v_dim=16)
     line = "kda-conformance repro --device cpu --plugin kda_triage --backend triage_tf32_unless_ieee --at 7 "
     line += f"--check split_resume --case '{case.to_json()}'"
@@ -59,6 +61,7 @@ def test_a_repro_line_reads_back_as_the_rerun_it_names(plugins: list[str]) -> No
     assert (r.check, r.backend, r.params, r.plugins, r.case, r.missing_plugins) == (
         "split_resume", "triage_tf32_unless_ieee", {"at": 7}, ("kda_triage",), case, ()
     )  # fmt: skip
-    assert r.line().startswith("kda-conformance repro --device cpu --plugin kda_triage --backend triage_tf32")
+    triage_file = (PLUGINS / "kda_triage.py").resolve()  # a module found on sys.path, named by its file
+    assert r.line().startswith(f"kda-conformance repro --device cpu --plugin {triage_file} --backend triage_tf32")
     assert set(SWITCHES) == {"IEEE dots", "zero-length members removed", "contiguous inputs",
                              "a fresh cu_seqlens tensor", "another chunk size", "an fp32 state"}  # fmt: skip

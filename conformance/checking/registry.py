@@ -10,7 +10,7 @@ import torch
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from kda_cases.case import Case
+from kda_cases.case import Case, did_you_mean
 from kda_cases.profiles import Profile
 from kda_cases.strategies import cases
 from kda_conformance.running.check import Check, Drawn, Param, unchanged
@@ -34,7 +34,7 @@ def register(check: Check) -> Check:
 
 def get_check(name: str) -> Check:
     if name not in CHECKS:
-        raise ValueError(f"check {name!r} unknown; choose from {', '.join(CHECKS)}")
+        raise ValueError(f"check {name!r} unknown{did_you_mean(name, CHECKS)}; choose from {', '.join(CHECKS)}")
     return CHECKS[name]
 
 

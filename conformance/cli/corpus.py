@@ -18,7 +18,8 @@ EXAMPLE = 'kda-conformance corpus add --from-run out/runs/RUN_ID.parquet --why "
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="corpus_command", required=True)
+    sub = parser.add_subparsers(dest="corpus_command")
+    parser.set_defaults(corpus_help=parser.format_help)  # no subcommand: the help, not a bare argparse error
     sub.add_parser("list", help="print the pinned cases")
     add = sub.add_parser("add", help="pin a case, or every failing case of a run file")
     add.add_argument("--case", type=typed(parse_case), default=None, metavar="JSON_OR_FILE", help="the case to pin")
@@ -28,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def execute(args: argparse.Namespace, console: Console) -> int:
+    if args.corpus_command is None:
+        console.print(args.corpus_help(), highlight=False, markup=False)
+        return 0
     if args.corpus_command == "list":
         for entry in load_corpus():
             say(console, f"{entry.case.id}  {entry.case.label}  {entry.why}")

@@ -29,6 +29,7 @@ from kda_conformance.repro.standalone import write_standalone
 from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.session import Run
 from kda_kernels import registry
+from kda_kernels.registry import plugin_module
 from kda_reports.findings import FAILED
 from kda_reports.runfile import read_run
 
@@ -94,7 +95,8 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         except (OSError, ValueError) as exc:
             say(console, f"--from-run: {exc}", "error:", "red")
             return 2
-        missing = [p for p in plugins if p not in args.plugin]
+        given = {plugin_module(p) for p in args.plugin}
+        missing = [p for p in plugins if plugin_module(p) not in given]
         if missing:  # a run file is data: the modules it names are never imported on its say-so
             named = " ".join(f"--plugin {shlex.quote(p)}" for p in missing)
             say(console, f"--from-run: its failure's repro line loads {named}; pass that to minimize it", "error:")

@@ -31,7 +31,7 @@ def problems_of(case: Case, measurement: Measurement, budget: Budget, dtype: tor
     if dtype is not None and dtype != expected:
         problems.append(f"dtype {dtype_name(dtype)} != expected {dtype_name(expected)}")
     if errors.nonfinite:
-        problems.append(f"{errors.nonfinite} non-finite values")
+        problems.append(f"{errors.nonfinite} non-finite value{'s' if errors.nonfinite != 1 else ''}")
     # NaN compares false with everything: a metric that is not <= its limit fails, NaN included.
     for limit in budget.limits:
         value = getattr(errors, limit.metric)

@@ -27,8 +27,10 @@ def repro_line(
     head = f"kda-conformance {command} --device {device_type}"
     # The plugins that registered the backend and the baseline its limits derive from: without them the
     # pasted line would not find the backend (or would judge it against the built-in baseline).
-    plugins = dict.fromkeys(p for p in (registry.plugin_of(backend), registry.plugin_of(registry.BASELINE)) if p)
-    head += "".join(f" --plugin {shlex.quote(module)}" for module in plugins)
+    # Each by what finds it again from any directory (a file's path where it is no installed module).
+    modules = (registry.plugin_of(backend), registry.plugin_of(registry.BASELINE))
+    plugins = dict.fromkeys(registry.plugin_argument(module) for module in modules if module)
+    head += "".join(f" --plugin {shlex.quote(plugin)}" for plugin in plugins)
     head += f" --backend {shlex.quote(backend)}"
     if check != BUDGET_CHECK:
         head += "".join(f" --{name} {shlex.quote(str(value))}" for name, value in (params or {}).items())

@@ -34,6 +34,7 @@ from kda_conformance.checks import CHECKS
 from kda_conformance.judging.repro import BUDGET_CHECK, repro_line
 from kda_kernels import registry
 from kda_kernels.protocol import Backend
+from kda_kernels.registry import plugin_module
 
 # The exits of a rerun (docs/exit-codes.md) and what they say of the case.
 EXITS = {0: "passes", 1: "fails", 3: "errs", 5: "does not run"}
@@ -101,11 +102,15 @@ class Rerunnable:
     @property
     def missing_plugins(self) -> tuple[str, ...]:
         """The plugins the recorded line names that the command line does not load."""
-        return tuple(p for p in self.named_plugins if p not in self.plugins)
+        given = {plugin_module(p) for p in self.plugins}
+        return tuple(p for p in self.named_plugins if plugin_module(p) not in given)
 
     def line(self) -> str:
         line = repro_line(self.check, self.case, self.backend, self.device, self.params)
-        plugins = "".join(f" --plugin {shlex.quote(p)}" for p in self.plugins if f"--plugin {p}" not in line)
+        words = shlex.split(line)
+        named = {plugin_module(w) for w, before in zip(words[1:], words, strict=False) if before == "--plugin"}
+        extra = [registry.plugin_argument(plugin_module(p)) for p in self.plugins if plugin_module(p) not in named]
+        plugins = "".join(f" --plugin {shlex.quote(p)}" for p in extra)
         backend = f" --backend {shlex.quote(self.backend)}"
         return line.replace(backend, plugins + backend)
 

@@ -21,7 +21,7 @@ from typing import IO
 
 import torch
 
-from kda_cases.case import DTYPES, INT64_MAX, Case
+from kda_cases.case import DTYPES, INT64_MAX, Case, did_you_mean
 from kda_cases.corpus import load_corpus
 from kda_cases.devices import resolve_device
 from kda_cases.files import unwritable
@@ -105,8 +105,10 @@ class ConfigError(ValueError):
 
 def parse_lengths(text: str) -> tuple[int, ...]:
     """``"37,2048"`` -> ``(37, 2048)``; every length must be a positive integer."""
+    if any(not x.strip() for x in text.split(",")):  # "37,,64" ran as 37,64: a lost value is a typo
+        raise ValueError(f"lengths must be comma-separated integers with none left empty, got {text!r}")
     try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
+        values = tuple(int(x) for x in text.split(","))
     except ValueError:
         raise ValueError(f"lengths must be comma-separated integers, got {text!r}") from None
     if not values or any(v < 1 for v in values):
@@ -147,10 +149,12 @@ def parse_positive(what: str, text: str) -> float:
 
 def parse_choices(what: str, text: str, allowed: Sequence[str]) -> tuple[str, ...]:
     """``"a,b"`` -> ``("a", "b")``, each one of ``allowed``; the error names ``what`` and the allowed values."""
-    values = tuple(x.strip() for x in text.split(",") if x.strip())
+    values = tuple(x.strip() for x in text.split(","))
     bad = [x for x in values if x not in allowed]
-    if bad or not values:
-        raise ValueError(f"{what} {bad or text!r} not allowed; choose from {', '.join(allowed)}")
+    if bad:
+        hints = "".join(did_you_mean(x, allowed) for x in bad)
+        said = "an empty item" if "" in bad else bad
+        raise ValueError(f"{what} {said} not allowed in {text!r}{hints}; choose from {', '.join(allowed)}")
     return values
 
 
@@ -396,7 +400,8 @@ def build_config(
     chosen = tuple(backends or default_backends or known)
     unknown = [name for name in chosen if name not in known]
     if unknown:
-        raise ConfigError("backend", f"{unknown} unknown; known backends: {', '.join(known)}")
+        hints = "".join(did_you_mean(name, known) for name in unknown)
+        raise ConfigError("backend", f"{unknown} unknown{hints}; known backends: {', '.join(known)}")
     run_id = run_id or os.environ.get(RUN_ID_VARIABLE) or new_run_id()
     if not RUN_ID.match(run_id):
         raise ConfigError("run-id", f"{run_id!r} must be 1 to 64 letters, digits, '_' or '-'")

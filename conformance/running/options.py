@@ -105,7 +105,12 @@ OPTIONS: dict[str, Option] = {
         Option("device", "device under test: auto (a GPU if torch sees one), cpu, cuda or cuda:N", "auto"),
         Option("backend", "backend to test (repeatable)", kind="list", metavar="NAME", repeat=True),
         Option(
-            "plugin", "import MODULE, which registers more backends (repeatable)", [], kind="list", repeat=True,
+            "plugin",
+            "import MODULE (a name, or a .py file's or package folder's path), which registers more backends "
+            "(repeatable)",
+            [],
+            kind="list",
+            repeat=True,
             metavar="MODULE",
         ),
         Option(
