@@ -199,13 +199,14 @@ def _prove_between_calls() -> None:
     """What threads left running changed since the last call (the inputs their calls were handed, the
     world): put back, charged to their backends. Then forget the threads that have ended."""
     global _settled
+    ended = left_work.ended()
     owners = left_work.owners()
     if owners:
         _check_kept("found before the next call")
     if owners and _settled is not None:
         for what in put_back(_settled, between_calls=True):
             _late(owners, what, "found before the next call")
-    left_work.forget_ended()
+    left_work.forget(ended)
     alive = left_work.owners()
     _kept[:] = [kept for kept in _kept if any(kept[0] is owner for owner in alive)]
     _settled = None
@@ -278,12 +279,19 @@ def _in_call(
     _watch_ctrl_c()
     thread = threading.get_ident()
     outermost = not _depth.get(thread)
+    settled = _settled
     if outermost:
         _prove_between_calls()
     handed = Snapshot.of(tensors) if tensors is not None else None
     for listener in list(_listeners):
         listener("call", backend)
     before = take() if outermost else None  # the outermost call of this thread takes it
+    if before is not None and settled is not None and left_work.owners():
+        # Proved again: a left thread may have changed a setting since the proof above, and the call's world
+        # is the settled one, whatever the thread does from now on (charged to it after the call).
+        for what in put_back(settled, between_calls=True):
+            _late(left_work.owners(), what, "found before the next call")
+        before.settings = dict(settled.settings)
     work = left_work.running() if outermost else None
     _depth[thread] = _depth.get(thread, 0) + 1
     os._exit = _trapped_exit
@@ -325,10 +333,11 @@ def _in_call(
         for listener in list(_listeners):
             listener("returned", backend)
         left = left_work.started_since(work) if work is not None else None  # what ends in the grace is the call's
+        theirs: set[int] = set()
         if outermost and any(owner is not backend for owner in left_work.owners()):
-            _check_kept(f"found after {backend.name}'s call, which may have done it itself")  # before its own check
+            theirs = _check_kept(f"found after {backend.name}'s call, which may have done it itself")
         if handed is not None and returned:
-            _check_unchanged(backend, handed, keep)
+            _check_unchanged(backend, handed, (*keep, *(n for n, t in handed.tensors.items() if id(t) in theirs)))
         elif handed is not None:
             handed.put_back(skip=keep)  # the backend's exception stands; what it was handed is as it was
         if before is not None:  # after "returned": the suite's own proof (the truths watched) is not the call's
@@ -338,8 +347,8 @@ def _in_call(
             left_work.leave(left, backend)
             if handed is not None:
                 _kept[:] = [*_kept[1 - KEPT_CALLS :], (backend, handed, keep)]
-        if outermost and left_work.owners():
-            _settled = take()
+        if outermost and left_work.owners():  # the settings as this call began: none a thread set since
+            _settled = dataclasses.replace(take(), settings=dict(before.settings))
 
 
 def _answer(backend: Backend, question: str, ask: Callable[[], object], case: Case | None) -> object:
@@ -498,13 +507,18 @@ _kept: list[tuple[Backend, Snapshot, tuple[str, ...]]] = []
 KEPT_CALLS = 8
 
 
-def _check_kept(when: str) -> None:
-    """Put back and charge what threads left running wrote into what their calls were handed."""
+def _check_kept(when: str) -> set[int]:
+    """Put back and charge what threads left running wrote into what their calls were handed; the ids of the
+    tensors put back (another call's own check must not take that write for its own)."""
+    restored: set[int] = set()
     for owner, snapshot, keep in list(_kept):
+        before = len(_breaches)
         try:
             _check_unchanged(owner, snapshot, keep, late=when)
         except Exception:  # a device the thread left dead: the next call's error says so
-            return
+            break
+        restored |= {id(snapshot.tensors[b.tensor]) for b in _breaches[before:] if b.tensor in snapshot.tensors}
+    return restored
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

@@ -149,7 +149,7 @@ def leave(left: Running, backend: object) -> None:
 
 
 def owners() -> list[object]:
-    """The backends whose left threads are alive, or ended since the last :func:`forget_ended` (what they
+    """The backends whose left threads are alive, or ended but not yet forgotten (:func:`forget`: what they
     did in the meantime is theirs)."""
     found: list[object] = []
     for backend in _threads_left.values():
@@ -158,9 +158,15 @@ def owners() -> list[object]:
     return found
 
 
-def forget_ended() -> None:
-    for thread in [t for t in _threads_left if not t.is_alive()]:
-        del _threads_left[thread]
+def ended() -> list[threading.Thread]:
+    """The left threads that have ended: all they did is done (taken before proving what they did, so that
+    one ending during the proof is proved again next time, not forgotten unproved)."""
+    return [thread for thread in _threads_left if not thread.is_alive()]
+
+
+def forget(threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        _threads_left.pop(thread, None)
 
 
 def blocks_exit() -> bool:

@@ -113,7 +113,13 @@ def test_a_left_thread_moves_no_other_backends_verdict_in_a_run(
     for backend in ("left_writes_q_later", "left_sets_dtype_later"):
         out = tmp_path / backend
         assert main([*common, "--backend", backend, "--backend", "torch_chunk", "--out", str(out)]) == FAILED
-        assert verdicts(out, "torch_chunk") == alone, backend
+        records = load_store(out).records
+        mine = records[records["backend"] == "torch_chunk"]
+        assert not mine["reason"].str.contains("wrote into|changed torch", regex=True).any(), mine["reason"]
+        if backend == "left_sets_dtype_later":  # a setting is proved at every call's start: no call saw it
+            assert verdicts(out, "torch_chunk") == alone, backend
+        # (A write into q landing between a proof and the next call's snapshot, a window of microseconds, would
+        # be computed on by that call: charged to the writer, but that call's numbers would move.)
         assert set(verdicts(out, backend).values()) >= {"fail"}
 
 
