@@ -95,6 +95,16 @@ def detection_problems(table: pd.DataFrame, planted: Collection[str]) -> list[st
     return problems
 
 
+def detection_verdict(table: pd.DataFrame, planted: Collection[str]) -> str:
+    """The run's verdict in one line, printed last (it was only in the exit code, after 400 lines)."""
+    caught = [row["caught by"] != "nothing" for row in table.to_dict("records") if row["backend"] in planted]
+    alarms = [row["caught by"] != "nothing" for row in table.to_dict("records") if row["backend"] not in planted]
+    return (
+        f"caught {sum(caught)} of {len(caught)} planted bug{'s' if len(caught) != 1 else ''}; "
+        f"false alarms on {sum(alarms)} of {len(alarms)} correct backend{'s' if len(alarms) != 1 else ''}"
+    )
+
+
 def detection_markdown(table: pd.DataFrame, descriptions: Mapping[str, str], shown_command: str) -> str:
     table = table.copy()
     table.insert(1, "models", [descriptions.get(name, "") for name in table["backend"]])

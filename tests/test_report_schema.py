@@ -233,3 +233,14 @@ def test_the_suites_commit_is_its_own_checkouts_or_unknown(tmp_path: Path, monke
     monkeypatch.setattr(environment, "_REPO", outer.resolve())  # the project's own checkout
     commit, source = environment.suite_commit()
     assert source == "git" and len(commit) == 12
+
+
+def test_detections_verdict_is_one_line_with_its_counts() -> None:
+    # detection printed 408 lines and its verdict only in its exit code.
+    from kda_reports.detection import detection_verdict
+
+    table = pd.DataFrame(
+        {"backend": ["planted_a", "planted_b", "torch_chunk"], "caught by": ["budget (1)", "nothing", "nothing"]}
+    )
+    said = detection_verdict(table, planted={"planted_a", "planted_b"})
+    assert said == "caught 1 of 2 planted bugs; false alarms on 0 of 1 correct backend"

@@ -23,7 +23,7 @@ from kda_conformance.cli.common import say
 from kda_conformance.running.config import parse_count
 from kda_conformance.running.options import pytest_argv, typed
 from kda_kernels import registry
-from kda_reports.detection import detection_markdown, detection_problems, detection_table
+from kda_reports.detection import detection_markdown, detection_problems, detection_table, detection_verdict
 from kda_reports.runfile import DEFAULT_OUT, read_run, record_coverage
 
 NAME = "detection"
@@ -193,4 +193,5 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     problems = detection_problems(run.table, planted)
     for problem in problems:
         say(console, f"{problem}", "detection:", "red")
+    say(console, detection_verdict(run.table, planted), "detection:", "red" if problems else "green")
     return 1 if problems else 0
