@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +32,13 @@ CASE = Case(seq_lens=(37,), initial_state="random", num_heads=1, num_v_heads=2, 
 OTHER = Case(seq_lens=(20, 0, 13), packed=True, num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=32)
 
 
+def _wait_for_left_threads() -> None:
+    """Until the plugin's threads have done what they do (joined, not slept on: a loaded machine is slow)."""
+    for thread in threading.enumerate():
+        if thread.name in ("left-later", "quick"):
+            thread.join()
+
+
 @pytest.fixture(autouse=True)
 def plugin(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     monkeypatch.syspath_prepend(str(PLUGINS))
@@ -40,9 +46,7 @@ def plugin(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
 
     guard.take_breaches()
     yield kda_left_work
-    for thread in threading.enumerate():
-        if thread.name in ("left-later", "quick"):
-            thread.join()
+    _wait_for_left_threads()
     guard.run_backend_call(TorchChunk(), materialize(OTHER, CPU))  # proves the world, forgets the ended
     guard.take_breaches()
     assert not left_work.owners()
@@ -71,7 +75,7 @@ def test_a_write_a_left_thread_makes_later_is_charged_to_its_backend_not_the_nex
     guard.run_backend_call(writer, inputs)
     [left] = guard.take_breaches()
     assert "left 1 thread ('left-later' (daemon)) running 0.05 s after its call returned" in str(left)
-    time.sleep(0.5)  # the thread writes into q now, between two calls
+    _wait_for_left_threads()  # the thread writes into q now, between two calls
     result = guard.run_backend_call(TorchChunk(), inputs)
     [late] = guard.take_breaches()
     assert raised_by(late) == writer.name and late.late
@@ -87,7 +91,7 @@ def test_a_setting_a_left_thread_changes_later_is_put_back_and_charged_to_its_ba
     setter = registry.get("left_sets_dtype_later")
     guard.run_backend_call(setter, materialize(CASE, CPU))
     assert "left 1 thread" in str(guard.take_breaches()[0])
-    time.sleep(0.5)
+    _wait_for_left_threads()
     guard.run_backend_call(TorchChunk(), materialize(CASE, CPU))
     [late] = guard.take_breaches()
     assert raised_by(late) == setter.name and torch.get_default_dtype() == torch.float32
