@@ -248,8 +248,11 @@ def conforms(
             mine = {p.name: params[p.name] for p in check.params}
             found = run_check(check, case, backend, run.config.device, mine, run)
             if isinstance(backend, CallableBackend):  # no command line can load it: the repro is Python's
-                again = f"assert_conforms({backend.name}, Case.from_json({case.to_json()!r}), checks=[{check.name!r}]"
+                short = backend.name.rsplit(".", 1)[-1]  # scaled.<locals>.k: no file can import that name
+                again = f"assert_conforms({short}, Case.from_json({case.to_json()!r}), checks=[{check.name!r}]"
                 again += f", params={mine!r})" if mine else ")"
+                if "<" in backend.name:
+                    again += f"  # {backend.name} is defined inside a function: not importable, pass that callable"
                 found = [dataclasses.replace(f, repro=again) for f in found]
             findings += found
             report = check_report(check, found, mine, fails)

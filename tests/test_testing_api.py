@@ -150,3 +150,20 @@ def test_a_wrapper_that_takes_the_flags_only_through_kwargs_is_told_so_when_it_f
     assert "drops_flags takes use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, use_gate_in_kernel" in str(
         raised.value
     )
+
+
+def test_a_closures_repro_names_it_runnably_and_says_it_is_not_importable() -> None:
+    # It read "assert_conforms(scaled.<locals>.k, ...)", which no file can run.
+    def scaled(factor: float):
+        def k(q, k, v, g, beta, **kwargs):
+            out = BASELINE.run(materialized_as(q, k, v, g, beta, kwargs.get("scale"), kwargs.get("initial_state")))
+            return out.o * factor, out.final_state
+
+        return k
+
+    with pytest.raises(AssertionError) as raised:
+        assert_conforms(scaled(2.0), preset("fla", seq_lens=(37,), num_heads=1, num_v_heads=1, head_k_dim=16,
+                                            head_v_dim=16), device="cpu")  # fmt: skip
+    report = str(raised.value)
+    assert "repro: assert_conforms(k, Case.from_json(" in report
+    assert "scaled.<locals>.k is defined inside a function: not importable, pass that callable" in report
