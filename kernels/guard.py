@@ -195,21 +195,25 @@ def _late(owners: list, what: str, when: str) -> None:
 _settled: World | None = None
 
 
-def _prove_between_calls() -> None:
-    """What threads left running changed since the last call (the inputs their calls were handed, the
-    world): put back, charged to their backends. Then forget the threads that have ended."""
+def _prove_world_between_calls() -> World | None:
+    """What threads left running changed of the world since the last call: put back to the world that call
+    left, charged to their backends; that world (None where no thread was left running)."""
     global _settled
-    ended = left_work.ended()
+    settled, _settled = _settled, None
     owners = left_work.owners()
-    if owners:
-        _check_kept("found before the next call")
-    if owners and _settled is not None:
-        for what in put_back(_settled, between_calls=True):
-            _late(owners, what, "found before the next call")
+    if not owners or settled is None:
+        return None
+    for what in put_back(settled, between_calls=True):
+        _late(owners, what, "found before the next call")
+    return settled
+
+
+def _forget(ended: list[threading.Thread]) -> None:
+    """Forget the left threads that had ended before the proof (one ending during it is proved next time),
+    and what the calls of backends with none left alive were handed."""
     left_work.forget(ended)
     alive = left_work.owners()
     _kept[:] = [kept for kept in _kept if any(kept[0] is owner for owner in alive)]
-    _settled = None
 
 
 # Whether a signal (Ctrl-C, a time limit's SIGTERM) reached this process: a KeyboardInterrupt inside a call
@@ -279,19 +283,19 @@ def _in_call(
     _watch_ctrl_c()
     thread = threading.get_ident()
     outermost = not _depth.get(thread)
-    settled = _settled
-    if outermost:
-        _prove_between_calls()
+    ended = left_work.ended() if outermost else []
+    if outermost and left_work.owners():  # before the snapshot: the inputs as the suite made them
+        _check_kept("found before the next call")
     handed = Snapshot.of(tensors) if tensors is not None else None
     for listener in list(_listeners):
         listener("call", backend)
-    before = take() if outermost else None  # the outermost call of this thread takes it
-    if before is not None and settled is not None and left_work.owners():
-        # Proved again: a left thread may have changed a setting since the proof above, and the call's world
-        # is the settled one, whatever the thread does from now on (charged to it after the call).
-        for what in put_back(settled, between_calls=True):
-            _late(left_work.owners(), what, "found before the next call")
-        before.settings = dict(settled.settings)
+    before = None
+    if outermost:  # the outermost call of this thread takes the world, proved just before
+        settled = _prove_world_between_calls()
+        before = take()
+        if settled is not None:  # the settled settings, whatever a left thread set since the proof: its change
+            before.settings = dict(settled.settings)
+        _forget(ended)
     work = left_work.running() if outermost else None
     _depth[thread] = _depth.get(thread, 0) + 1
     os._exit = _trapped_exit
