@@ -14,9 +14,8 @@ PASSED = 0  # everything that ran passed (known issues and warnings included, bu
 FAILED = 1  # a kernel failed a check: a tensor out of its limits, memory it must not write, a strict warning
 USAGE = 2  # a bad option or input, a plugin that cannot load, an unwritable output folder, a run id that exists
 ERRORED = 3  # nothing failed, but something raised, crashed or hung: a backend (its rows) or the suite's own code
-NOT_CHECKED = (
-    NOT_CHECKED_EXIT  # nothing failed or raised, but a case did not run for want of memory (a resource verdict)
-)
+# nothing failed or raised, but a case did not run for want of memory (a resource verdict); pytest's too
+NOT_CHECKED = NOT_CHECKED_EXIT
 NOTHING_RAN = 5  # no case ran on any selected backend (every one skipped or out of memory), as pytest's 5
 INTERRUPTED = 130  # Ctrl-C or a time limit's SIGTERM; what ran is kept
 
