@@ -11,7 +11,7 @@ import pytest
 
 from kda_cases.case import Case
 from kda_conformance.cli import build_parser, main
-from kda_conformance.repro.triage import SWITCHES, parse_repro
+from kda_conformance.repro.triage import SWITCHES, parse_repro, triage
 from kda_kernels import registry
 
 PLUGINS = Path(__file__).with_name("plugins")
@@ -36,8 +36,11 @@ def test_triage_names_the_switch_that_clears_a_tf32_error_and_an_empty_member_bu
     for backend, case in (("triage_tf32_unless_ieee", fp32), ("planted_zero_length_shifts_sequences", packed)):
         argv = ["run", "--device", "cpu", *plugins, "--backend", backend, "--case", case.to_json()]
         assert main([*argv, "--out", str(store), "--no-dashboard", "--redraws", "0"]) == 1
-    assert main(["triage", "--store", str(store), *plugins]) == 0
-    results = {r["backend"]: r for r in json.loads((store / "triage" / "triage.json").read_text())}
+    assert main(["triage", "--store", str(store), *plugins, "--jobs", "3"]) == 0
+    written = json.loads((store / "triage" / "triage.json").read_text())
+    # Smallest case first: the packed case's 37 tokens before the fp32 case's 40.
+    assert [r["backend"] for r in written] == ["planted_zero_length_shifts_sequences", "triage_tf32_unless_ieee"]
+    results = {r["backend"]: r for r in written}
     tf32 = results["triage_tf32_unless_ieee"]
     assert tf32["cause"] == "IEEE dots", tf32
     outcomes = {r["switch"]: r["outcome"] for r in tf32["reruns"]}
@@ -65,3 +68,12 @@ def test_a_repro_line_reads_back_as_the_rerun_it_names(plugins: list[str]) -> No
     assert r.line().startswith(f"kda-conformance repro --device cpu --plugin {triage_file} --backend triage_tf32")
     assert set(SWITCHES) == {"IEEE dots", "zero-length members removed", "contiguous inputs",
                              "a fresh cu_seqlens tensor", "another chunk size", "an fp32 state"}  # fmt: skip
+
+
+def test_a_finding_that_does_not_fail_here_runs_no_switch(tmp_path: Path, plugins: list[str]) -> None:
+    case = Case(seq_lens=(37,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
+    line = f"kda-conformance run --device cpu --backend torch_chunk --case '{case.to_json()}'"
+    result = triage("f-1", line, build_parser(), tmp_path)
+    assert [r.outcome for r in result.reruns[:1]] == ["passes"]
+    assert {r.outcome for r in result.reruns[1:]} == {"n/a (it passes as it failed)"}
+    assert result.cause == "does not reproduce here (it passes)"

@@ -26,6 +26,7 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,18 +203,29 @@ def triage(
     out: Path,
     env: dict[str, str] | None = None,
     plugins: Sequence[str] = (),
+    jobs: int = 1,
 ) -> Triage:
-    """Rerun one finding's case (its repro line) as it failed, then with each switch alone, each in a process of
-    its own (a compile-time switch must be set before anything compiles), loading only ``plugins``; records go
-    to ``out``."""
+    """Rerun one finding's case (its repro line) as it failed, then, where it still fails, with each switch
+    alone, each in a process of its own (a compile-time switch must be set before anything compiles; ``jobs``
+    of them at once), loading only ``plugins``; records go to ``out``."""
     env = dict(os.environ if env is None else env)
     r = parse_repro(repro, parser, plugins)
     backend = registry.get(r.backend)
-    reruns = [_rerun("as it failed", r, {}, out, env)]
-    for name, rule in SWITCHES.items():
-        why, changed, environment = rule(r, backend)
-        reruns.append(Rerun(name, not_applied=why) if why else _rerun(name, changed, environment, out, env))
-    return Triage(finding_id, r.backend, r.check, r.case.id, tuple(reruns))
+    first = _rerun("as it failed", r, {}, out, env)
+    if first.exit not in (1, 3):  # nothing to separate: a switch can only clear what fails here
+        skipped = [Rerun(name, not_applied=f"it {first.outcome} as it failed") for name in SWITCHES]
+        return Triage(finding_id, r.backend, r.check, r.case.id, (first, *skipped))
+    rules = {name: rule(r, backend) for name, rule in SWITCHES.items()}
+    # The reruns are processes of their own and independent: on a GPU host, compiling dominates and is
+    # CPU-bound, so several at once finish a finding in the time of its slowest rerun.
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        pending = {
+            name: pool.submit(_rerun, name, changed, environment, out, env)
+            for name, (why, changed, environment) in rules.items()
+            if not why
+        }
+        switched = [pending[n].result() if n in pending else Rerun(n, not_applied=rules[n][0]) for n in SWITCHES]
+    return Triage(finding_id, r.backend, r.check, r.case.id, (first, *switched))
 
 
 def triage_markdown(results: list[Triage], source: str) -> str:
