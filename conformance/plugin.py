@@ -25,6 +25,7 @@ from kda_conformance.plugin_summary import pytest_terminal_summary as pytest_ter
 from kda_conformance.running.check import Check, Drawn
 from kda_conformance.running.config import (
     NOT_CHECKED_EXIT,
+    PURPOSE_VARIABLE,
     ConfigError,
     Grid,
     baseline_warning,
@@ -93,6 +94,7 @@ def _run_config(config: pytest.Config):
             redraws=option("--kda-redraws"),
             reference_form=option("--kda-reference-form"),
             command="pytest " + " ".join(shlex.quote(a) for a in _recorded_args(config.invocation_params.args)),
+            purpose=os.environ.get(PURPOSE_VARIABLE) or "pytest",
             run_id=run_id,
             shard=option("--kda-shard"),
             case_timeout=option("--kda-case-timeout"),

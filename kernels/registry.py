@@ -11,6 +11,7 @@ See docs/plugins.md.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -56,6 +57,24 @@ def plugin_of(name: str) -> str:
     """The plugin module that registered backend ``name`` ("" for a built-in or entry-point backend)."""
     _load()
     return _PLUGIN_OF.get(name, "")
+
+
+def code_of(name: str, backend: Backend | None = None) -> str:
+    """A short hash of the Python source that defines backend ``name``: the module of its factory, and of its
+    class (``backend``, where given) when another module defines that. Records carry it, so a plugin or an
+    adapter edited between two runs reads as changed code, not as nondeterminism; the kernel library's own
+    code is its version, which records carry apart (``library``). '' where no source file is found."""
+    _load()
+    factory = _FACTORIES.get(name)
+    modules = {getattr(factory, "__module__", None), type(backend).__module__ if backend is not None else None}
+    digest = hashlib.sha256()
+    found = False
+    for module in sorted(m for m in modules if m):
+        file = getattr(sys.modules.get(module), "__file__", None)
+        if file and Path(file).is_file():
+            digest.update(Path(file).read_bytes())
+            found = True
+    return digest.hexdigest()[:12] if found else ""
 
 
 def reset() -> None:

@@ -360,23 +360,17 @@ def status_line(last: pd.DataFrame, run: pd.Series, regressions: pd.DataFrame) -
     return text, green
 
 
-def repro_runs(records: pd.DataFrame) -> set[str]:
-    """The runs of given cases (``run --case``: a repro line pasted), as their command lines say."""
-    if records.empty or "env_command" not in records:
-        return set()
-    commands = records.groupby("run_id")["env_command"].first().fillna("").astype(str)
-    return set(commands[commands.str.contains(" --case ", regex=False)].index)
-
-
-def _repro_line(newest: pd.DataFrame, records: pd.DataFrame) -> str:
-    if newest.empty:
+def _apart_line(runs: pd.DataFrame, judged: pd.DataFrame, last_id: str) -> str:
+    """The newest run kept apart from the judged ones (a repro line pasted, minimize, triage's reruns), said
+    apart so that it is seen without becoming the headline."""
+    apart = runs[~runs["run_id"].isin(judged["run_id"]) & (runs["run_id"] != last_id)].tail(1)
+    if apart.empty:
         return ""
-    run_id = newest["run_id"].iloc[0]
-    counts = records[records["run_id"] == run_id]["verdict"].value_counts()
-    verdicts = ", ".join(f"{counts[v]} {v}" for v in VERDICTS if counts.get(v, 0))
+    row = apart.iloc[0]
+    verdicts = ", ".join(f"{row[v]} {v}" for v in VERDICTS if row.get(v, 0))
     return (
-        f"<p class='note' id='repro'>Newest repro run (given cases, kept apart from the sweeps): "
-        f"<code>{html.escape(str(run_id))}</code>: {html.escape(verdicts)}.</p>"
+        f"<p class='note' id='apart'>Newest run kept apart from the sweeps ({html.escape(str(row['purpose']))}): "
+        f"<code>{html.escape(str(row['run_id']))}</code>: {html.escape(verdicts)}.</p>"
     )
 
 
@@ -384,13 +378,10 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
     """Write the dashboard for ``store`` to ``out``; returns the path and the regression table (the last
     complete run against the complete runs before it: runs in progress or cut short are shown, labelled,
     and compared with nothing)."""
-    records, runs, complete = store.records, store.runs, store.complete_runs
-    # A pasted repro line (run --case ...) is a run of its own kind: the headline, the tables and the trends
-    # follow the sweeps, and the newest repro is said apart (one repro made the page read "Red: 1 pass,
-    # 1 fail" and hid the sweep).
-    repros = repro_runs(records)
-    if not complete[~complete["run_id"].isin(repros)].empty:
-        complete = complete[~complete["run_id"].isin(repros)]
+    # A debugging run (a repro line pasted, minimize, triage) is a run of its own kind: the headline, the tables
+    # and the trends follow the sweeps, and the newest other run is said apart (one repro made the page read
+    # "Red: 1 pass, 1 fail" and hid the sweep).
+    records, runs, complete = store.records, store.runs, store.judged_runs
     parts = [
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
         "<meta name='viewport' content='width=device-width, initial-scale=1'>",
@@ -414,7 +405,6 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
         else:
             regressions = find_regressions(history, complete, window, growth)
             status, green = status_line(last, complete.iloc[-1], regressions)
-        newest_repro = runs[runs["run_id"].isin(repros) & (runs["run_id"] != last_id)].tail(1)
         unfinished = runs[runs["status"] != COMPLETE]
         after = unfinished[unfinished.index > runs.index[runs["run_id"] == last_id][0]]
         newer = "; ".join(
@@ -437,9 +427,9 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
         parts += [
             f"<p id='status' class='{'pass' if green else 'fail'}'>{html.escape(status)}</p>",
             f"<p class='note'>Newer runs, not compared: {html.escape(newer)}</p>" if newer else "",
-            _repro_line(newest_repro, records),
+            _apart_line(runs, complete, last_id),
             "<h2>Overview</h2>",
-            f"<p>{len(runs)} runs ({len(complete)} complete); {which} <code>{html.escape(last_id)}</code>.</p>",
+            f"<p>{html.escape(store.runs_sentence())}; {which} <code>{html.escape(last_id)}</code>.</p>",
             _table(runs, "runs"),
             f"<h3>{which.capitalize()} per backend</h3>",
             _table(per_backend, "per-backend"),

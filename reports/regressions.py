@@ -127,6 +127,28 @@ def environment_change(runs: pd.DataFrame, before: str, after: str) -> str:
     return "; ".join(parts) or "no change of environment, suite or seed (nondeterminism, or a flaky kernel)"
 
 
+def code_changes(records: pd.DataFrame, before: str, after: str) -> dict[str, str]:
+    """The backends whose own source (``backend_code``) differs between two runs: ``{backend: "its code changed
+    (a1 -> b2)"}``. Records of older runs hold no hash: nothing is said of those."""
+    if "backend_code" not in records:
+        return {}
+    code = records[records["run_id"].isin([before, after])].dropna(subset=["backend_code"])
+    code = code[code["backend_code"].astype(str) != ""]
+    hashes = code.groupby(["backend", "run_id"])["backend_code"].first().unstack()
+    if before not in hashes or after not in hashes:
+        return {}
+    moved = hashes.dropna(subset=[before, after])
+    moved = moved[moved[before] != moved[after]]
+    return {backend: f"the backend's code changed ({row[before]} -> {row[after]})" for backend, row in moved.iterrows()}
+
+
+def _with_code(cause: str, backend: str, changed: dict[str, str]) -> str:
+    """``cause`` with the backend's own code change first, where its code changed (then it is not "no change")."""
+    if backend not in changed:
+        return cause
+    return changed[backend] if cause.startswith("no change") else f"{changed[backend]}; {cause}"
+
+
 def _shown(value: object) -> str:
     """A recorded value as text: a seed read back as 7.0 is 7; a missing one is 'derandomized'."""
     if value is None or (isinstance(value, float) and math.isnan(value)) or value == "":
@@ -200,6 +222,7 @@ def find_regressions(
     last = groups[groups["run_id"] == previous].set_index(GROUP)
     median = past.groupby(GROUP)["worst"].median()
     cause = environment_change(env_runs, previous, latest)
+    changed = code_changes(records, previous, latest)
     flags = []
     for key, row in now.iterrows():
         before = median.get(key, math.nan)
@@ -207,7 +230,7 @@ def find_regressions(
         entry = {
             "tonight": row["worst"],
             "before": before,
-            "cause": cause,
+            "cause": _with_code(cause, dict(zip(GROUP, key, strict=True))["backend"], changed),
             "case_id": row["case_id"],
             "repro": row["repro"],
         }

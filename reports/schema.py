@@ -85,6 +85,8 @@ RECORD_COLUMNS: dict[str, str] = {
     "it), `beyond working precision (no library tolerance)`; '' on a pass, a skip or a warning",
     "library": "the library (and version) the backend's kernel comes from, as the backend declares it: "
     "`fla-core 0.6.0`, `vLLM 1a2b3c (KDA_VLLM_SRC)`; '' for the suite's own and undeclared backends",
+    "backend_code": "a hash of the Python source that defines the backend (its plugin module, its adapter): a "
+    "backend whose code changed between two runs says so in the regressions; '' where no source file was found",
     "test": "pytest node id (pytest runs only)",
     "env_device_type": "`cpu`, `cuda`",
     "env_device_name": "GPU name, or the CPU's model (`/proc/cpuinfo`)",
@@ -122,6 +124,9 @@ RECORD_COLUMNS: dict[str, str] = {
     "env_seed": "seed of a randomized profile's draw ('' when derandomized), or of the first sweep's cases "
     "(`run --seed`); rerun with it to get the same cases",
     "env_command": "the command line that produced the run (`kda-conformance ...` or `pytest ...`)",
+    "env_purpose": "what made the run: a sweep (`sweep`, `nightly`, `pytest`), judged by the dashboard's headline "
+    "and regressions, or a run kept apart (`cases`: a repro line pasted, `minimize`, `repro`, `detection`, "
+    "`triage`, `calibrate`, `checks`, `findings`)",
     "env_baseline": "`module.Class` of the baseline backend (`torch_chunk`) every limit derived from; "
     "`kda_kernels.torch_chunk.TorchChunk` unless a plugin replaced it",
 }

@@ -45,8 +45,29 @@ class Store:
 
     @property
     def complete_runs(self) -> pd.DataFrame:
-        """The runs that finished (every part of them), oldest first: what regressions compare."""
+        """The runs that finished (every part of them), oldest first."""
         return self.runs[self.runs["status"] == COMPLETE].reset_index(drop=True)
+
+    @property
+    def judged_runs(self) -> pd.DataFrame:
+        """The complete runs the headline, the regressions and ``--fail-on-flags`` judge, oldest first: the
+        sweeps (SWEEP_PURPOSES); a store that holds no complete sweep judges every complete run."""
+        complete = self.complete_runs
+        sweeps = complete[complete["purpose"].isin(SWEEP_PURPOSES)].reset_index(drop=True)
+        return sweeps if not sweeps.empty else complete
+
+    def runs_sentence(self) -> str:
+        """How many runs the store holds, counted as the dashboard judges them (the CLI and the page say the
+        same): ``12 runs: 7 complete sweeps; apart: 3 minimize, 2 cases``."""
+        judged = self.judged_runs
+        kind = "sweeps" if judged["purpose"].isin(SWEEP_PURPOSES).all() and not judged.empty else "runs"
+        text = f"{len(self.runs)} runs: {len(judged)} complete {kind} judged"
+        apart = self.runs[~self.runs["run_id"].isin(judged["run_id"])]
+        if not apart.empty:
+            counts = apart.assign(what=apart["purpose"].where(apart["status"] == COMPLETE, apart["status"]))
+            shown = counts["what"].value_counts()
+            text += "; apart: " + ", ".join(f"{n} {what}" for what, n in shown.items())
+        return text
 
 
 class StoreError(ValueError):
@@ -197,6 +218,27 @@ def _field(data: dict, name: str, kind: type, default: object, path: Path, probl
     return default
 
 
+# What made a run (its environment's ``purpose``). The sweeps, a profile or grid over the backends (``run``
+# without given cases, a pytest session, a night), are what the headline and the regressions judge; the
+# others run given cases for a purpose of their own (a repro line pasted, minimize, triage's reruns,
+# detection's planted bugs) and are listed apart, so a debugging run never becomes the headline.
+SWEEP_PURPOSES = ("sweep", "nightly", "pytest")
+OTHER_PURPOSES = ("cases", "minimize", "repro", "detection", "triage", "calibrate", "checks", "findings")
+
+
+def run_purpose(purpose: object, command: object) -> str:
+    """A run's purpose as its environment records it; for a run recorded before runs said so, read from its
+    command line (given cases: ``--case``; else the ``kda-conformance`` subcommand; pytest; a sweep)."""
+    if isinstance(purpose, str) and purpose:
+        return purpose
+    words = str(command).split() if isinstance(command, str) else []
+    if "--case" in words:
+        return "cases"
+    if words[:1] == ["kda-conformance"] and len(words) > 1 and words[1] in OTHER_PURPOSES:
+        return words[1]
+    return "pytest" if words[:1] == ["pytest"] else "sweep"
+
+
 ENV_SHOWN = ("env_date", "env_profile", "env_device_name", "env_arch", "env_suite_commit", "env_complete")
 # A run's status: finished; stopped before its end (interrupted, or its process died); still being written.
 COMPLETE, INCOMPLETE, IN_PROGRESS = "complete", "incomplete", "in progress"
@@ -206,7 +248,7 @@ def summarize_runs(records: pd.DataFrame, live: set[str] | frozenset[str] = froz
     """One row per run, oldest first: its status (``live``: the runs a process is still writing), its
     environment and how many records passed, failed, erred, skipped."""
     if records.empty:
-        return pd.DataFrame(columns=["run_id", "status", *ENV_SHOWN, *VERDICTS])
+        return pd.DataFrame(columns=["run_id", "status", "purpose", *ENV_SHOWN, *VERDICTS])
     counts = pd.crosstab(records["run_id"], records["verdict"])
     for verdict in VERDICTS:
         if verdict not in counts:
@@ -218,4 +260,8 @@ def summarize_runs(records: pd.DataFrame, live: set[str] | frozenset[str] = froz
     complete = runs["env_complete"].fillna(True).astype(bool) if "env_complete" in runs else True
     status = pd.Series(INCOMPLETE, index=runs.index).where(~complete, COMPLETE)
     runs.insert(1, "status", status.where(~runs["run_id"].isin(live), IN_PROGRESS))
+    first = records.groupby("run_id").first()
+    recorded = [first.get(c, pd.Series(index=first.index, dtype=object)) for c in ("env_purpose", "env_command")]
+    purposes = {run: run_purpose(p, c) for run, p, c in zip(first.index, *recorded, strict=True)}
+    runs.insert(2, "purpose", runs["run_id"].map(purposes))
     return runs.sort_values(["env_date", "run_id"] if "env_date" in runs else "run_id").reset_index(drop=True)

@@ -408,4 +408,73 @@ def test_a_pasted_repro_line_does_not_become_the_headline(tmp_path: Path) -> Non
     text = (tmp_path / "dashboard.html").read_text()
     status = re.search(r"<p id='status' class='(\w+)'>(.*?)</p>", text)
     assert status and "6 pass" in status.group(2), status
-    assert "Newest repro run (given cases, kept apart from the sweeps)" in text and "2 pass" in text
+    assert "Newest run kept apart from the sweeps (cases)" in text and "2 pass" in text
+
+
+PLUGINS = Path(__file__).with_name("plugins")
+
+
+def test_a_minimize_run_stays_apart_and_the_cli_counts_runs_as_the_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After ``minimize --from-run`` the headline was the minimize run ("Red: ... 2 pass, 2 fail"),
+    ``--fail-on-flags`` exited 1, and the CLI said "12 runs (12 complete)" where the page said 7."""
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    sweep = ["run", "--device", "cpu", "--backend", "torch_chunk", "--lengths", "37", "--dtypes", "bf16"]
+    assert main([*sweep, "--out", str(tmp_path), "--no-dashboard"]) == 0
+    assert main([*sweep, "--out", str(tmp_path), "--no-dashboard"]) == 0
+    case = '{"seq_lens": [40], "num_heads": 1, "num_v_heads": 1, "head_k_dim": 16, "head_v_dim": 16}'
+    planted = ["run", "--device", "cpu", "--plugin", "kda_planted_bugs", "--backend", "planted_nan_at_one_position"]
+    failing = tmp_path / "failing"
+    assert main([*planted, "--case", case, "--out", str(failing), "--no-dashboard"]) == 1
+    minimize = ["minimize", "--plugin", "kda_planted_bugs", "--device", "cpu", "--out", str(tmp_path)]
+    assert main([*minimize, "--from-run", str(next((failing / "runs").glob("*.parquet")))]) == 1
+    capsys.readouterr()
+    assert main(["dashboard", "--out", str(tmp_path), "--fail-on-flags"]) == 0
+    said = capsys.readouterr().out
+    text = (tmp_path / "dashboard.html").read_text()
+    status = re.search(r"<p id='status' class='(\w+)'>(.*?)</p>", text)
+    assert status and status.group(1) == "pass" and "fail" not in status.group(2).split(":", 2)[-1], status
+    assert "Newest run kept apart from the sweeps (minimize)" in text
+    sentence = "3 runs: 2 complete sweeps judged; apart: 1 minimize"
+    assert sentence in said and sentence in text, said
+
+
+def test_a_backend_whose_code_changed_says_so_in_the_regressions(tmp_path: Path) -> None:
+    """A plugin edited between two runs read as "no change of environment, suite or seed (nondeterminism, or a
+    flaky kernel)"."""
+    plugin = tmp_path / "my_kda_backend.py"
+    source = """from kda_kernels.protocol import BackendOutput
+from kda_kernels.registry import register
+from kda_kernels.torch_chunk import TorchChunk
+
+
+class Edited(TorchChunk):
+    name = "edited_backend"
+    scale = {scale}
+
+    def run(self, inputs):
+        out = super().run(inputs)
+        return BackendOutput(out.o * self.scale, out.final_state, out.checkpoint_states)
+
+
+register("edited_backend", Edited)
+"""
+    store = tmp_path / "store"
+    runs = []
+    for scale in ("1.0", "1.5"):
+        plugin.write_text(source.format(scale=scale))
+        argv = ["run", "--device", "cpu", "--plugin", str(plugin), "--backend", "edited_backend"]
+        code = subprocess.run(
+            [sys.executable, "-c", "import sys; from kda_conformance.cli import main; sys.exit(main(sys.argv[1:]))",
+             *argv, "--lengths", "37", "--dtypes", "bf16", "--out", str(store), "--no-dashboard"],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        runs.append(code.returncode)
+    assert runs == [0, 1], runs
+    loaded = load_store(store)
+    hashes = loaded.records.groupby("run_id")["backend_code"].first()
+    assert hashes.nunique() == 2 and all(len(h) == 12 for h in hashes), hashes
+    regressions = find_regressions(loaded.records, loaded.judged_runs)
+    assert not regressions.empty
+    assert regressions["cause"].str.startswith("the backend's code changed (").all(), regressions["cause"].tolist()

@@ -33,7 +33,7 @@ from kda_conformance.checks import CHECKS, run_check
 from kda_conformance.cli.common import add_backends, add_device, add_out, config_from_args, parse_case, say, typed
 from kda_conformance.cli.exits import PASSED, verdict_exit
 from kda_conformance.judging.judge import judge_for
-from kda_conformance.running.config import RUN_ID_VARIABLE, RunConfig, parse_count
+from kda_conformance.running.config import PURPOSE_VARIABLE, RUN_ID_VARIABLE, RunConfig, parse_count
 from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.runner import fault_finding
 from kda_conformance.running.session import Run
@@ -155,7 +155,7 @@ def side_by_side(
     without its rows (killed, crashed outside a check) is an error row naming its exit and its last words."""
     scratch = tempfile.TemporaryDirectory(prefix="kda-checks-")  # each process's rows and log, gone at the end
     folder = Path(scratch.name)
-    env = {**os.environ, RUN_ID_VARIABLE: config.run_id}
+    env = {**os.environ, RUN_ID_VARIABLE: config.run_id, PURPOSE_VARIABLE: "checks"}
     running: set[subprocess.Popen] = set()
     say(console, f"checks of {len(config.backends)} backends side by side, {workers} processes at once")
 

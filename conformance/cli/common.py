@@ -187,6 +187,8 @@ def config_from_args(args: argparse.Namespace, console: Console, writes: bool = 
             redraws=getattr(args, "redraws", None),
             run_id=getattr(args, "run_id", None),
             command=args.command_line,
+            # `run` with given cases (a repro line pasted) is not a sweep; every other command is its purpose.
+            purpose="cases" if getattr(args, "cases", None) else "sweep" if args.command == "run" else args.command,
         )
     except ConfigError as exc:
         say(console, f"{exc}", "error:", "red")

@@ -44,8 +44,7 @@ def rebuild_dashboard(store_dir: Path, html: Path | None, window: int, growth: f
             row.kind,
             "red",
         )
-    complete = len(store.complete_runs)
-    console.print(f"{len(store.runs)} runs ({complete} complete), {len(regressions)} flags; dashboard: {path}")
+    console.print(f"{store.runs_sentence()}; {len(regressions)} flags; dashboard: {path}", highlight=False)
     return regressions
 
 

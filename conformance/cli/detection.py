@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from kda_cases.files import atomic_write_text
 from kda_cases.profiles import PROFILES
 from kda_conformance.checks import CHECKS
 from kda_conformance.cli.common import say
-from kda_conformance.running.config import parse_count
+from kda_conformance.running.config import PURPOSE_VARIABLE, parse_count
 from kda_conformance.running.options import pytest_argv, typed
 from kda_kernels import registry
 from kda_reports.detection import detection_markdown, detection_problems, detection_table, detection_verdict
@@ -126,6 +127,7 @@ def run_detection(
     output line by line as it comes (its progress), for a run that takes minutes; ``strict``: warnings fail."""
     command = pytest_command(backends, plugins, profile, device, out, seed, strict, examples)
     lines = []
+    env = {**(os.environ if env is None else env), PURPOSE_VARIABLE: "detection"}
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as process:
         assert process.stdout is not None
         for line in process.stdout:

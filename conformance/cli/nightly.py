@@ -35,7 +35,7 @@ from kda_conformance.running.compile import (
     shard_jobs,
     summary,
 )
-from kda_conformance.running.config import DEFAULT_CASE_TIMEOUT, ConfigError, build_config
+from kda_conformance.running.config import DEFAULT_CASE_TIMEOUT, PURPOSE_VARIABLE, ConfigError, build_config
 from kda_conformance.running.faults import is_sticky
 from kda_conformance.running.memory import WORKERS_VARIABLE, WorkerPlan, chosen_gpus, device_gib, plan_workers
 from kda_conformance.running.options import OPTIONS, add_options, pytest_argv
@@ -164,6 +164,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         "PYTHONUNBUFFERED": "1",
         "TRITON_CACHE_DIR": str(cache.resolve()),
         "TRITON_CACHE_AUTOTUNING": os.environ.get("TRITON_CACHE_AUTOTUNING", "1"),
+        PURPOSE_VARIABLE: "nightly",
     }
     if plan is not None:
         say(console, plan.line())

@@ -47,6 +47,9 @@ ACCEPT_RESOURCE_VARIABLE = "KDA_ACCEPT_RESOURCE"
 NOT_CHECKED_EXIT = 4
 PROFILE_VARIABLE = "KDA_PROFILE"
 RUN_ID_VARIABLE = "KDA_RUN_ID"
+# What made a run (kda_reports.store's purposes): a front end that runs pytest for a purpose of its own
+# (a night, detection, ``checks --run``) tells its session through this variable; a plain session is "pytest".
+PURPOSE_VARIABLE = "KDA_RUN_PURPOSE"
 SHARD_VARIABLE = "KDA_SHARD"
 RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -209,6 +212,7 @@ class RunConfig:
     # (None: no limit). With ``isolate``, the limit of each case's worker process instead.
     case_timeout: float | None = None
     command: str = ""  # the command line, as the run's environment records it
+    purpose: str = ""  # what made the run (kda_reports.store: SWEEP_PURPOSES, OTHER_PURPOSES); '' not said
     # One invocation is one run, whatever the number of processes and hosts: the controlling process (or
     # the CI job, through KDA_RUN_ID) names it, and every worker and shard writes a part of it.
     run_id: str = field(default_factory=new_run_id)
@@ -270,6 +274,7 @@ class RunConfig:
         env = {
             **environment(self.device, self.libraries()),
             "command": redact(self.command),
+            "purpose": self.purpose,
             "baseline": baseline_class(),
         }
         if self.profile is not None:
@@ -381,6 +386,7 @@ def build_config(
     isolate: bool | None = None,
     case_timeout: float | None = None,
     command: str = "",
+    purpose: str = "",
     run_id: str | None = None,
     shard: str | None = None,
 ) -> RunConfig:
@@ -450,6 +456,7 @@ def build_config(
         isolate=resolved.type != "cpu" if isolate is None else isolate,
         case_timeout=case_timeout,
         command=command,
+        purpose=purpose,
         run_id=run_id,
         shard=shard_of,
     )

@@ -107,7 +107,7 @@ class Run:
         self.examples = ExampleLog()
         self.truths = TruthCache(config.device)
         self.calls = CallJournal(lambda: self.recorder, self._rows)
-        self._libraries: dict[str, str] = {}  # backend -> its libraries and their versions, as records say
+        self._libraries: dict[str, dict[str, str]] = {}  # backend -> its library (and version) and code hash
         self._recorder: RunRecorder | None = None
         self.frame: pd.DataFrame | None = None  # the records as written, once the run finished
         # (backend, kernel configuration) pairs that crashed the device this night, on this host.
@@ -278,18 +278,22 @@ class Run:
         return timer
 
     def _rows(self, findings: Sequence[Finding], test: str | None) -> list[dict]:
-        """The findings' records, each naming the library (and version) its backend declares."""
-        return [{**row, "library": self._library(row["backend"])} for row in record_rows(findings, test)]
+        """The findings' records, each naming the library (and version) its backend declares and the hash of
+        the backend's own source."""
+        return [{**row, **self._code(row["backend"])} for row in record_rows(findings, test)]
 
-    def _library(self, backend: str) -> str:
+    def _code(self, backend: str) -> dict[str, str]:
         if backend not in self._libraries:
             try:
-                declared = registry.get(backend).libraries
+                made = registry.get(backend)
             except (KeyError, registry.PluginError):  # the suite's own findings, a backend gone since
-                declared = ()
-            self._libraries[backend] = "; ".join(
+                made = None
+            declared = made.libraries if made is not None else ()
+            library = "; ".join(
                 f"{lib.name} {library_version(lib.distribution, lib.source_variable)}" for lib in declared
             )
+            code = registry.code_of(backend, made) if made is not None else ""
+            self._libraries[backend] = {"library": library, "backend_code": code}
         return self._libraries[backend]
 
     def record(self, findings: Sequence[Finding], test: str | None = None) -> list[dict]:
