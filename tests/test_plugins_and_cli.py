@@ -388,7 +388,23 @@ def test_a_long_sweep_says_how_long_it_expects_before_it_starts_and_what_is_left
     out = capsys.readouterr().out
     planned = next(line for line in out.splitlines() if line.startswith("planned: "))
     assert "3 case x backend runs, 1217 tokens in all, the largest T300+0+300+17" in planned and "about " in planned
-    assert "progress: 3 of 3 case x backend runs, 0 failures" in out and "s left" in out
+    assert "progress: 3 of 3 case x backend runs, nothing failed" in out and "s left" in out
+
+
+def test_a_raising_backend_is_an_error_in_the_progress_line_and_the_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A backend that raised counted as "3 failures" in the progress line and "3 error" in the summary."""
+    from kda_conformance.cli.exits import ERRORED
+
+    monkeypatch.syspath_prepend(str(Path(__file__).with_name("plugins")))
+    argv = ["run", "--device", "cpu", "--plugin", "kda_planted_crashes", "--backend", "planted_raises"]
+    assert main([*argv, "--lengths", "37,64", "--dtypes", "bf16", "--out", str(tmp_path), "--no-dashboard"]) == ERRORED
+    out = capsys.readouterr().out
+    progress = [line for line in out.splitlines() if line.startswith("progress: ")][-1]
+    summary = next(line for line in out.splitlines() if line.startswith("run ") and ": " in line)
+    errors = summary.split(": ", 1)[1]
+    assert errors.endswith(" error") and f", {errors}, " in progress, (progress, summary)
 
 
 def test_a_misspelled_backend_and_an_empty_list_item_are_told_not_run(capsys: pytest.CaptureFixture[str]) -> None:

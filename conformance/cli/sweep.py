@@ -4,6 +4,7 @@ the terminal, each record journaled as it is measured, the run's files and the f
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,7 +153,7 @@ def sweep(run: Run, cases: Sequence[Case], console: Console, verbose: bool = Fal
                 if not console.is_terminal and (time.monotonic() - said >= PROGRESS_EVERY_S or done == total):
                     said = time.monotonic()
                     console.print(
-                        f"progress: {done} of {total} case x backend runs, {len(failures)} failures, "
+                        f"progress: {done} of {total} case x backend runs, {_failed_words(failures)}"
                         f"{said - started:.0f} s; {left}",
                         highlight=False,
                     )
@@ -169,6 +170,13 @@ def sweep(run: Run, cases: Sequence[Case], console: Console, verbose: bool = Fal
     paths = run.finish(complete=not (interrupted or stopped), keep_empty=True)
     assert run.frame is not None
     return SweepResult(run.frame, paths, failures, interrupted, stopped)
+
+
+def _failed_words(failures: Sequence[Finding]) -> str:
+    """The failed records so far in the words of the run's last line (``2 fail, 3 error, ``): a backend that
+    raises is an error in both, never "failures" in one and "error" in the other."""
+    counts = Counter(f.verdict for f in failures)
+    return "".join(f"{n} {verdict}, " for verdict, n in sorted(counts.items())) or "nothing failed, "
 
 
 def _probe_case(case: Case, work_units: int) -> Case:
