@@ -196,19 +196,37 @@ def _share_cores() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
+def _ran_id(backend_name: str, case: Case) -> str:
+    """The test id of the case a test of ``backend_name`` runs: ``case`` moved into the backend's envelope
+    (what its records and repro line name), or ``case`` itself where the backend cannot say at collection."""
+    try:
+        return guard.fit(registry.get(backend_name), case).test_id
+    except Exception:  # the test itself records the backend's fault; its id names the drawn case
+        return case.test_id
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     run = metafunc.config.stash[RUN]
-    if "kda_backend_name" in metafunc.fixturenames:
-        metafunc.parametrize("kda_backend_name", list(run.config.backends))
-    for fixture, cases in (
-        ("first_sweep_case", run.config.grid.cases),
-        ("long_case", run.config.long_cases),
-        ("sentinel", run.config.sentinel_cases),
-        ("guaranteed_case", run.config.guaranteed_cases),
-    ):
-        if fixture in metafunc.fixturenames:
-            chosen = cases()
-            metafunc.parametrize(fixture, chosen, ids=[c.test_id for c in chosen])
+    backends = list(run.config.backends)
+    per_backend = "kda_backend_name" in metafunc.fixturenames
+    sources = {
+        "first_sweep_case": (run.config.grid.cases, True),
+        "long_case": (run.config.long_cases, True),
+        "sentinel": (run.config.sentinel_cases, False),
+        "guaranteed_case": (run.config.guaranteed_cases, True),
+    }
+    fixture = next((name for name in sources if name in metafunc.fixturenames), None)
+    chosen = sources[fixture][0]() if fixture else []
+    if fixture and per_backend and sources[fixture][1]:
+        # The id names the case that runs, the one moved into the backend's envelope (what its records and
+        # repro line name), the backend first as everywhere (shards read it there).
+        pairs = [(b, c) for b in backends for c in chosen]
+        metafunc.parametrize(["kda_backend_name", fixture], pairs, ids=[f"{b}-{_ran_id(b, c)}" for b, c in pairs])
+        return
+    if per_backend:
+        metafunc.parametrize("kda_backend_name", backends)
+    if fixture:
+        metafunc.parametrize(fixture, chosen, ids=[c.test_id for c in chosen])
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ cases drawn for it are drawn inside it, so a backend as narrow as FlashKDA gets 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -191,3 +192,19 @@ def test_backends_lists_every_backend_as_json_with_its_library_version_and_why_n
     flashkda = listed["flashkda_cuda"]
     assert not flashkda["runs_here"] and "cuda only" in flashkda["why_not"]
     assert flashkda["envelope"]["dtypes"] == "bf16" and flashkda["declared_precision"].startswith("bf16 state")
+
+
+def test_a_test_id_names_the_case_that_ran_not_the_drawn_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test id named the drawn case (``...-kda-cb6cc21512bb``, K64) while the records and the repro line name
+    the case moved into the backend's envelope; the id now names that one."""
+    args = [sys.executable, "-m", "pytest", "conformance/test_first_sweep.py", "--collect-only", "-q"]
+    args += ["--kda-device", "cpu", "--kda-plugin", "kda_narrow", "--kda-backend", "narrow_correct"]
+    env = {**os.environ, "PYTHONPATH": str(PLUGINS)}
+    done = subprocess.run(args, capture_output=True, text=True, cwd=REPO, env=env, check=False)
+    ids = [line.split("[", 1)[1] for line in done.stdout.splitlines() if "::test_first_sweep[" in line]
+    assert ids and all(i.startswith("narrow_correct-") and "K128V128" in i for i in ids), done.stdout[-2000:]
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    registry.load_plugin("kda_narrow")
+    drawn = Case(seq_lens=(37,), num_heads=2, num_v_heads=2, head_k_dim=64, head_v_dim=64)
+    ran = registry.get("narrow_correct").fit(drawn)
+    assert ran.id != drawn.id and any(ran.id in i for i in ids) and not any(drawn.id in i for i in ids)
