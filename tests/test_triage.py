@@ -77,3 +77,13 @@ def test_a_finding_that_does_not_fail_here_runs_no_switch(tmp_path: Path, plugin
     assert [r.outcome for r in result.reruns[:1]] == ["passes"]
     assert {r.outcome for r in result.reruns[1:]} == {"n/a (it passes as it failed)"}
     assert result.cause == "does not reproduce here (it passes)"
+
+
+def test_a_rerun_past_its_timeout_is_recorded_as_stopped(tmp_path: Path, plugins: list[str]) -> None:
+    case = Case(seq_lens=(37,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
+    line = f"kda-conformance run --device cpu --backend torch_chunk --case '{case.to_json()}'"
+    result = triage("f-1", line, build_parser(), tmp_path, timeout=0.01)
+    assert result.reruns[0].outcome == "stopped after 0.01 s" and result.cause.startswith("not established (as it")
+    with pytest.raises(SystemExit) as refused:
+        main(["triage", "--store", str(tmp_path), "--rerun-timeout", "0"])
+    assert refused.value.code == 2

@@ -16,7 +16,7 @@ from kda_conformance.cli.common import say
 from kda_conformance.cli.findings import store_findings
 from kda_conformance.judging.known import LEDGER
 from kda_conformance.repro.triage import parse_repro, triage, triage_json, triage_markdown
-from kda_conformance.running.config import parse_count
+from kda_conformance.running.config import parse_count, parse_positive
 
 NAME = "triage"
 HELP = "rerun each untriaged finding's smallest case with one switch at a time and name the one that clears it"
@@ -26,6 +26,13 @@ EXAMPLE = "kda-conformance triage --store nightly-store"
 def _jobs(text: str) -> int:
     try:
         return parse_count("--jobs", text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        return parse_positive("--rerun-timeout", text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -55,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--jobs", type=_jobs, default=1, metavar="N", help="reruns of one finding run at once (default 1; "
         "on a GPU host, where compiling is CPU-bound, the number of switches, 6, finishes a finding fastest)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rerun-timeout", type=_seconds, default=None, metavar="S", help="stop a rerun after S seconds, "
+        "recorded as stopped (default: none)",
     )  # fmt: skip
 
 
@@ -86,7 +97,11 @@ def execute(args: argparse.Namespace, console: Console) -> int:
             say(console, f"{finding.id}: its repro line loads {named}; pass that to triage it", "not rerun:", "yellow")
             continue
         console.print(f"triage {finding.id}: {finding.backends}, {finding.check}", highlight=False)
-        results.append(triage(finding.id, finding.repro, parser, out, plugins=args.plugin, jobs=args.jobs))
+        results.append(
+            triage(
+                finding.id, finding.repro, parser, out, plugins=args.plugin, jobs=args.jobs, timeout=args.rerun_timeout
+            )
+        )
         console.print(f"  cause: {results[-1].cause}", highlight=False)
         atomic_write_text(out / "triage.md", triage_markdown(results, f"runs {runs}"))
         atomic_write_text(out / "triage.json", triage_json(results))

@@ -52,11 +52,14 @@ class Rerun:
     environment: dict[str, str] = dataclasses.field(default_factory=dict)
     exit: int | None = None
     not_applied: str = ""
+    timed_out: float | None = None  # the seconds after which the rerun was stopped, if it was
 
     @property
     def outcome(self) -> str:
         if self.not_applied:
             return f"n/a ({self.not_applied})"
+        if self.timed_out is not None:
+            return f"stopped after {self.timed_out:g} s"
         return EXITS.get(self.exit, f"exit {self.exit}") if self.exit is not None else "not run"
 
 
@@ -79,6 +82,8 @@ class Triage:
 
     @property
     def cause(self) -> str:
+        if self.reruns and self.reruns[0].timed_out is not None:
+            return f"not established (as it failed, it was {self.reruns[0].outcome})"
         if not self.reruns or self.reruns[0].exit is None:
             return "not run"
         if not self.reproduces:
@@ -185,15 +190,25 @@ SWITCHES: dict[str, SwitchRule] = {
 }
 
 
-def _rerun(switch: str, r: Rerunnable, environment: dict[str, str], out: Path, env: dict[str, str]) -> Rerun:
+def _rerun(
+    switch: str, r: Rerunnable, environment: dict[str, str], out: Path, env: dict[str, str], timeout: float | None
+) -> Rerun:
     line = r.line()
     words = shlex.split(line)[1:]
     words += ["--out", str(out)] + (["--no-dashboard"] if words[0] == "run" else [])
-    done = subprocess.run(
-        [sys.executable, "-c", LAUNCH, *words], env={**env, **environment}, capture_output=True, text=True
-    )
     shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in environment.items())
-    return Rerun(switch, f"{shown} {line}".strip(), dict(environment), done.returncode)
+    command = f"{shown} {line}".strip()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", LAUNCH, *words],
+            env={**env, **environment},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:  # a compile that takes the GPU host minutes, a hang: said, not waited on
+        return Rerun(switch, command, dict(environment), timed_out=timeout)
+    return Rerun(switch, command, dict(environment), done.returncode)
 
 
 def triage(
@@ -204,14 +219,15 @@ def triage(
     env: dict[str, str] | None = None,
     plugins: Sequence[str] = (),
     jobs: int = 1,
+    timeout: float | None = None,
 ) -> Triage:
     """Rerun one finding's case (its repro line) as it failed, then, where it still fails, with each switch
     alone, each in a process of its own (a compile-time switch must be set before anything compiles; ``jobs``
-    of them at once), loading only ``plugins``; records go to ``out``."""
+    of them at once; each stopped after ``timeout`` seconds), loading only ``plugins``; records go to ``out``."""
     env = dict(os.environ if env is None else env)
     r = parse_repro(repro, parser, plugins)
     backend = registry.get(r.backend)
-    first = _rerun("as it failed", r, {}, out, env)
+    first = _rerun("as it failed", r, {}, out, env, timeout)
     if first.exit not in (1, 3):  # nothing to separate: a switch can only clear what fails here
         skipped = [Rerun(name, not_applied=f"it {first.outcome} as it failed") for name in SWITCHES]
         return Triage(finding_id, r.backend, r.check, r.case.id, (first, *skipped))
@@ -220,7 +236,7 @@ def triage(
     # CPU-bound, so several at once finish a finding in the time of its slowest rerun.
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         pending = {
-            name: pool.submit(_rerun, name, changed, environment, out, env)
+            name: pool.submit(_rerun, name, changed, environment, out, env, timeout)
             for name, (why, changed, environment) in rules.items()
             if not why
         }
