@@ -108,6 +108,13 @@ def test_a_kernel_worse_than_its_declared_tf32_design_still_fails(records: pd.Da
     worse = records[records["backend"] == "declared_tf32_dots_and_twice_its_error"]
     failed = worse[(worse["verdict"] == "fail") & (worse["case_dtype"] == "fp32")]
     assert not failed.empty and failed["rel_rms_ratio"].min() > 1.2
+    # Its failures are findings, not the design's cost: the cost table reads only the records that meet it.
+    cost = precision_costs(records).set_index("backend").loc["declared_tf32_dots_and_twice_its_error"]
+    met = pd.to_numeric(worse[worse["verdict"] == "pass"]["strict_ratio"], errors="coerce").dropna()
+    beyond = int(worse["verdict"].isin(["fail", "known", "error"]).sum())
+    assert cost["records"] == len(met) and beyond > 0 and f"{beyond} records past the declared limits" in cost["note"]
+    if len(met):
+        assert cost["worst_strict"] == met.max()
 
 
 def test_a_declaration_holds_only_on_its_platforms_and_library_versions() -> None:
