@@ -51,6 +51,13 @@ def test_triage_names_the_switch_that_clears_a_tf32_error_and_an_empty_member_bu
     assert empty["cause"] == "zero-length members removed", empty
     page = (store / "triage" / "triage.md").read_text()
     assert "| IEEE dots |" in page and "zero-length members removed |" in page
+    # The findings page shows each new finding's cause as triage found it.
+    findings = tmp_path / "findings.md"
+    argv = ["findings", "--store", str(store), *plugins, "--triage", str(store / "triage" / "triage.json")]
+    assert main([*argv, "--page", str(findings)]) == 0
+    rows = [line for line in findings.read_text().splitlines() if line.startswith("| [")]
+    causes = {row.split(" | ")[11] for row in rows if "| new |" in row}
+    assert causes == {"IEEE dots (triage/triage.json)", "zero-length members removed (triage/triage.json)"}, rows
 
 
 def test_a_repro_line_reads_back_as_the_rerun_it_names(plugins: list[str]) -> None:

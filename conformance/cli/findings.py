@@ -4,6 +4,7 @@ ledger of known issues, and a standalone test for each one that runs here (confo
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -64,6 +65,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plugin", action="append", default=[], metavar="MODULE", help="module that registers backends"
     )
+    parser.add_argument(
+        "--triage",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="FILE",
+        help="a triage.json of `kda-conformance triage` over this store (repeatable): the page shows each new "
+        "finding's cause as triage found it, or 'not triaged'",
+    )
     add_device(parser)
 
 
@@ -89,6 +99,12 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     if read is None:
         return 2
     store, findings = read
+    try:
+        causes = triage_causes(args.triage)
+    except (OSError, ValueError) as exc:
+        say(console, f"--triage: {exc}", "error:", "red")
+        return 2
+    findings = [replace(f, cause=causes.get(f.id, "not triaged" if f.status == "new" else "")) for f in findings]
     if args.report is not None:
         chosen = [f for f in findings if f.id == args.report]
         if not chosen:
@@ -121,6 +137,16 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         console.print(f"{f.status:8} {f.id}: {f.backends}; {f.worst}; {f.test or ''}", highlight=False, soft_wrap=True)
     console.print(f"page: {page}", highlight=False)
     return 0
+
+
+def triage_causes(files: list[Path]) -> dict[str, str]:
+    """Each triaged finding's cause, from triage.json files (conformance/repro/triage.py), with the file it is
+    read from; a later file's word on a finding wins."""
+    causes = {}
+    for path in files:
+        for entry in json.loads(Path(path).read_text()):
+            causes[str(entry["finding"])] = f"{entry['cause']} ({Path(path).parent.name}/{Path(path).name})"
+    return causes
 
 
 def with_committed_test(finding: UpstreamFinding, folder: Path = COMMITTED_TESTS) -> UpstreamFinding:

@@ -152,6 +152,7 @@ class UpstreamFinding:
     measured: tuple[Measured, ...] = ()
     environment: str = ""  # where that record was made: device, torch, triton, the library's version
     title: str = ""  # an upstream issue's title
+    cause: str = ""  # a new finding's cause as `kda-conformance triage` found it ("not triaged" where it did not)
 
 
 def _kernel(rows: pd.DataFrame) -> str:
@@ -486,13 +487,18 @@ def findings_markdown(findings: list[UpstreamFinding], source: str, precisions: 
             "backends run, writes and runs them."
         ),
         "",
+        "A new finding's *cause* is what `kda-conformance triage` found: the one switch under which its smallest "
+        "case passes, `not established` where none did, `not triaged` where it did not run (a ledger entry's "
+        "cause is its text).",
+        "",
         "| finding | status | tier | kernel | backends | check | cases | worst | library | first bad | smallest case "
-        "| test |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cause | test |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for f in findings:
         cells = [f"[{f.id}](#{f.id})", f.status, f.tier or "-", f.kernel or "-", f.backends, f.check or "-",
-                 str(f.cases), f.worst, f.library or "-", f.first_bad, f.case_id or "-", f.test or "-"]  # fmt: skip
+                 str(f.cases), f.worst, f.library or "-", f.first_bad, f.case_id or "-", f.cause or "-",
+                 f.test or "-"]  # fmt: skip
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     if precisions:
         lines += [
@@ -513,6 +519,8 @@ def findings_markdown(findings: list[UpstreamFinding], source: str, precisions: 
             )
         if f.copies:
             lines += ["", "Copies of the code path:", "", *(f"- {c}" for c in f.copies)]
+        if f.cause:
+            lines.append(f"\nCause (triage): {f.cause}")
         if f.confirmed:
             lines.append(f"\nConfirmed: {f.confirmed}")
         if f.upstream:
