@@ -190,6 +190,22 @@ def test_the_findings_page_goes_under_the_output_folder_unless_given_a_path(
     assert (tmp_path / "one.md").exists() and not (tmp_path / "docs").exists()
 
 
+def test_a_cpu_store_does_not_list_the_gpu_ledger_entries_as_not_seen(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`findings --store` of a CPU store listed 18 GPU ledger entries as "not seen"; they are counted instead."""
+    store = tmp_path / "store"
+    assert main(["run", "--backend", "torch_chunk", "--device", "cpu", "--lengths", "37", "--dtypes", "bf16",
+                 "--out", str(store), "--no-dashboard"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["findings", "--store", str(store)]) == 0
+    out = capsys.readouterr().out
+    cuda = [issue.id for issue in load_ledger() if issue.device == "cuda"]
+    assert cuda and not any(f" {entry}:" in out for entry in cuda), out
+    said = f"{len(cuda)} ledger entries for cuda, where no run of the store ran, not listed"
+    assert said in out and said in (store / "findings.md").read_text()
+
+
 @pytest.mark.slow
 def test_a_findings_rerun_that_loses_the_device_goes_last_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

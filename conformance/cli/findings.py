@@ -18,6 +18,7 @@ from kda_conformance.repro.standalone_finding import issue_text
 from kda_conformance.repro.upstream import (
     FindingLostDevice,
     UpstreamFinding,
+    for_other_devices,
     upstream_findings,
     write_finding_test,
     write_findings_page,
@@ -132,9 +133,17 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     folder = args.out or (args.store if args.store.is_dir() else args.store.parent)
     page_path = args.page or folder / PAGE
     page_path.parent.mkdir(parents=True, exist_ok=True)
-    page = write_findings_page(findings, source, page_path, precision_lines(store.records))
+    hidden = for_other_devices(findings, store.records)
+    elsewhere = ""
+    if hidden:
+        devices = ", ".join(sorted({f.device for f in hidden}))
+        elsewhere = f"{len(hidden)} ledger entries for {devices}, where no run of the store ran, not listed"
+        findings = [f for f in findings if f not in hidden]
+    page = write_findings_page(findings, source, page_path, precision_lines(store.records), elsewhere)
     for f in findings:
         console.print(f"{f.status:8} {f.id}: {f.backends}; {f.worst}; {f.test or ''}", highlight=False, soft_wrap=True)
+    if elsewhere:
+        console.print(elsewhere, highlight=False)
     console.print(f"page: {page}", highlight=False)
     return 0
 

@@ -153,6 +153,7 @@ class UpstreamFinding:
     environment: str = ""  # where that record was made: device, torch, triton, the library's version
     title: str = ""  # an upstream issue's title
     cause: str = ""  # a new finding's cause as `kda-conformance triage` found it ("not triaged" where it did not)
+    device: str = ""  # a ledger entry's device ("cuda", "cpu"; "" any)
 
 
 def _kernel(rows: pd.DataFrame) -> str:
@@ -292,6 +293,13 @@ def _row(
     )
 
 
+def for_other_devices(findings: list[UpstreamFinding], records: pd.DataFrame) -> list[UpstreamFinding]:
+    """The ledger entries no run of the store could have seen: `not seen`, for a device no record was made on
+    (a CPU store and the GPU entries). Listed, they read as 18 entries "not seen"; they are counted instead."""
+    seen = set(records["device"].astype(str).str.split(":").str[0]) if "device" in records else set()
+    return [f for f in findings if f.status == "not seen" and f.device and f.device not in seen]
+
+
 def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> list[UpstreamFinding]:
     """One row per ledger entry (its status in the newest run that matched it) and per new kernel failure of
     each backend's newest run."""
@@ -312,7 +320,9 @@ def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> 
         if mine.empty:
             backends, checks = ", ".join(issue.backends), ", ".join(issue.checks)
             unseen = dict(status="not seen", run="", check=checks, cases=0, worst="-", first_bad="-", case_id="")
-            rows.append(UpstreamFinding(issue.id, backends, "", **unseen, case_json="", repro="", **text))
+            rows.append(
+                UpstreamFinding(issue.id, backends, "", **unseen, case_json="", repro="", device=issue.device, **text)
+            )
             continue
         run = _newest(mine)
         last = mine[mine["run_id"].astype(str) == run]
@@ -463,10 +473,14 @@ class FindingLostDevice(DeviceLost):
         self.finding = finding
 
 
-def findings_markdown(findings: list[UpstreamFinding], source: str, precisions: list[str] | None = None) -> str:
+def findings_markdown(
+    findings: list[UpstreamFinding], source: str, precisions: list[str] | None = None, elsewhere: str = ""
+) -> str:
     """docs/findings.md: the table, then the cost of the designs the libraries declare (``precisions``: lines of
-    reports/precision.py), then each finding's text, copies, upstream links, cases and repro line."""
+    reports/precision.py), then each finding's text, copies, upstream links, cases and repro line; ``elsewhere``:
+    what is said of the ledger entries of devices the store never ran on, not listed."""
     counts = ", ".join(f"{sum(f.status == s for f in findings)} {s}" for s in STATUSES)
+    counts += f"; {elsewhere}" if elsewhere else ""
     lines = [
         "# Findings ready for upstream",
         "",
@@ -536,7 +550,7 @@ def findings_markdown(findings: list[UpstreamFinding], source: str, precisions: 
 
 
 def write_findings_page(
-    findings: list[UpstreamFinding], source: str, path: Path, precisions: list[str] | None = None
+    findings: list[UpstreamFinding], source: str, path: Path, precisions: list[str] | None = None, elsewhere: str = ""
 ) -> Path:
-    atomic_write_text(Path(path), findings_markdown(findings, source, precisions))
+    atomic_write_text(Path(path), findings_markdown(findings, source, precisions, elsewhere))
     return Path(path)
