@@ -4,6 +4,7 @@ selected backend. ``conformance/test_properties.py`` and ``test_serving.py`` hol
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from collections.abc import Callable
@@ -12,8 +13,10 @@ from typing import NoReturn
 import pytest
 from hypothesis import event, given, target
 from hypothesis import strategies as st
+from hypothesis.errors import FailedHealthCheck, Unsatisfiable
 
 from kda_cases.coverage import axis_values
+from kda_conformance.checking.registry import REFUSALS
 from kda_conformance.checks import CHECKS, Check
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.running.runner import fault_finding
@@ -124,10 +127,28 @@ def check_test(check: Check) -> Callable[..., None]:
             failed[example] = (findings, report)
             fail(request, findings, report)
 
-    test.__name__ = test.__qualname__ = check.test_name
-    test.__doc__ = check.summary
-    test.kda_check = check
-    return test
+    @functools.wraps(test)
+    def refusing_plugin_said(*args, **kwargs) -> None:
+        backend = kwargs.get("kda_backend")
+        try:
+            test(*args, **kwargs)
+            return
+        except (FailedHealthCheck, Unsatisfiable):
+            refused = REFUSALS.get(backend.name) if isinstance(backend, Backend) else None
+            if refused is None:
+                raise
+        pytest.fail(  # outside the handler: Hypothesis's own text would be chained above it
+            f"{backend.name}: its supports() refused {refused[0]} of the cases drawn for it (the last: "
+            f"{refused[1]}) and Hypothesis gave up: a configuration problem of the plugin, not a failure of its "
+            "kernel. Declare the cases it takes as its Envelope (docs/plugins.md: `envelope = Envelope(dtypes=..., "
+            "head_dims=...)`) and the suite draws inside it.",
+            pytrace=False,
+        )
+
+    refusing_plugin_said.__name__ = refusing_plugin_said.__qualname__ = check.test_name
+    refusing_plugin_said.__doc__ = check.summary
+    refusing_plugin_said.kda_check = check
+    return refusing_plugin_said
 
 
 def suite_tests(suite: str) -> dict[str, Callable[..., None]]:

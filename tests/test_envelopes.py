@@ -208,3 +208,28 @@ def test_a_test_id_names_the_case_that_ran_not_the_drawn_one(tmp_path: Path, mon
     drawn = Case(seq_lens=(37,), num_heads=2, num_v_heads=2, head_k_dim=64, head_v_dim=64)
     ran = registry.get("narrow_correct").fit(drawn)
     assert ran.id != drawn.id and any(ran.id in i for i in ids) and not any(drawn.id in i for i in ids)
+
+
+def test_a_plugin_whose_supports_refuses_most_cases_is_told_to_declare_an_envelope(tmp_path: Path) -> None:
+    """A plugin that overrides ``supports()`` instead of declaring an ``Envelope`` got a bare Hypothesis
+    FailedHealthCheck charged to its kernel's test; the test now says it is the plugin's configuration."""
+    plugin = tmp_path / "kda_refusing.py"
+    plugin.write_text(
+        "from kda_kernels.api import register\n"
+        "from kda_kernels.protocol import Support\n"
+        "from kda_kernels.torch_chunk import TorchChunk\n\n\n"
+        "class Refusing(TorchChunk):\n"
+        "    name = 'refusing_by_supports'\n\n"
+        "    def supports(self, case):\n"
+        "        if case.head_k_dim != 96 or case.dtype != 'fp16':\n"
+        "            return Support.no(f'takes K = 96 fp16 only (the case has K={case.head_k_dim})')\n"
+        "        return Support.yes()\n\n\n"
+        "register(Refusing.name, Refusing)\n"
+    )
+    args = [sys.executable, "-m", "pytest", "conformance/test_properties.py", "-q", "-k", "within_budget"]
+    args += ["-p", "no:randomly", "--kda-device", "cpu", "--kda-plugin", str(plugin), "--kda-out", str(tmp_path)]
+    done = subprocess.run([*args, "--kda-backend", "refusing_by_supports"], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert "refusing_by_supports: its supports() refused " in done.stdout
+    assert "a configuration problem of the plugin, not a failure of its kernel" in done.stdout
+    assert "Declare the cases it takes as its Envelope" in done.stdout and "FailedHealthCheck" not in done.stdout

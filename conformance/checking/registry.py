@@ -48,9 +48,19 @@ def draw_case(
     return data.draw(drawn.map(fit).map(lambda case: prepare(case, backend)), label="case")
 
 
+# Per backend, how many drawn cases its ``supports()`` refused and the last reason it gave: a plugin that
+# refuses most of what the suite draws (``supports()`` written instead of an ``Envelope``) makes Hypothesis give
+# up, and the test says it is the plugin's configuration, with these numbers.
+REFUSALS: dict[str, tuple[int, str]] = {}
+
+
 def supported(backend: Backend, case: Case) -> None:
     """Outside the backend's envelope there is nothing to check for this example (not a failure)."""
-    assume(bool(guard.supports(backend, case)))
+    support = guard.supports(backend, case)
+    if not support:
+        refused, _ = REFUSALS.get(backend.name, (0, ""))
+        REFUSALS[backend.name] = (refused + 1, support.reason)
+    assume(bool(support))
 
 
 def run_check(
