@@ -122,3 +122,7 @@ def test_the_command_line_reference_is_the_parser() -> None:
     assert (REPO / "docs" / "cli.md").read_text() == cli_markdown(), (
         "docs/cli.md is stale: python -m kda_conformance.cli.reference docs/cli.md"
     )
+    # A command's own subcommands are there with their options (corpus's table was empty).
+    page = cli_markdown()
+    add = page[page.index("### `kda-conformance corpus add`") :]
+    assert "| `--from-run` RUN_FILE |" in add.split("\n## ")[0] and "|---|---|\n\n" not in page

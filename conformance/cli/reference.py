@@ -23,7 +23,7 @@ def _options(parser: argparse.ArgumentParser) -> list[str]:
             spelled += f" {action.metavar}"
         text = (action.help or "").replace("|", "\\|").replace("\n", " ")
         rows.append(f"| {spelled} | {text} |")
-    return rows
+    return rows if len(rows) > 2 else ["No options of its own."]
 
 
 def cli_markdown() -> str:
@@ -48,7 +48,21 @@ def cli_markdown() -> str:
     for module in COMMANDS:
         lines += [f"## `kda-conformance {module.NAME}`", "", f"{module.HELP}.", ""]
         lines += ["    " + module.EXAMPLE, "", *_options(commands[module.NAME]), ""]
+        lines += _subcommands(f"kda-conformance {module.NAME}", commands[module.NAME])
     return "\n".join(lines)
+
+
+def _subcommands(name: str, parser: argparse.ArgumentParser) -> list[str]:
+    """A command's own subcommands (``corpus add``, ``corpus list``), each with its options."""
+    lines: list[str] = []
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        helps = {choice.dest: choice.help for choice in action._choices_actions}
+        for sub, subparser in action.choices.items():
+            lines += [f"### `{name} {sub}`", "", f"{helps.get(sub) or subparser.description or ''}.".lstrip("."), ""]
+            lines += [*_options(subparser), ""]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
