@@ -1,4 +1,4 @@
-"""``kda-conformance minimize``: planted bugs shrink to small cases that fail the same way (README.md
+"""``kda-conformance minimize``: planted bugs shrink to small cases that fail the same way (docs/overview.md
 lists the sizes), the reductions are valid cases, and a run's first failure can be the start."""
 
 from __future__ import annotations

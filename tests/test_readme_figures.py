@@ -1,5 +1,6 @@
-"""The README's figures stay true: the counts it gives are the code's, and the default sweep's errors on this
-CPU are what it says (recomputed in the interpreter tier, where FLA's kernels run)."""
+"""The figures the README and its pages quote stay true (the README's first screen links docs/overview.md and
+the results journal, docs/results/, where they live now): the counts are the code's, and the default sweep's
+errors on this CPU are what the journal says (recomputed in the interpreter tier, where FLA's kernels run)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,19 @@ from kda_conformance.cli import main
 from kda_conformance.running.config import build_config
 
 ROOT = Path(__file__).resolve().parent.parent
-README = " ".join((ROOT / "README.md").read_text().split())  # line breaks as spaces
+QUOTING = [ROOT / "README.md", ROOT / "docs" / "overview.md", *sorted((ROOT / "docs" / "results").glob("*.md"))]
+README = " ".join(" ".join(page.read_text().split()) for page in QUOTING)  # line breaks as spaces
+
+
+def test_the_readmes_first_screen_ends_with_the_quick_start_within_60_lines() -> None:
+    """The README was 284 lines, its first paragraph 17 backends and environment variables; it is one screen."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    end = next(i for i, line in enumerate(lines) if line.startswith("## ") and i > lines.index("## Quick start"))
+    assert end <= 60 and len(lines) <= 60, (end, len(lines))
+    text = "\n".join(lines)
+    assert "kda-conformance run" in text and "pytest -n auto" in text and "repro:" in text
+    for link in re.findall(r"\]\(([^)#]+)", text):
+        assert (ROOT / link).exists(), link
 
 
 def test_the_counts_the_readme_gives_are_the_codes(planted_zoo: dict) -> None:
