@@ -18,6 +18,7 @@ from kda_cases.case import Case
 from kda_conformance.cli import main
 from kda_conformance.judging.known import KnownIssue, load_ledger
 from kda_conformance.repro.upstream import findings_markdown, upstream_findings
+from kda_conformance.running.runner import CONTRACT
 
 PLUGINS = Path(__file__).with_name("plugins")
 
@@ -274,6 +275,26 @@ def test_the_newest_run_is_the_one_that_started_last_whatever_its_name() -> None
     )
     [new] = upstream_findings(records, ())
     assert new.run == "night-e" and new.worst.startswith("5"), new
+
+
+def test_a_later_run_of_other_cases_does_not_drop_a_failure() -> None:
+    """Five reruns of single cases on the H100, one process each, into one store: FLA's write into its input
+    beta (the first) vanished from the page, because findings came from each backend's newest run only."""
+    records = pd.DataFrame(
+        [
+            _record("a", "fla_chunk", "fail", tokens=64, env_date="2026-12-05T10:44:27Z", subject=CONTRACT,
+                    reason="fla_chunk wrote into its input beta", ratio=float("nan")),
+            _record("b", "fla_chunk", "pass", tokens=2049, env_date="2026-12-05T10:45:00Z"),
+            _record("c", "fla_chunk", "pass", tokens=64, env_date="2026-12-05T10:40:00Z"),
+        ]
+    )  # fmt: skip
+    [new] = upstream_findings(records, ())
+    assert new.run == "a" and "broke-the-call-contract" in new.id, new
+    # The same case passing in a newer run is the newest word on it: nothing new.
+    fixed = pd.concat(
+        [records, pd.DataFrame([_record("d", "fla_chunk", "pass", tokens=64, env_date="2026-12-05T11:00:00Z")])]
+    )
+    assert upstream_findings(fixed.reset_index(drop=True), ()) == []
 
 
 def test_one_failure_on_three_copies_of_a_kernel_and_two_checks_is_one_finding() -> None:

@@ -105,7 +105,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     except (OSError, ValueError) as exc:
         say(console, f"--triage: {exc}", "error:", "red")
         return 2
-    findings = [replace(f, cause=causes.get(f.id, "not triaged" if f.status == "new" else "")) for f in findings]
+    findings = [replace(f, cause=_cause(f, causes)) for f in findings]
     if args.report is not None:
         chosen = [f for f in findings if f.id == args.report]
         if not chosen:
@@ -150,12 +150,19 @@ def execute(args: argparse.Namespace, console: Console) -> int:
 
 def triage_causes(files: list[Path]) -> dict[str, str]:
     """Each triaged finding's cause, from triage.json files (conformance/repro/triage.py), with the file it is
-    read from; a later file's word on a finding wins."""
+    read from, keyed by the finding's id and by its smallest case and check (an id made by older code still
+    finds its finding); a later file's word on a finding wins."""
     causes = {}
     for path in files:
         for entry in json.loads(Path(path).read_text()):
-            causes[str(entry["finding"])] = f"{entry['cause']} ({Path(path).parent.name}/{Path(path).name})"
+            said = f"{entry['cause']} ({Path(path).parent.name}/{Path(path).name})"
+            causes[str(entry["finding"])] = causes[f"{entry['case_id']} {entry['check']}"] = said
     return causes
+
+
+def _cause(finding: UpstreamFinding, causes: dict[str, str]) -> str:
+    said = causes.get(finding.id) or causes.get(f"{finding.case_id} {finding.check}")
+    return said or ("not triaged" if finding.status == "new" else "")
 
 
 def with_committed_test(finding: UpstreamFinding, folder: Path = COMMITTED_TESTS) -> UpstreamFinding:

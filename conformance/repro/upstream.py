@@ -38,6 +38,7 @@ from kda_conformance.checks import CHECKS, run_check
 from kda_conformance.judging.known import KnownIssue
 from kda_conformance.repro.standalone_finding import called_measurements, write_standalone_finding
 from kda_conformance.running.faults import DeviceLost
+from kda_conformance.running.runner import CONTRACT
 from kda_conformance.running.session import NOT_LAUNCHED, Run
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault
@@ -336,8 +337,13 @@ def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> 
     ]
     if fresh.empty:
         return rows
-    newest = records.groupby("backend").apply(_newest, include_groups=False)
-    fresh = fresh[fresh["run_id"] == fresh["backend"].map(newest)]
+    # Each failure as its backend's newest run of that case has it: a later run of other cases (a repro, a
+    # rerun of one family) says nothing of this case, and dropped its failure from the page.
+    started = records["env_date"].fillna("").astype(str) if "env_date" in records else ""
+    order = records.assign(_started=started, _run=records["run_id"].astype(str)).sort_values(["_started", "_run"])
+    last = order.groupby(["backend", "case_id"])["_run"].last()
+    newest = last.reindex(pd.MultiIndex.from_frame(fresh[["backend", "case_id"]])).to_numpy()
+    fresh = fresh[fresh["run_id"].astype(str).to_numpy() == newest]
     rows.extend(_new_findings(fresh, {row.id for row in rows}, records))
     return rows
 
@@ -358,8 +364,11 @@ def failure_kind(rows: pd.DataFrame) -> pd.Series:
     nonfinite = pd.to_numeric(rows.get("nonfinite", pd.Series(0, index=rows.index)), errors="coerce").fillna(0) > 0
     observed = rows.get("observed", pd.Series("", index=rows.index)).fillna("").astype(str)
     kinds = rows["reason"].fillna("").astype(str).map(message_kind)
+    # A write into an input or outside its outputs is no error past a limit (it has no numbers at all).
+    subject = rows.get("subject", pd.Series("", index=rows.index)).fillna("").astype(str)
+    contract = subject.str.startswith(CONTRACT)
     limit = observed.where(observed != "", "past the limit").where(~nonfinite, "not finite")
-    return kinds.where(errors, limit)
+    return kinds.where(errors, limit.where(~contract, "broke the call contract"))
 
 
 def _new_findings(fresh: pd.DataFrame, taken: set[str], records: pd.DataFrame) -> list[UpstreamFinding]:
