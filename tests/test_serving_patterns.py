@@ -61,6 +61,37 @@ def test_cu_seqlens_is_reused_three_ways_and_the_identity_cache_fails_in_place_o
     assert any("in-place metadata contract broken" in f.message() for f in cached if f.failed)
 
 
+def test_a_write_into_an_input_under_in_place_metadata_is_named_under_that_pattern() -> None:
+    """On an H100, FLA's and SGLang's kernels wrote into their input beta when a second batch's bounds came
+    in place through the same cu_seqlens tensor (stale chunk indices): the breach was recorded without the
+    pattern that made it, so the ledger's in-place entry could not claim it and the page called it new."""
+    from kda_planted_bugs import CuSeqlensIdentityCache
+
+    class WritesBetaUnderStaleBounds(CuSeqlensIdentityCache):
+        name = "test_writes_beta_under_stale_bounds"
+
+        def run_paged(self, batch, pool, state_indices, has_initial_state, out, checkpoint_slots) -> None:
+            kept = self.cached.get(id(batch.cu_seqlens))
+            stale = kept is not None and not torch.equal(kept[1], batch.cu_seqlens)
+            super().run_paged(batch, pool, state_indices, has_initial_state, out, checkpoint_slots)
+            if stale:  # where a kernel with stale bounds writes: past its output, into its neighbour
+                batch.beta.view(-1)[0] = float("nan")
+
+    registry.register(WritesBetaUnderStaleBounds.name, WritesBetaUnderStaleBounds, replace=True)
+    try:
+        findings = check("cu_seqlens", WritesBetaUnderStaleBounds.name, PACKED)
+    finally:
+        registry.unregister(WritesBetaUnderStaleBounds.name)
+    failed = [f for f in findings if f.failed]
+    # Its stale outputs, as the identity cache's, and its write, each under the pattern that made them.
+    assert {f.observed for f in failed} == {"wrong under in-place metadata", "broke the call contract under "
+                                            "in-place metadata"}, failed  # fmt: skip
+    [breach] = [f for f in failed if f.observed.startswith("broke")]
+    assert "wrote into its input beta" in breach.message()
+    assert "in-place metadata contract broken" in breach.message()
+    assert {f.observed for f in findings if f.passed} >= {"right under fresh tensor"}
+
+
 def test_host_metadata_passed_in_is_bitwise_the_derived_and_stale_metadata_is_refused_or_reported() -> None:
     taken = check("host_metadata", "test_takes_host_bounds", PACKED)
     assert [(f.verdict, f.observed) for f in taken] == [("pass", "equal"), ("warn", "used silently")]

@@ -1,23 +1,22 @@
 """Findings ready for upstream: one row per real finding, from the ledger of known issues and a store's records.
 
-A ledger entry (conformance/known_issues.toml) is a finding the suite already tracks; its status comes from
-the newest run in the store whose records it matched: ``open`` while a matched record still fails there,
-``fixed`` when every matched record passed (the entry is to be retired), ``not seen`` when no run matched
-it. An entry is one cause: it may name several libraries' copies of one code path, and the ids of earlier
-entries it took over (their records are its). An entry also claims the failures recorded before it was
-written (a run's records hold what the ledger of its day matched; the page reads them with today's ledger,
-by the same rule as the judge's: backend, check, tensor, device, case fields, the run's environment, and
-the entry's allowed worst). A failure of a backend that no entry matches (not the suite's, not the
-machine's) is a ``new`` finding, grouped by cause as far as the records tell it: by kernel family (the code
-lineage: FLA's chunk kernels and every copy of them are one), the kind of failure, and, for a failure past
-the limits, the case (one case failing alike on four copies, in three checks, is one finding; an error's
-message names its cause, so one crash is one finding over every case it met). Each row names the kernels'
-libraries and versions as the run recorded them, the tier, its smallest failing case (fewest tokens, its
-repro line), the worst error/limit and the worst ratio to the library's own tolerance.
-``kda-conformance findings`` writes the table (docs/findings.md) and, where the backend runs on this
-machine, a standalone test per finding (findings/<id>.py with its data) that fails while the kernel is
-wrong, passes once it is right and skips where its library or device is missing.
-"""
+A ledger entry (conformance/known_issues.toml) is a finding the suite already tracks; its status comes from each
+matched case's newest run in the store (a later run of other cases says nothing of it): ``open`` while a matched
+record still fails there, ``fixed`` when every matched record passed (the entry is to be retired), ``not seen``
+when no run matched it. New failures are read the same way. An entry is one cause: it may name several libraries'
+copies of one code path, and the ids of earlier entries it took over (their records are its). An entry also claims
+the failures recorded before it was written (a run's records hold what the ledger of its day matched; the page
+reads them with today's ledger, by the same rule as the judge's: backend, check, tensor, device, case fields, the
+run's environment, and the entry's allowed worst). A failure of a backend that no entry matches (not the suite's,
+not the machine's) is a ``new`` finding, grouped by cause as far as the records tell it: by kernel family (the code
+lineage: FLA's chunk kernels and every copy of them are one), the kind of failure, and, for a failure past the
+limits, the case (one case failing alike on four copies, in three checks, is one finding; an error's message names
+its cause, so one crash is one finding over every case it met). Each row names the kernels' libraries and versions
+as the run recorded them, the tier, its smallest failing case (fewest tokens, its repro line), the worst
+error/limit and the worst ratio to the library's own tolerance. ``kda-conformance findings`` writes the table
+(docs/findings.md) and, where the backend runs on this machine, a standalone test per finding (findings/<id>.py
+with its data) that fails while the kernel is wrong, passes once it is right and skips where its library or device
+is missing."""
 
 from __future__ import annotations
 
@@ -189,8 +188,21 @@ def _quarantined(rows: pd.DataFrame) -> pd.Series:
 
 
 def _smallest(rows: pd.DataFrame) -> pd.Series:
+    """The record of the fewest tokens; among those, one of a backend a standalone file can call (AITER's and
+    FLA's kernels failing one case alike: FLA's record, so the file for upstream has measurements to show)."""
     tokens = pd.to_numeric(rows.get("case_total_tokens"), errors="coerce").fillna(float("inf"))
-    return rows.loc[tokens.sort_values(kind="stable").index[0]]
+    uncallable = rows["backend"].astype(str).map(lambda name: not _callable_alone(name))
+    order = pd.DataFrame({"tokens": tokens, "uncallable": uncallable}).sort_values(
+        ["tokens", "uncallable"], kind="stable"
+    )
+    return rows.loc[order.index[0]]
+
+
+def _callable_alone(backend: str) -> bool:
+    try:
+        return registry.get(backend).standalone_source is not None
+    except (KeyError, registry.PluginError):
+        return False
 
 
 def _newest(rows: pd.DataFrame) -> str:
@@ -302,8 +314,8 @@ def for_other_devices(findings: list[UpstreamFinding], records: pd.DataFrame) ->
 
 
 def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> list[UpstreamFinding]:
-    """One row per ledger entry (its status in the newest run that matched it) and per new kernel failure of
-    each backend's newest run."""
+    """One row per ledger entry (its status in each matched case's newest run) and per new kernel failure (as
+    each case's newest run has it)."""
     rows = []
     matched = _claimed(records, ledger) if "known_issue" in records else pd.Series()
     for issue in ledger:
@@ -325,8 +337,8 @@ def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> 
                 UpstreamFinding(issue.id, backends, "", **unseen, case_json="", repro="", device=issue.device, **text)
             )
             continue
-        run = _newest(mine)
-        last = mine[mine["run_id"].astype(str) == run]
+        last = _newest_per_case(mine)
+        run = _newest(last)
         status = "open" if last["verdict"].isin(["known", *FAILED]).any() else "fixed"
         rows.append(_row(issue.id, last, status, run, records, title=issue.description.split(". ")[0], **text))
     fresh = records[
@@ -337,15 +349,19 @@ def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> 
     ]
     if fresh.empty:
         return rows
-    # Each failure as its backend's newest run of that case has it: a later run of other cases (a repro, a
-    # rerun of one family) says nothing of this case, and dropped its failure from the page.
-    started = records["env_date"].fillna("").astype(str) if "env_date" in records else ""
-    order = records.assign(_started=started, _run=records["run_id"].astype(str)).sort_values(["_started", "_run"])
-    last = order.groupby(["backend", "case_id"])["_run"].last()
-    newest = last.reindex(pd.MultiIndex.from_frame(fresh[["backend", "case_id"]])).to_numpy()
-    fresh = fresh[fresh["run_id"].astype(str).to_numpy() == newest]
+    fresh = fresh[fresh.index.isin(_newest_per_case(records).index)]
     rows.extend(_new_findings(fresh, {row.id for row in rows}, records))
     return rows
+
+
+def _newest_per_case(rows: pd.DataFrame) -> pd.DataFrame:
+    """The records of each (backend, case) in the newest run that has them: a later run of other cases (a
+    repro, a rerun of one family) says nothing of this case; taking each backend's newest run dropped the
+    failures of its earlier runs from the page."""
+    started = rows["env_date"].fillna("").astype(str) if "env_date" in rows else ""
+    order = rows.assign(_started=started, _run=rows["run_id"].astype(str)).sort_values(["_started", "_run"])
+    newest = order.groupby(["backend", "case_id"])["_run"].transform("last")
+    return rows.loc[order.index[(order["_run"] == newest).to_numpy()]]
 
 
 def family_of(backend: str) -> str:
@@ -494,8 +510,9 @@ def findings_markdown(
         "# Findings ready for upstream",
         "",
         f"Generated by `kda-conformance findings` from {source} and conformance/known_issues.toml ({counts}).",
-        "A ledger entry is one cause, in every library's copy of its code; it is `open` while the newest run that",
-        "matched it still fails, `fixed` when every case it matched there passed (retire the entry), `not seen`",
+        "A ledger entry is one cause, in every library's copy of its code; it is `open` while a case it matched",
+        "still fails in that case's newest run, `fixed` when every case it matched passed there (retire it),",
+        "`not seen`",
         "when no run in the store matched it; `new` is a kernel's failure no entry matches, grouped by kernel",
         "family, kind of failure and (past the limits) case. Worst is error/limit over the failing records of",
         "that run; *library* their worst rel-RMS over the tolerance the library's own tests assert; *tier*:",
