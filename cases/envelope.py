@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from kda_cases.case import DTYPES, GATE_DTYPES, GATE_FORMS, GATES, STATE_DTYPES, STATE_LAYOUTS, Case
 
@@ -47,6 +47,28 @@ class Envelope:
     devices: tuple[str, ...] = DEVICE_TYPES  # the device types it runs on
     # The dtypes g and beta may arrive in (cases/case.py GATE_DTYPES): FlashKDA takes its tokens' only.
     gate_dtypes: tuple[str, ...] = GATE_DTYPES
+
+    # What each field admits, in a plugin author's words (docs/envelopes.md's field table is made from it; a
+    # test holds every field to having one).
+    MEANINGS: ClassVar[dict[str, str]] = {
+        "dtypes": "the token dtypes (q, k, v): bf16, fp16, fp32",
+        "state_dtypes": "the dtypes of the initial state it is handed: fp32, bf16",
+        "state_layouts": "the state layouts: k_first ([K, V]) or v_first ([V, K])",
+        "head_dims": "the head sizes it takes, for K and V alike (default: any up to max_head_k_dim)",
+        "max_head_k_dim": "the largest K (FLA's chunk kernels: 256)",
+        "equal_head_dims": "True: K must equal V",
+        "gva": "False: as many value heads as query/key heads (no GVA, HV = H)",
+        "gates": "the gate forms: log (precomputed), softplus, lower_bound (computed in the kernel)",
+        "safe_gate": "the safe_gate values it takes",
+        "in_kernel_lower_bound": "[lo, hi) of lower_bound when the kernel computes the safe gate (FLA: -5 <= lb < 0)",
+        "l2norm_in_kernel": "whether q and k may be normalised in the kernel, outside it, or both",
+        "beta_sigmoid_in_kernel": "whether beta's sigmoid may be taken in the kernel, outside it, or both",
+        "checkpoints": "False: takes no case with intermediate-state checkpoints",
+        "host_metadata": "the sequence metadata its API takes from the host (FLA's cu_seqlens_cpu)",
+        "max_tokens": "the longest case (total tokens) it should get",
+        "devices": "the device types it runs on: cpu, cuda",
+        "gate_dtypes": "the dtypes g and beta may arrive in: same (the tokens'), fp32",
+    }
 
     def __post_init__(self) -> None:
         for name, allowed in (

@@ -233,3 +233,13 @@ def test_a_plugin_whose_supports_refuses_most_cases_is_told_to_declare_an_envelo
     assert "refusing_by_supports: its supports() refused " in done.stdout
     assert "a configuration problem of the plugin, not a failure of its kernel" in done.stdout
     assert "Declare the cases it takes as its Envelope" in done.stdout and "FailedHealthCheck" not in done.stdout
+
+
+def test_every_envelope_field_says_what_it_admits_on_the_envelopes_page() -> None:
+    """docs/plugins.md never listed Envelope's fields; the envelopes page has a table made from the record."""
+    import dataclasses
+
+    assert set(Envelope.MEANINGS) == {f.name for f in dataclasses.fields(Envelope)}
+    page = (REPO / "docs" / "envelopes.md").read_text()
+    fields = page[page.index("## The fields") :]
+    assert all(f"| `{name}` |" in fields for name in Envelope.MEANINGS)

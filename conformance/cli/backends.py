@@ -5,6 +5,7 @@ libraries it comes from, the working precision it declares, and whether it runs 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -24,7 +25,7 @@ HELP = "list the registered backends: envelope, libraries, declared precision, a
 EXAMPLE = "kda-conformance backends --device cpu"
 
 # The envelope's fields as the table's columns, in the record's order.
-FIELDS = tuple(Envelope.__dataclass_fields__)
+FIELDS = tuple(f.name for f in dataclasses.fields(Envelope))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +70,20 @@ def envelopes_markdown(names: list[str]) -> str:
         declared = _declared(backend)
         row = [f"`{name}`", declared["library"], *(cells[f] for f in FIELDS), declared["precision"]]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in row) + " |")
+    lines += [
+        "",
+        "## The fields",
+        "",
+        "What each field of `Envelope` (`from kda_kernels.api import Envelope`) admits; a field left at its default "
+        "admits every value of its axis, and a case outside any field is refused with a reason that names it.",
+        "",
+        "| field | default | what it admits |",
+        "|---|---|---|",
+    ]
+    for field in dataclasses.fields(Envelope):
+        default = field.default
+        spelled = ", ".join(map(str, default)) if isinstance(default, tuple) else str(default)
+        lines.append(f"| `{field.name}` | {spelled or '(none)'} | {Envelope.MEANINGS[field.name]} |")
     return "\n".join(lines) + "\n"
 
 
