@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 from kda_cases.case import Case, did_you_mean
 from kda_cases.envelope import ANY
 from kda_cases.presets import PRESETS as PRESETS
-from kda_cases.presets import preset as preset
+from kda_cases.presets import preset as library_preset
 from kda_cases.profiles import get_profile
 from kda_cases.strategies import cases as profile_cases
 from kda_conformance.check_tests import check_report
@@ -62,6 +62,23 @@ __all__ = [
 ]
 
 Kernel = Callable[..., Any] | Backend | str
+
+
+def preset(name: str, **fields: object) -> Case:
+    """A Case in the conventions of ``name``, ``fields`` over them: a library's tests (:data:`PRESETS`:
+    ``"fla"``, chunk_kda's own defaults), or a server's layer, named by the registered backend that calls its
+    kernel as the layer does (``"vllm_glm5_chunk"``, ``"vllm_chunk"``, ``"sglang_chunk"``, ...): the case moved
+    into that backend's envelope, so the fields its layer fixes (the gate form and safe gate, the in-kernel
+    normalisation, equal head sizes, no GVA, the dtypes it takes) are the layer's and every other is as given."""
+    if name in PRESETS:
+        return library_preset(name, **fields)
+    if name in registry.names():
+        return guard.fit(registry.get(name), Case(**fields))
+    choices = [*PRESETS, *registry.names()]
+    raise ValueError(
+        f"preset {name!r} is unknown{did_you_mean(name, choices)}; choose a library's ({', '.join(PRESETS)}) or "
+        f"a backend's layer ({', '.join(registry.names())})"
+    )
 
 
 # What a case computes in the kernel that FLA's own tests compute before the call (preset "fla" drops them).

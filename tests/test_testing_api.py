@@ -101,8 +101,21 @@ def test_the_fla_preset_is_chunk_kdas_own_defaults() -> None:
     case = preset("fla", seq_lens=(300,), dtype=torch.bfloat16)
     assert (case.gate, case.lower_bound, case.safe_gate) == ("log", None, False)
     assert not case.beta_sigmoid_in_kernel and not case.l2norm_in_kernel and case.seq_lens == (300,)
-    with pytest.raises(ValueError, match="preset 'vllm' is unknown; choose one of fla"):
+    with pytest.raises(ValueError, match=r"preset 'vllm' is unknown.*choose a library's \(fla\) or a backend's layer"):
         preset("vllm")
+
+
+def test_a_servers_preset_is_its_layers_case_as_the_backend_that_calls_it_declares() -> None:
+    """GLM-5.3-Flash's layer (vllm_glm5_chunk): the safe lower-bound gate, q/k normalised in the kernel, one head
+    size for K and V, as many value heads as key heads; every other field as given."""
+    case = preset("vllm_glm5_chunk", seq_lens=(64,), head_k_dim=64, head_v_dim=32, num_heads=2, num_v_heads=4,
+                  l2norm_in_kernel=False, safe_gate=False, initial_state="random")  # fmt: skip
+    assert (case.gate, case.safe_gate, case.l2norm_in_kernel) == ("lower_bound", True, True)
+    assert case.head_k_dim == case.head_v_dim and case.num_v_heads == case.num_heads
+    assert case.seq_lens == (64,) and case.initial_state == "random"
+    assert preset("aiter_flashkda", seq_lens=(64,), dtype="fp32").dtype == "bf16"
+    with pytest.raises(ValueError, match="did you mean 'vllm_glm5_chunk'"):
+        preset("vllm_glm5")
 
 
 def _naive(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
