@@ -39,6 +39,31 @@ class KDAOptions:
         checkpoints, which are the reference's alone."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "checkpoints"}
 
+    @classmethod
+    def of(
+        cls,
+        case: Case,
+        initial_state: Any = None,
+        cu_seqlens: Any = None,
+        A_log: Any = None,
+        dt_bias: Any = None,
+    ) -> KDAOptions:
+        """The options ``case`` defines, its tensors as given: the one place a case's fields become chunk_kda's
+        keywords (what a test file's callable is passed, and lacks, is read from it too)."""
+        return cls(
+            scale=case.scale,
+            initial_state=initial_state,
+            cu_seqlens=cu_seqlens,
+            use_qk_l2norm_in_kernel=case.l2norm_in_kernel,
+            use_beta_sigmoid_in_kernel=case.beta_sigmoid_in_kernel,
+            use_gate_in_kernel=case.gate_in_kernel,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            lower_bound=case.lower_bound,
+            state_v_first=case.state_v_first,
+            checkpoints=case.checkpoints,
+        )
+
 
 @dataclass(frozen=True)
 class KDAInputs:
@@ -70,20 +95,7 @@ class KDAInputs:
     @property
     def options(self) -> KDAOptions:
         """The call's options as the case defines them (the case's checkpoints included)."""
-        c = self.case
-        return KDAOptions(
-            scale=c.scale,
-            initial_state=self.initial_state,
-            cu_seqlens=self.cu_seqlens,
-            use_qk_l2norm_in_kernel=c.l2norm_in_kernel,
-            use_beta_sigmoid_in_kernel=c.beta_sigmoid_in_kernel,
-            use_gate_in_kernel=c.gate_in_kernel,
-            A_log=self.A_log,
-            dt_bias=self.dt_bias,
-            lower_bound=c.lower_bound,
-            state_v_first=c.state_v_first,
-            checkpoints=c.checkpoints,
-        )
+        return KDAOptions.of(self.case, self.initial_state, self.cu_seqlens, self.A_log, self.dt_bias)
 
     def kernel_kwargs(self) -> dict[str, Any]:
         """chunk_kda's keyword arguments for these inputs."""

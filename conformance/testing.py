@@ -40,6 +40,7 @@ from hypothesis import strategies as st
 
 from kda_cases.case import Case, did_you_mean
 from kda_cases.envelope import ANY
+from kda_cases.materialize import KDAOptions
 from kda_cases.presets import PRESETS as PRESETS
 from kda_cases.presets import preset as library_preset
 from kda_cases.profiles import get_profile
@@ -86,26 +87,32 @@ IN_KERNEL_FLAGS = {"use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "use
 
 
 def needed_keywords(case: Case) -> dict[str, str]:
-    """chunk_kda's keywords that ``case`` passes a value that matters to (not None or False), each with why."""
-    needs = {}
-    if case.scale is not None:
-        needs["scale"] = f"scale {case.scale:g}"
-    if case.has_initial_state:
-        needs["initial_state"] = "an initial state"
-    if case.packed:
-        needs["cu_seqlens"] = "packed sequences"
-    if case.l2norm_in_kernel:
-        needs["use_qk_l2norm_in_kernel"] = "q and k normalised in the kernel"
-    if case.beta_sigmoid_in_kernel:
-        needs["use_beta_sigmoid_in_kernel"] = "beta's sigmoid in the kernel"
-    if case.gate_in_kernel:
-        gate = f"the {case.gate} gate computed in the kernel"
-        needs.update(use_gate_in_kernel=gate, A_log=gate, dt_bias=gate)
-        if case.lower_bound is not None:
-            needs["lower_bound"] = f"the gate's lower bound {case.lower_bound:g}"
-    if case.state_v_first:
-        needs["state_v_first"] = "a [V, K] state"
-    return needs
+    """chunk_kda's keywords that ``case`` passes a value that matters to (not None or False), each with why; which
+    keywords a case sets is KDAOptions.of's word (cases/materialize.py), the one place that says it."""
+    present = object()  # a tensor the case has (its value does not matter here)
+    tensors = dict(
+        initial_state=present if case.has_initial_state else None,
+        cu_seqlens=present if case.packed else None,
+        A_log=present if case.gate_in_kernel else None,
+        dt_bias=present if case.gate_in_kernel else None,
+    )
+    keywords = KDAOptions.of(case, **tensors).kernel_kwargs()
+    gate = f"the {case.gate} gate computed in the kernel"
+    why = {
+        "scale": f"scale {case.scale:g}" if case.scale is not None else "",
+        "initial_state": "an initial state",
+        "cu_seqlens": "packed sequences",
+        "use_qk_l2norm_in_kernel": "q and k normalised in the kernel",
+        "use_beta_sigmoid_in_kernel": "beta's sigmoid in the kernel",
+        "use_gate_in_kernel": gate,
+        "A_log": gate,
+        "dt_bias": gate,
+        "lower_bound": f"the gate's lower bound {case.lower_bound:g}" if case.lower_bound is not None else "",
+        "state_v_first": "a [V, K] state",
+    }
+    if not case.gate_in_kernel:  # a precomputed gate holds its bound already (cases/seeded.py clamps it)
+        keywords.pop("lower_bound")
+    return {name: why[name] for name, value in keywords.items() if value is not None and value is not False}
 
 
 class CallableBackend(Backend):
