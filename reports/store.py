@@ -60,8 +60,8 @@ class Store:
         """How many runs the store holds, counted as the dashboard judges them (the CLI and the page say the
         same): ``12 runs: 7 complete sweeps; apart: 3 minimize, 2 cases``."""
         judged = self.judged_runs
-        kind = "sweeps" if judged["purpose"].isin(SWEEP_PURPOSES).all() and not judged.empty else "runs"
-        text = f"{len(self.runs)} runs: {len(judged)} complete {kind} judged"
+        kind = "sweep" if judged["purpose"].isin(SWEEP_PURPOSES).all() and not judged.empty else "run"
+        text = f"{_count(len(self.runs), 'run')}: {_count(len(judged), 'complete ' + kind)} judged"
         apart = self.runs[~self.runs["run_id"].isin(judged["run_id"])]
         if not apart.empty:
             counts = apart.assign(what=apart["purpose"].where(apart["status"] == COMPLETE, apart["status"]))
@@ -224,6 +224,10 @@ def _field(data: dict, name: str, kind: type, default: object, path: Path, probl
 # detection's planted bugs) and are listed apart, so a debugging run never becomes the headline.
 SWEEP_PURPOSES = ("sweep", "nightly", "pytest")
 OTHER_PURPOSES = ("cases", "minimize", "repro", "detection", "triage", "calibrate", "checks", "findings")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def run_purpose(purpose: object, command: object) -> str:
