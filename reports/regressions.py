@@ -230,7 +230,7 @@ def find_regressions(
         entry = {
             "tonight": row["worst"],
             "before": before,
-            "cause": _with_code(cause, dict(zip(GROUP, key, strict=True))["backend"], changed),
+            "cause": cause,
             "case_id": row["case_id"],
             "repro": row["repro"],
         }
@@ -247,4 +247,6 @@ def find_regressions(
         if was["failed"] and key in now.index and not now.loc[key]["failed"]:
             entry = {"tonight": now.loc[key]["worst"], "before": median.get(key, math.nan), "cause": cause}
             flags.append({"kind": "fixed", **dict(zip(GROUP, key, strict=True)), **entry, "case_id": "", "repro": ""})
+    for flag in flags:  # every kind of flag, sentinels' and fixes' too, says when its backend's code changed
+        flag["cause"] = _with_code(flag["cause"], flag["backend"], changed)
     return pd.DataFrame(flags, columns=columns)
