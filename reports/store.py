@@ -257,14 +257,14 @@ def summarize_runs(records: pd.DataFrame, live: set[str] | frozenset[str] = froz
     for verdict in VERDICTS:
         if verdict not in counts:
             counts[verdict] = 0
-    env = records.groupby("run_id").first()[[c for c in ENV_SHOWN if c in records]]
+    first = records.groupby("run_id").first()
+    env = first[[c for c in ENV_SHOWN if c in records]]
     if "env_complete" in records:  # a run of several parts finished when every part did
         env["env_complete"] = records.groupby("run_id")["env_complete"].all()
     runs = env.join(counts[list(VERDICTS)]).reset_index()
     complete = runs["env_complete"].fillna(True).astype(bool) if "env_complete" in runs else True
     status = pd.Series(INCOMPLETE, index=runs.index).where(~complete, COMPLETE)
     runs.insert(1, "status", status.where(~runs["run_id"].isin(live), IN_PROGRESS))
-    first = records.groupby("run_id").first()
     recorded = [first.get(c, pd.Series(index=first.index, dtype=object)) for c in ("env_purpose", "env_command")]
     purposes = {run: run_purpose(p, c) for run, p, c in zip(first.index, *recorded, strict=True)}
     runs.insert(2, "purpose", runs["run_id"].map(purposes))

@@ -138,7 +138,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     if hidden:
         devices = ", ".join(sorted({f.device for f in hidden}))
         elsewhere = f"{len(hidden)} ledger entries for {devices}, where no run of the store ran, not listed"
-        findings = [f for f in findings if f not in hidden]
+        findings = [f for f in findings if f.id not in {h.id for h in hidden}]
     page = write_findings_page(findings, source, page_path, precision_lines(store.records), elsewhere)
     for f in findings:
         console.print(f"{f.status:8} {f.id}: {f.backends}; {f.worst}; {f.test or ''}", highlight=False, soft_wrap=True)

@@ -17,24 +17,11 @@ from kda_conformance.cli.findings import store_findings
 from kda_conformance.judging.known import LEDGER
 from kda_conformance.repro.triage import parse_repro, triage, triage_json, triage_markdown
 from kda_conformance.running.config import parse_count, parse_positive
+from kda_conformance.running.options import typed
 
 NAME = "triage"
 HELP = "rerun each untriaged finding's smallest case with one switch at a time and name the one that clears it"
 EXAMPLE = "kda-conformance triage --store nightly-store"
-
-
-def _jobs(text: str) -> int:
-    try:
-        return parse_count("--jobs", text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _seconds(text: str) -> float:
-    try:
-        return parse_positive("--rerun-timeout", text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,13 +47,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "when given here, and a finding whose line names others is not rerun",
     )
     parser.add_argument(
-        "--jobs", type=_jobs, default=1, metavar="N", help="reruns of one finding run at once (default 1; "
-        "on a GPU host, where compiling is CPU-bound, the number of switches, 6, finishes a finding fastest)",
-    )  # fmt: skip
+        "--jobs",
+        type=typed(lambda text: parse_count("--jobs", text)),
+        default=1,
+        metavar="N",
+        help="reruns of one finding run at once (default 1; on a GPU host, where compiling is CPU-bound, the "
+        "number of switches, 6, finishes a finding fastest)",
+    )
     parser.add_argument(
-        "--rerun-timeout", type=_seconds, default=None, metavar="S", help="stop a rerun after S seconds, "
-        "recorded as stopped (default: none)",
-    )  # fmt: skip
+        "--rerun-timeout",
+        type=typed(lambda text: parse_positive("--rerun-timeout", text)),
+        default=None,
+        metavar="S",
+        help="stop a rerun after S seconds, recorded as stopped (default: none)",
+    )
 
 
 def execute(args: argparse.Namespace, console: Console) -> int:
@@ -103,9 +97,13 @@ def execute(args: argparse.Namespace, console: Console) -> int:
             )
         )
         console.print(f"  cause: {results[-1].cause}", highlight=False)
-        atomic_write_text(out / "triage.md", triage_markdown(results, f"runs {runs}"))
-        atomic_write_text(out / "triage.json", triage_json(results))
-    atomic_write_text(out / "triage.md", triage_markdown(results, f"runs {runs}"))
-    atomic_write_text(out / "triage.json", triage_json(results))
+        _save(out, results, runs)
+    if not results:  # the pages say so
+        _save(out, results, runs)
     console.print(f"triage: {out / 'triage.md'} ({len(results)} findings)", highlight=False)
     return 0
+
+
+def _save(out: Path, results: list, runs: str) -> None:
+    atomic_write_text(out / "triage.md", triage_markdown(results, f"runs {runs}"))
+    atomic_write_text(out / "triage.json", triage_json(results))

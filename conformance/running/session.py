@@ -107,7 +107,7 @@ class Run:
         self.examples = ExampleLog()
         self.truths = TruthCache(config.device)
         self.calls = CallJournal(lambda: self.recorder, self._rows)
-        self._libraries: dict[str, dict[str, str]] = {}  # backend -> its library (and version) and code hash
+        self._declared: dict[str, dict[str, str]] = {}  # backend -> its library (and version) and code hash
         self._recorder: RunRecorder | None = None
         self.frame: pd.DataFrame | None = None  # the records as written, once the run finished
         # (backend, kernel configuration) pairs that crashed the device this night, on this host.
@@ -283,7 +283,7 @@ class Run:
         return [{**row, **self._code(row["backend"])} for row in record_rows(findings, test)]
 
     def _code(self, backend: str) -> dict[str, str]:
-        if backend not in self._libraries:
+        if backend not in self._declared:
             try:
                 made = registry.get(backend)
             except (KeyError, registry.PluginError):  # the suite's own findings, a backend gone since
@@ -293,8 +293,8 @@ class Run:
                 f"{lib.name} {library_version(lib.distribution, lib.source_variable)}" for lib in declared
             )
             code = registry.code_of(backend, made) if made is not None else ""
-            self._libraries[backend] = {"library": library, "backend_code": code}
-        return self._libraries[backend]
+            self._declared[backend] = {"library": library, "backend_code": code}
+        return self._declared[backend]
 
     def record(self, findings: Sequence[Finding], test: str | None = None) -> list[dict]:
         """Add the findings' rows to the run's records (journaled at once), each (check, case, backend, tensor,
