@@ -23,18 +23,12 @@ from kda_cases.grids import FIRST_SWEEP_DTYPES
 from kda_conformance.plugin_summary import RUN, WRITTEN, empty_selection, not_checked
 from kda_conformance.plugin_summary import pytest_terminal_summary as pytest_terminal_summary
 from kda_conformance.running.check import Check, Drawn
-from kda_conformance.running.config import (
-    NOT_CHECKED_EXIT,
-    PURPOSE_VARIABLE,
-    ConfigError,
-    Grid,
-    baseline_warning,
-    build_config,
-    release_claims,
-)
+from kda_conformance.running.config import Grid, baseline_warning, build_config, release_claims
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost
 from kda_conformance.running.interrupts import sigterm_as_interrupt
 from kda_conformance.running.memory import chosen_gpus, visible_device
+from kda_conformance.running.not_checked import NOT_CHECKED_EXIT
+from kda_conformance.running.option_values import PURPOSE_VARIABLE, ConfigError
 from kda_conformance.running.options import add_pytest_options
 from kda_conformance.running.search import (
     check_seed,
@@ -46,7 +40,8 @@ from kda_conformance.running.search import (
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
 from kda_kernels import guard, registry, triton_interpret
-from kda_kernels.guard import BackendFault, exit_past_left_work, flush_and_exit
+from kda_kernels.guard import BackendFault
+from kda_kernels.left_work import exit_past_left_work, flush_and_exit
 from kda_kernels.protocol import Backend
 from kda_reports.console import RECORD_LINE_HEADER, record_line
 from kda_reports.findings import Finding, stale_known_issues

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kda_cases.devices import gpu_arch
-from kda_conformance.running.config import ACCEPT_RESOURCE_VARIABLE, NOT_CHECKED_EXIT, accepts_resource
+from kda_conformance.running.not_checked import ACCEPT_RESOURCE_VARIABLE, NOT_CHECKED_EXIT, accepts_resource
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
 from kda_kernels import guard, registry

@@ -27,8 +27,10 @@ import sys
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 FOLDER = Path(__file__).with_name("autotune")
 REPLAY_VARIABLE = "KDA_AUTOTUNE_REPLAY"  # "0": tune as Triton does; a path: replay that file
@@ -125,6 +127,8 @@ def _record() -> None:
     _recorded_count[0] = count
     path = Path(folder) / f"autotune-{os.getpid()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    import torch  # here: merging and reading replay files (kda-conformance autotune, shards) needs no torch
+
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     part = path.with_suffix(".tmp")
     part.write_text(json.dumps({"device": device, "triton": _triton_version(), "choices": choices}))
@@ -196,6 +200,8 @@ def activate(device: torch.device) -> str:
     choices: Choices = {}
     source = "off"
     if setting != "0":
+        import torch
+
         path = Path(setting) if setting else file_for(torch.cuda.get_device_name(device))
         if path.exists():
             choices, source = load(path), str(path)

@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import os
 import signal
-import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -132,33 +131,6 @@ def suite_work(backend: Backend) -> Iterator[None]:
             listener("kernel", backend)
 
 
-_real_exit = os._exit
-
-
-def end_process(code: int) -> None:
-    """End this process now, whatever a backend call in another thread is doing (``os._exit`` itself, not
-    the guard's trap)."""
-    _real_exit(code)
-
-
-def flush_and_exit(code: int) -> None:
-    """End this process with ``code`` after flushing its standard streams, whatever a backend registered to
-    run at exit or left of ``os._exit`` (a stream it closed is skipped), and the children backends left
-    running killed (kernels/left_work.py)."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    left_work.end_children()
-    _real_exit(code)
-
-
-def exit_past_left_work(code: int) -> None:
-    """Where a backend left a thread the interpreter would join forever, or a child holding the run's pipes:
-    end the process now with ``code`` (everything is written by then). Else return, for a normal exit."""
-    if left_work.blocks_exit():
-        flush_and_exit(code)
-
-
 _depth: dict[int, int] = {}  # guarded calls in progress per thread (a paged call may run a plain one inside)
 
 
@@ -242,7 +214,7 @@ def _watch_ctrl_c() -> None:
 def _trapped_exit(code: int) -> None:
     if _depth.get(threading.get_ident()):
         raise BackendExit(code)
-    _real_exit(code)
+    left_work.real_exit(code)
 
 
 def _forked_in_a_call() -> None:
@@ -255,7 +227,7 @@ def _forked_in_a_call() -> None:
     _depth.clear()
     _listeners.clear()
     _breaches.clear()
-    os._exit = _real_exit
+    os._exit = left_work.real_exit
 
 
 os.register_at_fork(after_in_child=_forked_in_a_call)
@@ -267,7 +239,7 @@ def _end_forked_child(exc: BaseException | None) -> None:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     else:
         code = 0 if exc is None else 1
-    flush_and_exit(code)
+    left_work.flush_and_exit(code)
 
 
 @contextlib.contextmanager
@@ -333,7 +305,7 @@ def _in_call(
         if not _depth[thread]:
             del _depth[thread]
         if not _depth:
-            os._exit = _real_exit
+            os._exit = left_work.real_exit
         for listener in list(_listeners):
             listener("returned", backend)
         left = left_work.started_since(work) if work is not None else None  # what ends in the grace is the call's

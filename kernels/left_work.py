@@ -13,7 +13,7 @@ that is the backend's failure and is remembered as its own (:func:`leave`):
   one's verdict;
 - while such a thread lives, the guard proves the world before each later call and charges what changed
   to the backend that left the thread (:func:`owners`);
-- the front ends exit without joining such threads, after writing everything (guard.exit_past_left_work),
+- the front ends exit without joining such threads, after writing everything (exit_past_left_work),
   and the children left running are killed, with their own children, when the process ends
   (:func:`end_children`).
 
@@ -27,6 +27,7 @@ import atexit
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -204,3 +205,32 @@ def end_children() -> None:
 
 
 atexit.register(end_children)
+
+
+# os._exit itself, taken before the guard traps it during a backend's call (kernels/guard.py). The front ends
+# end a process through these, and they import no torch: a command that ran no backend starts and ends fast.
+real_exit = os._exit
+
+
+def end_process(code: int) -> None:
+    """End this process now, whatever a backend call in another thread is doing (``os._exit`` itself, not
+    the guard's trap)."""
+    real_exit(code)
+
+
+def flush_and_exit(code: int) -> None:
+    """End this process with ``code`` after flushing its standard streams, whatever a backend registered to
+    run at exit or left of ``os._exit`` (a stream it closed is skipped), and the children backends left
+    running killed (:func:`end_children`)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    end_children()
+    real_exit(code)
+
+
+def exit_past_left_work(code: int) -> None:
+    """Where a backend left a thread the interpreter would join forever, or a child holding the run's pipes:
+    end the process now with ``code`` (everything is written by then). Else return, for a normal exit."""
+    if blocks_exit():
+        flush_and_exit(code)

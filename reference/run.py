@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-import os
-
 from kda_cases.materialize import KDAInputs
 from kda_reference.chunked import kda_chunked
+from kda_reference.forms import FORMS, default_form
 from kda_reference.recurrent import ReferenceResult, kda_recurrent
 
-FORMS = ("auto", "loop", "chunked")
-# Sets the form for a whole process and its workers (pytest --kda-reference-form, kda-conformance --reference-form).
-FORM_VARIABLE = "KDA_REFERENCE_FORM"
 # From this many tokens on, ``auto`` takes the chunked float64 form (tests hold it within 1e-10 of the
 # token loop): below it the loop's few steps cost less than the chunked form's fixed set of batched
 # operations. The crossover lies between 4 and 8 tokens on both the 2-core CPU and the H200
 # (`kda-conformance benchmark --small`, docs/reference-speed.md).
 CHUNKED_FROM_TOKENS = 8
-
-
-def default_form() -> str:
-    """The form ``auto`` stands for in this process: ``KDA_REFERENCE_FORM`` when set, else ``auto``."""
-    form = os.environ.get(FORM_VARIABLE, "auto") or "auto"
-    if form not in FORMS:
-        raise ValueError(f"{FORM_VARIABLE}={form!r} is not allowed; choose from {', '.join(FORMS)}")
-    return form
 
 
 def reference_form(inputs: KDAInputs, form: str = "auto") -> str:

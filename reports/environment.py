@@ -11,10 +11,10 @@ import subprocess
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from kda_cases.devices import gpu_arch
+if TYPE_CHECKING:
+    import torch
 
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -204,6 +204,10 @@ def cpu_model() -> str:
 def environment(device: torch.device, libraries: Mapping[str, tuple[str, str]] | None = None) -> dict[str, str | int]:
     """A flat description of the machine and libraries, stored beside every record: ``libraries`` are the
     run's backends' (``{name: (distribution, source_variable)}``), their versions recorded as JSON."""
+    import torch  # here, not at the top: --version and the store's readers start without it
+
+    from kda_cases.devices import gpu_arch
+
     env: dict[str, str | int] = {
         "device_type": device.type,
         "device_name": cpu_model(),

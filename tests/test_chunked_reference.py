@@ -13,8 +13,9 @@ from kda_cases.strategies import cases
 from kda_kernels.torch_chunk import TorchChunk
 from kda_reference import chunked as chunked_module
 from kda_reference.chunked import DEFAULT_CHUNK, FACTORED_SPAN, kda_chunked
+from kda_reference.forms import FORM_VARIABLE
 from kda_reference.recurrent import kda_recurrent
-from kda_reference.run import CHUNKED_FROM_TOKENS, FORM_VARIABLE, reference_form
+from kda_reference.run import CHUNKED_FROM_TOKENS, reference_form
 
 CPU = torch.device("cpu")
 # The GPU runs the same algebra through other kernels (cuBLAS, cuSOLVER): the equality is checked there too.

@@ -98,20 +98,20 @@ def test_every_command_and_every_code_it_returns_is_in_the_docs() -> None:
     table = documented.split("## Per command", 1)[1]
     rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
     for command in COMMANDS:
-        assert any(f"`{command.NAME}" in row for row in rows), f"{command.NAME} has no row in docs/exit-codes.md"
+        assert any(f"`{command.name}" in row for row in rows), f"{command.name} has no row in docs/exit-codes.md"
     codes = {name: value for name, value in vars(exits).items() if isinstance(value, int) and name.isupper()}
     allowed = set(MEANINGS) | {DEVICE_LOST_EXIT}
     assert f"exit {DEVICE_LOST_EXIT}" in documented
     for command in COMMANDS:
-        tree = ast.parse(Path(command.__file__).read_text())
+        tree = ast.parse(Path(command.module.__file__).read_text())
         for node in ast.walk(tree):
             value = getattr(node, "value", None) if isinstance(node, ast.Return) else None
             if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "exit" and node.args:
                 value = node.args[0]
             if isinstance(value, ast.Constant) and isinstance(value.value, int) and not isinstance(value.value, bool):
-                assert value.value in allowed, f"{command.NAME} returns {value.value}, not in docs/exit-codes.md"
+                assert value.value in allowed, f"{command.name} returns {value.value}, not in docs/exit-codes.md"
             if isinstance(value, ast.Name) and value.id in codes:
-                assert codes[value.id] in allowed, f"{command.NAME} returns {value.id}"
+                assert codes[value.id] in allowed, f"{command.name} returns {value.id}"
 
 
 def test_an_error_a_ledger_entry_names_by_its_message_is_known(tmp_path: Path, monkeypatch) -> None:

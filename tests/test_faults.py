@@ -24,9 +24,10 @@ from kda_conformance.check_tests import check_report
 from kda_conformance.checks import Drawn, get_check
 from kda_conformance.cli import main
 from kda_conformance.cli.exits import ERRORED
-from kda_conformance.running.config import build_config, parse_shard
+from kda_conformance.running.config import build_config
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost, is_sticky
 from kda_conformance.running.memory import SHARES, memory_shares, shares_for, visible_device
+from kda_conformance.running.option_values import parse_shard
 from kda_conformance.running.session import Run
 from kda_kernels import registry
 from kda_reports.regressions import find_regressions

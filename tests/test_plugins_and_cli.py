@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -424,3 +425,46 @@ def test_corpus_without_a_subcommand_prints_its_help(capsys: pytest.CaptureFixtu
     assert main(["corpus"]) == 0
     out = capsys.readouterr().out
     assert "usage: kda-conformance corpus" in out and "pin a case, or every failing case of a run file" in out
+
+
+# The commands that run no kernel, and the top level: none of them may import torch (0.75 s of a 2-core
+# machine's start before; `kda-conformance --help` took 1.66 s where it now takes under 0.1 s).
+TORCH_FREE = (
+    ["--help"],
+    ["--version"],
+    ["ledger"],
+    ["corpus", "list"],
+    ["dashboard", "--help"],
+    ["diff", "--help"],
+    ["shards", "--help"],
+    ["autotune", "--help"],
+    ["rnu"],  # a misspelled command is told without loading any
+)
+
+
+@pytest.mark.parametrize("argv", TORCH_FREE, ids=" ".join)
+def test_the_top_level_and_the_commands_that_run_no_kernel_start_without_torch(argv: list[str]) -> None:
+    script = (
+        "import contextlib, io, sys\n"
+        "from kda_conformance.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        "    try:\n        code = main(sys.argv[1:])\n    except SystemExit as exc:\n        code = exc.code\n"
+        "print(code, sorted(m for m in ('torch', 'kda_conformance.running.config') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120)
+    code, loaded = done.stdout.strip().split(" ", 1)
+    assert loaded == "[]", f"kda-conformance {' '.join(argv)} imported {loaded}: {done.stderr[-2000:]}"
+    assert int(code) == (2 if argv == ["rnu"] else 0)
+
+
+def test_a_command_that_runs_kernels_still_parses_its_own_options_only_when_chosen() -> None:
+    """The parser builds one command's options, the others as names: a command's help and errors are whole."""
+    from kda_conformance.cli import COMMANDS, build_parser
+
+    lone = build_parser(only="ledger")
+    chosen = next(a for a in lone._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {c.name for c in COMMANDS} == set(chosen)
+    assert any("--page" in a.option_strings for a in chosen["ledger"]._actions)
+    assert not any("--backend" in a.option_strings for a in chosen["run"]._actions)
+    whole = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert any("--backend" in a.option_strings for a in whole["run"]._actions)

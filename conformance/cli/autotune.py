@@ -12,8 +12,6 @@ from kda_conformance.cli.common import say
 from kda_conformance.cli.exits import PASSED, USAGE
 from kda_kernels import autotune_replay
 
-NAME = "autotune"
-HELP = "merge the autotune choices a warm run recorded (KDA_AUTOTUNE_RECORD=DIR) into a GPU model's replay file"
 EXAMPLE = (
     "KDA_AUTOTUNE_RECORD=tuned kda-conformance nightly --store S --device cuda && kda-conformance autotune --from tuned"
 )

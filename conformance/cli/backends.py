@@ -20,8 +20,6 @@ from kda_kernels.guard import BackendFault
 from kda_kernels.protocol import Backend, Support
 from kda_reports.environment import library_version
 
-NAME = "backends"
-HELP = "list the registered backends: envelope, libraries, declared precision, and whether each runs here"
 EXAMPLE = "kda-conformance backends --device cpu"
 
 # The envelope's fields as the table's columns, in the record's order.

@@ -40,13 +40,11 @@ from kda_cases.files import atomic_write_text
 from kda_cases.materialize import KDAInputs, materialize
 from kda_conformance.cli.common import add_backends, add_device, say, typed
 from kda_conformance.cli.exits import USAGE
-from kda_conformance.running.config import parse_count, parse_lengths
+from kda_conformance.running.option_values import parse_count, parse_lengths
 from kda_kernels import registry
 from kda_reference.chunked import DEFAULT_CHUNK, kda_chunked
 from kda_reference.recurrent import kda_recurrent
 
-NAME = "benchmark"
-HELP = "time the float64 reference forms beside FLA's float32 loop and the kernels, with peak memory"
 EXAMPLE = "kda-conformance benchmark --device cuda --backend fla_chunk --lengths 2048,131072"
 
 LOOP_WARMUP_TOKENS = 64

@@ -19,8 +19,6 @@ from kda_reports.calibration import calibration_markdown, calibration_table
 from kda_reports.findings import grouped_failures
 from kda_reports.runfile import read_run
 
-NAME = "calibrate"
-HELP = "measure error/budget ratios over a grid of cases and write the calibration table"
 EXAMPLE = "kda-conformance calibrate --device cuda --backend fla_chunk --lengths 37,2048 --table docs/calibration.md"
 
 

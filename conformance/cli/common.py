@@ -7,6 +7,7 @@ import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.text import Text
@@ -14,14 +15,9 @@ from rich.text import Text
 from kda_cases.case import Case
 from kda_cases.corpus import load_corpus
 from kda_cases.grids import FIRST_SWEEP_LENGTHS
-from kda_conformance.checking.registry import Check, Param
-from kda_conformance.checks import CHECKS
-from kda_conformance.running.config import (
+from kda_conformance.running.option_values import (
     DEFAULT_CASE_TIMEOUT,
     ConfigError,
-    Grid,
-    RunConfig,
-    build_config,
     parse_choices,
     parse_count,
     parse_positive,
@@ -29,6 +25,10 @@ from kda_conformance.running.config import (
 from kda_conformance.running.options import add_options, typed
 from kda_reports.findings import recorded_text
 from kda_reports.runfile import DEFAULT_OUT
+
+if TYPE_CHECKING:
+    from kda_conformance.checking.registry import Check, Param
+    from kda_conformance.running.config import RunConfig
 
 CLI_DEFAULT_BACKENDS = ("fla_chunk", "fla_recurrent")
 
@@ -99,6 +99,8 @@ def add_check_params(parser: argparse.ArgumentParser) -> None:
 
 def check_params() -> dict[str, Param]:
     """The parameters the registered checks draw, by name."""
+    from kda_conformance.checks import CHECKS  # here: the checks bring torch, which most commands do without
+
     return {p.name: p for check in CHECKS.values() for p in check.params}
 
 
@@ -164,6 +166,8 @@ def config_from_args(args: argparse.Namespace, console: Console, writes: bool = 
     """The run's configuration from a command's options; an option that is not allowed is printed (None), and
     so, for a command that ``writes`` a run, is an output folder it cannot write (full, read-only) or a run
     id that is there already."""
+    from kda_conformance.running.config import Grid, build_config  # here: it brings torch
+
     grid = None
     if hasattr(args, "dtypes"):
         lengths = {"lengths": tuple(args.lengths)} if args.lengths else {}

@@ -12,8 +12,6 @@ from kda_cases.corpus import CORPUS_DIR, load_corpus, save_case
 from kda_conformance.cli.common import parse_case, say, typed
 from kda_reports.runfile import read_run
 
-NAME = "corpus"
-HELP = "list or add pinned cases (cases/corpus)"
 EXAMPLE = 'kda-conformance corpus add --from-run out/runs/RUN_ID.parquet --why "seen in the nightly"'
 
 

@@ -13,8 +13,6 @@ from kda_conformance.cli.exits import ERRORED, FAILED, PASSED, USAGE
 from kda_reports.dashboard import build_dashboard
 from kda_reports.store import StoreError, load_store
 
-NAME = "dashboard"
-HELP = "build the HTML tolerance dashboard from a run store"
 EXAMPLE = "kda-conformance dashboard --out /srv/kda-store --fail-on-flags"
 
 

@@ -21,14 +21,12 @@ from kda_cases.files import atomic_write_text
 from kda_cases.profiles import PROFILES
 from kda_conformance.checks import CHECKS
 from kda_conformance.cli.common import say
-from kda_conformance.running.config import PURPOSE_VARIABLE, parse_count
+from kda_conformance.running.option_values import PURPOSE_VARIABLE, parse_count
 from kda_conformance.running.options import pytest_argv, typed
 from kda_kernels import registry
 from kda_reports.detection import detection_markdown, detection_problems, detection_table, detection_verdict
 from kda_reports.runfile import DEFAULT_OUT, read_run, record_coverage
 
-NAME = "detection"
-HELP = "run the properties and the corpus for some backends (say, planted bugs) and tabulate what caught each"
 CONFORMANCE = Path(__file__).resolve().parent.parent
 SUITES = ("test_properties.py", "test_serving.py", "test_corpus.py")
 EXAMPLE = "PYTHONPATH=tests/plugins kda-conformance detection --plugin kda_planted_bugs --correct torch_chunk"

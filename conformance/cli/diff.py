@@ -24,8 +24,6 @@ from kda_reports.findings import FAILED, worst_first_rank, worst_ratios
 from kda_reports.runfile import read_run
 from kda_reports.store import load_store
 
-NAME = "diff"
-HELP = "what changed between two runs, by finding: verdicts and error/limit ratios (exit 1 on a new failure)"
 # What differs between two runs of the same code on the same inputs by design.
 IGNORED = ("seconds", "reference_seconds", "run_id", "env_run_id", "env_date", "env_suite_commit", "env_hostname")
 KEY = ("case_id", "backend", "check", "tensor", "subject")

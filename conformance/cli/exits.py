@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kda_conformance.running.config import NOT_CHECKED_EXIT, accepts_resource
+from kda_conformance.running.not_checked import NOT_CHECKED_EXIT, accepts_resource
 
 PASSED = 0  # everything that ran passed (known issues and warnings included, but under --kda-strict)
 FAILED = 1  # a kernel failed a check: a tensor out of its limits, memory it must not write, a strict warning

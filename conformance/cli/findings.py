@@ -30,8 +30,6 @@ from kda_kernels.registry import PluginError
 from kda_reports.precision import precision_lines
 from kda_reports.store import Store, load_store
 
-NAME = "findings"
-HELP = "tabulate the findings ready for upstream (ledger entries and new failures) and write their standalone tests"
 EXAMPLE = "kda-conformance findings --store nightly-store --write-tests findings --device cuda"
 # A finding's issue text for upstream: kda-conformance findings --store nightly-store --report <id>
 PAGE = "findings.md"

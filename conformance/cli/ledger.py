@@ -13,8 +13,6 @@ from kda_cases.files import atomic_write_text
 from kda_conformance.cli.common import say
 from kda_conformance.judging.known import LEDGER, KnownIssue, load_ledger
 
-NAME = "ledger"
-HELP = "print the ledger of known upstream problems, or write it as a page (docs/known-issues.md)"
 EXAMPLE = "kda-conformance ledger --page docs/known-issues.md"
 
 INTRO = """\

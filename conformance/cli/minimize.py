@@ -33,8 +33,6 @@ from kda_kernels.registry import plugin_module
 from kda_reports.findings import FAILED
 from kda_reports.runfile import read_run
 
-NAME = "minimize"
-HELP = "search a smaller case that fails the same check the same way, and print its repro line"
 EXAMPLE = "kda-conformance minimize --from-run out/runs/RUN_ID.parquet --budget-s 120"
 
 

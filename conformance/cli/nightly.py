@@ -35,16 +35,15 @@ from kda_conformance.running.compile import (
     shard_jobs,
     summary,
 )
-from kda_conformance.running.config import DEFAULT_CASE_TIMEOUT, PURPOSE_VARIABLE, ConfigError, build_config
+from kda_conformance.running.config import build_config
 from kda_conformance.running.faults import is_sticky
 from kda_conformance.running.memory import WORKERS_VARIABLE, WorkerPlan, chosen_gpus, device_gib, plan_workers
+from kda_conformance.running.option_values import DEFAULT_CASE_TIMEOUT, PURPOSE_VARIABLE, ConfigError
 from kda_conformance.running.options import OPTIONS, add_options, pytest_argv
 from kda_conformance.running.quarantine import Quarantine
 from kda_reports.reach import backend_coverage, missed_lines
 from kda_reports.runfile import read_run, run_file
 
-NAME = "nightly"
-HELP = "the nightly job: the night's tests over parallel workers into a store, then the dashboard"
 CONFORMANCE = Path(__file__).resolve().parent.parent
 SUITES = ("test_properties.py", "test_serving.py", "test_corpus.py")
 EXAMPLE = "kda-conformance nightly --out /srv/kda-store --device cuda --backend fla_chunk --backend fla_recurrent"

@@ -45,10 +45,10 @@ def cli_markdown() -> str:
         "",
         options_markdown(),
     ]
-    for module in COMMANDS:
-        lines += [f"## `kda-conformance {module.NAME}`", "", f"{module.HELP}.", ""]
-        lines += ["    " + module.EXAMPLE, "", *_options(commands[module.NAME]), ""]
-        lines += _subcommands(f"kda-conformance {module.NAME}", commands[module.NAME])
+    for command in COMMANDS:
+        lines += [f"## `kda-conformance {command.name}`", "", f"{command.help}.", ""]
+        lines += ["    " + command.module.EXAMPLE, "", *_options(commands[command.name]), ""]
+        lines += _subcommands(f"kda-conformance {command.name}", commands[command.name])
     return "\n".join(lines)
 
 

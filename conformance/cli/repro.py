@@ -31,8 +31,6 @@ from kda_conformance.running.session import Run
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault
 
-NAME = "repro"
-HELP = "rerun one check on one case, say where it goes wrong, and write a standalone test"
 DEFAULT_POISON = "nan"
 EXAMPLE = (
     "kda-conformance repro --device cpu --backend fla_recurrent --check poison --poison nan "

@@ -38,8 +38,6 @@ from kda_reports.findings import grouped_failures, stale_known_issues
 from kda_reports.junit import write_junit
 from kda_reports.precision import precision_lines
 
-NAME = "run"
-HELP = "run the conformance sweep and write a report"
 EXAMPLE = "kda-conformance run --device cpu --backend torch_chunk --lengths 37,130 --out out"
 
 

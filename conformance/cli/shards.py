@@ -14,8 +14,6 @@ from kda_conformance.running import shards
 from kda_kernels.autotune_replay import gpu_slug
 from kda_reports.runfile import read_object, run_files
 
-NAME = "shards"
-HELP = "a measured night's seconds per backend as this GPU model's shard cost file, and the plan for N shards"
 EXAMPLE = "kda-conformance shards --store /srv/kda-store --run-id night-a --count 4"
 
 

@@ -18,10 +18,11 @@ from kda_conformance.checks import CHECKS, Drawn
 from kda_conformance.cli.common import say
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.judging.repro import BUDGET_CHECK
-from kda_conformance.running.config import DEFAULT_CASE_TIMEOUT, RunConfig
+from kda_conformance.running.config import RunConfig
 from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.isolation import run_isolated
 from kda_conformance.running.memory import work
+from kda_conformance.running.option_values import DEFAULT_CASE_TIMEOUT
 from kda_conformance.running.runner import fault_finding
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK

@@ -16,11 +16,9 @@ from kda_conformance.cli.common import say
 from kda_conformance.cli.findings import store_findings
 from kda_conformance.judging.known import LEDGER
 from kda_conformance.repro.triage import parse_repro, triage, triage_json, triage_markdown
-from kda_conformance.running.config import parse_count, parse_positive
+from kda_conformance.running.option_values import parse_count, parse_positive
 from kda_conformance.running.options import typed
 
-NAME = "triage"
-HELP = "rerun each untriaged finding's smallest case with one switch at a time and name the one that clears it"
 EXAMPLE = "kda-conformance triage --store nightly-store"
 
 

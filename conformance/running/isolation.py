@@ -24,11 +24,12 @@ import torch
 from kda_cases.case import Case
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.running.check import Check, Drawn
-from kda_conformance.running.config import DEFAULT_CASE_TIMEOUT, RunConfig
+from kda_conformance.running.config import RunConfig
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost, die_with_parent
+from kda_conformance.running.option_values import DEFAULT_CASE_TIMEOUT
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
-from kda_kernels.left_work import kill_tree
+from kda_kernels.left_work import exit_past_left_work, kill_tree
 from kda_reports.findings import MARGIN_REDRAWS, SUITE_BACKEND, Finding
 
 STARTUP_TIMEOUT = 600.0  # seconds for a fresh worker to import torch, the suite and the plugins
@@ -54,7 +55,7 @@ def _worker(conn: Connection, device: str, plugins: list[str], parent_pid: int, 
     while True:
         task = conn.recv()
         if task is None:
-            guard.exit_past_left_work(0)  # a thread a backend left would hold the worker's exit forever
+            exit_past_left_work(0)  # a thread a backend left would hold the worker's exit forever
             return
         check, case_json, params, backend_name = task
         drawn, backend = Drawn(Case.from_json(case_json), params), registry.get(backend_name)

@@ -16,7 +16,7 @@ from typing import Any
 
 from kda_cases.case import DTYPES
 from kda_cases.profiles import PROFILES
-from kda_conformance.running.config import (
+from kda_conformance.running.option_values import (
     PROFILE_VARIABLE,
     RUN_ID_VARIABLE,
     SHARD_VARIABLE,
@@ -27,7 +27,7 @@ from kda_conformance.running.config import (
     parse_lengths,
     parse_shard,
 )
-from kda_reference.run import FORM_VARIABLE, FORMS
+from kda_reference.forms import FORM_VARIABLE, FORMS
 from kda_reports.findings import MARGIN_REDRAWS
 from kda_reports.runfile import DEFAULT_OUT
 

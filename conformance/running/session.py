@@ -35,7 +35,8 @@ from kda_conformance.running.stages import CLOCK
 from kda_conformance.running.truth import CaseTruth, declared_precision
 from kda_conformance.running.truths import TruthCache
 from kda_kernels import registry
-from kda_kernels.guard import BackendFault, end_process
+from kda_kernels.guard import BackendFault
+from kda_kernels.left_work import end_process
 from kda_kernels.protocol import Backend, WorkingPrecision
 from kda_reports.environment import library_version
 from kda_reports.findings import MARGIN_REDRAWS, SUITE_BACKEND, Finding
