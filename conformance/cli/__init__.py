@@ -99,7 +99,8 @@ class _VersionAction(argparse.Action):
         super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help)
 
     def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
-        parser.exit(message=version() + "\n")
+        print(version())  # on standard output, as argparse's own version action prints it
+        parser.exit()
 
 
 def version() -> str:
