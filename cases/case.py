@@ -103,8 +103,8 @@ def _is_sequence(value: object) -> bool:
     return isinstance(value, Sequence) and not isinstance(value, str | bytes)
 
 
-def _sequence(name: str, value: object) -> Sequence:
-    if not _is_sequence(value):
+def _sequence(name: str, value: object) -> Sequence[object]:
+    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
         raise ValueError(f"{name} must be a list, got {value!r}")
     return value
 
@@ -115,12 +115,14 @@ INT64_MAX = 2**63 - 1
 
 
 def _integer(name: str, value: object) -> int:
-    whole = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value) and value.is_integer())
-    if isinstance(value, bool) or not whole:
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{name} must be an integer, got {value!r:.80}")
-    if not -INT64_MAX <= int(value) <= INT64_MAX:
-        raise ValueError(f"{name} must be within +-(2^63 - 1), got {str(int(value))[:40]}...")
-    return int(value)
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        raise ValueError(f"{name} must be an integer, got {value!r:.80}")
+    whole = int(value)
+    if not -INT64_MAX <= whole <= INT64_MAX:
+        raise ValueError(f"{name} must be within +-(2^63 - 1), got {str(whole)[:40]}...")
+    return whole
 
 
 def _integers(name: str, value: object) -> tuple[int, ...]:

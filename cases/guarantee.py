@@ -18,6 +18,8 @@ drawn cases take theirs from (cases/strategies.with_kernel_pool), so they add no
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from kda_cases.case import (
     BETA_REGIMES,
@@ -32,13 +34,15 @@ from kda_cases.case import (
 )
 from kda_cases.coverage import CHUNK
 
+T = TypeVar("T")
+
 # One kernel configuration per case, and the packing it is served with ("one", "batch": a [B, T] batch with
 # an initial state, "packed": packed with a zero-length member). Together they reach every required value
 # of a kernel axis: the three K = V = 128 dtypes, K and V of 32, 64, 128 and 256 (and 100, 60, 192), every
 # gate form, both state dtypes and layouts, every head count class (1, 2-7, >= 8, GVA), and both values of
 # each in-kernel flag. The K = V = 128 ones are sentinels' 4-query / 8-value-head configurations (the three
 # dtypes on one sequence, fp16 with an initial state), so they add no compile.
-CONFIGS: tuple[dict, ...] = (
+CONFIGS: tuple[dict[str, Any], ...] = (
     dict(head_k_dim=128, head_v_dim=128, dtype="bf16", num_heads=4, num_v_heads=8, packing="one", h0=False),
     dict(head_k_dim=128, head_v_dim=128, dtype="fp16", num_heads=4, num_v_heads=8, packing="one", h0=False),
     dict(head_k_dim=128, head_v_dim=128, dtype="fp32", num_heads=4, num_v_heads=8, packing="one", h0=False),
@@ -66,7 +70,7 @@ SERVER_BATCH = CONFIGS[5]
 SERVER_SEQS = (48, 64)
 
 
-def _dealt(rng: random.Random, values: tuple, count: int) -> list:
+def _dealt(rng: random.Random, values: tuple[T, ...], count: int) -> list[T]:
     """``values`` dealt over ``count`` cases: each value at least once (count >= len(values)), in a shuffled
     order, the remaining cases drawn."""
     dealt = list(values) + [rng.choice(values) for _ in range(count - len(values))]
@@ -106,6 +110,7 @@ def guaranteed_cases(seed: int | None) -> list[Case]:
         length = _length(rng, edges[i])
         with_h0 = config.get("h0", packing != "one")  # a batch, and a packed one, start from a state
         initial_state = rng.choice(INITIAL_STATES[1:]) if with_h0 else "none"
+        seq_lens: tuple[int, ...]
         if packing == "one":
             seq_lens, packed = (length,), False
         elif packing == "batch":
@@ -146,7 +151,11 @@ def _server_batch(seed: int | None) -> Case:
     rng = random.Random(f"server batch {seed}")
     fields = {k: v for k, v in SERVER_BATCH.items() if k not in ("packing", "h0")}
     kinds = rng.choices(("short", "empty", "long"), weights=(12, 2, 1), k=rng.randint(*SERVER_SEQS))
-    length = {"short": lambda: rng.randint(1, 2 * CHUNK), "empty": lambda: 0, "long": lambda: rng.randint(1000, 8192)}
+    length: dict[str, Callable[[], int]] = {
+        "short": lambda: rng.randint(1, 2 * CHUNK),
+        "empty": lambda: 0,
+        "long": lambda: rng.randint(1000, 8192),
+    }
     seq_lens = tuple(length[kind]() for kind in kinds)
     # Decodes chunked with the prefills (vLLM's GLM-5.3-Flash and Kimi K3 paths): 2 to 6 requests of one token
     # each, placed from a generator of their own, so the rest of each seed's batch is as it was.

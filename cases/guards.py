@@ -26,9 +26,9 @@ def memory_of(x: torch.Tensor) -> torch.Tensor:
 def extent(x: torch.Tensor) -> tuple[int, int]:
     """The elements of ``memory_of(x)`` that ``x`` spans: first, one past the last."""
     if x.numel() == 0:
-        return x.storage_offset(), x.storage_offset()
+        return int(x.storage_offset()), int(x.storage_offset())
     span = sum((size - 1) * abs(stride) for size, stride in zip(x.shape, x.stride(), strict=True)) + 1
-    return x.storage_offset(), x.storage_offset() + span
+    return int(x.storage_offset()), int(x.storage_offset() + span)
 
 
 def poison_value(dtype: torch.dtype) -> float | int | bool:
@@ -44,7 +44,7 @@ def guarded(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     """The same tensors (values, shapes, strides) moved into memory with poison bands before and after; tensors
     that share one memory (views of one fused buffer) share one guarded copy of it."""
     copies: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int]] = {}
-    out = []
+    out: list[torch.Tensor | None] = []
     for x in tensors:
         if x is None:
             out.append(None)

@@ -115,10 +115,11 @@ def materialize(case: Case, device: str | torch.device = "cpu", drawn: KDAInputs
         return None if x is None else x.to(dev)
 
     # Moved first, laid out after: a view of a fused buffer moved alone would arrive contiguous.
-    tokens = laid_out(case.input_layout, *(move(getattr(drawn, name)) for name in ("q", "k", "v", "g", "beta")))
+    tokens = laid_out(case.input_layout, *(getattr(drawn, name).to(dev) for name in ("q", "k", "v", "g", "beta")))
     rest = (move(drawn.A_log), move(drawn.dt_bias), move(drawn.initial_state), move(drawn.cu_seqlens))
     # Every input inside poisoned guard bands (cases/guards.py): a read past its end shows.
     q, k, v, g, beta, A_log, dt_bias, h0, cu = guarded(*tokens, *rest)
+    assert q is not None and k is not None and v is not None and g is not None and beta is not None  # for mypy
     return KDAInputs(
         case=case, q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0, cu_seqlens=cu
     )

@@ -9,6 +9,8 @@ given or the Case's default.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kda_cases.case import Case
 
 PRESETS: dict[str, dict[str, object]] = {
@@ -28,4 +30,5 @@ def preset(name: str, **fields: object) -> Case:
     """A Case in the conventions of ``name`` (one of :data:`PRESETS`), with ``fields`` over them."""
     if name not in PRESETS:
         raise ValueError(f"preset {name!r} is unknown; choose one of {', '.join(PRESETS)}")
-    return Case(**{**PRESETS[name], **fields})
+    chosen: dict[str, Any] = {**PRESETS[name], **fields}
+    return Case(**chosen)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def draw(spec: Any) -> dict[str, torch.Tensor | None]:
+def draw(spec: Any) -> dict[str, Any]:
     """The case's tensors on the CPU, in their dtypes and contiguous: q, k, v, g, beta, A_log, dt_bias,
     initial_state (the case's state dtype and layout) and cu_seqlens (int64, packed cases only)."""
     gen = torch.Generator(device="cpu").manual_seed(spec.seed)
@@ -53,7 +53,9 @@ def draw(spec: Any) -> dict[str, torch.Tensor | None]:
             "cu_seqlens": cu}  # fmt: skip
 
 
-def _zero_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gen: torch.Generator) -> tuple:
+def _zero_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """About one token in 16 (and at least one) made exactly zero, all heads: a third of them in q, k and v (a
     zero hidden state's projection, a zero-filled buffer's row), a third in k only, a third in q only."""
     B, T = q.shape[:2]
@@ -125,7 +127,9 @@ def _reset_tokens(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     return hits.view(B, T, *([1] * (len(shape) - 2))).expand(shape)
 
 
-def _scaled(spec: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gen: torch.Generator) -> tuple:
+def _scaled(
+    spec: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The case's magnitude regime (``INPUT_SCALES``): v, and q and k where the kernel normalizes them (the
     suite's unit keys keep the delta rule stable otherwise, and unit queries keep |o| about max |v|:
     representable in fp16), scaled x10 to x100 (``large``), or a few of their tokens and channels x100 to

@@ -9,6 +9,7 @@ plainer regimes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 
 from kda_cases.case import Case
@@ -61,14 +62,14 @@ def _reductions(case: Case) -> Iterator[Callable[[], Case]]:
         yield lambda: case.replace(initial_state="none")
     if case.num_seqs > 1:
         for drop in range(case.num_seqs):
-            yield lambda drop=drop: _without_sequence(case, drop)
+            yield functools.partial(_without_sequence, case, drop)
     if case.packed:
         for seq, n in enumerate(case.seq_lens):
             for m in shorter_lengths(n):
-                yield lambda seq=seq, m=m: _with_lengths(case, (*case.seq_lens[:seq], m, *case.seq_lens[seq + 1 :]))
+                yield functools.partial(_with_lengths, case, (*case.seq_lens[:seq], m, *case.seq_lens[seq + 1 :]))
     else:  # a [B, T] batch: every row keeps the same length
         for m in shorter_lengths(case.seq_lens[0]):
-            yield lambda m=m: _with_lengths(case, (m,) * case.num_seqs)
+            yield functools.partial(_with_lengths, case, (m,) * case.num_seqs)
     group = case.num_v_heads // case.num_heads
     if case.num_heads > 1:
         yield lambda: case.replace(num_heads=1, num_v_heads=group)
@@ -76,7 +77,7 @@ def _reductions(case: Case) -> Iterator[Callable[[], Case]]:
         yield lambda: case.replace(num_v_heads=case.num_heads)
     for field in ("head_k_dim", "head_v_dim"):
         for dim in (d for d in HEAD_DIMS if d < getattr(case, field)):
-            yield lambda field=field, dim=dim: case.replace(**{field: dim})
+            yield functools.partial(case.replace, **{field: dim})
     if case.gate_regime != "typical":
         yield lambda: case.replace(gate_regime="typical")
     if case.key_regime != "random":

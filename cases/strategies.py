@@ -8,7 +8,10 @@ simpler regimes) and whose tensors ``materialize`` builds from ``seed``.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 import warnings
+from typing import Any, TypeVar
 
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as fixed_seed
@@ -33,6 +36,8 @@ from kda_cases.profiles import BOUNDARY_LENGTHS, Profile
 CHECKPOINT_GRIDS = (16, 32, 64)
 LOWER_BOUNDS = (-5.0, -1.0, -0.01)  # -0.01: the weak-gate bound of AITER's correlated-keys test
 KEY_RHOS = (0.9, 0.99, 1.0)
+
+T = TypeVar("T")
 
 
 def lengths(profile: Profile, most: int, least: int = 1) -> st.SearchStrategy[int]:
@@ -107,12 +112,12 @@ def checkpoints(draw: st.DrawFn, lens: tuple[int, ...]) -> tuple[tuple[int, int]
         seq = draw(st.integers(min_value=0, max_value=len(lens) - 1))
         n = lens[seq]
         grid = draw(st.sampled_from(CHECKPOINT_GRIDS))
-        on_grid = st.integers(min_value=0, max_value=n // grid).map(lambda k, g=grid: k * g)
+        on_grid = st.integers(min_value=0, max_value=n // grid).map(functools.partial(operator.mul, grid))
         marks.add((seq, draw(st.one_of(on_grid, st.integers(min_value=0, max_value=n)))))
     return tuple(sorted(marks))
 
 
-def _inside(values: tuple, allowed: tuple) -> tuple:
+def _inside(values: tuple[T, ...], allowed: tuple[T, ...]) -> tuple[T, ...]:
     """``values`` (a profile's, duplicates weighting them) that ``allowed`` admits, or where it admits none
     of them, ``allowed`` itself: the profile's choices drawn inside an envelope."""
     kept = tuple(v for v in values if v in allowed)
@@ -128,7 +133,7 @@ def envelope_pool(pool: tuple[KernelConfig, ...], envelope: Envelope) -> tuple[K
     (the narrowest backend still draws from a handful of configurations, not one per case)."""
 
     def case_of(config: KernelConfig) -> Case:
-        fields = dict(config)
+        fields: dict[str, Any] = dict(config)
         has_h0 = fields.pop("has_initial_state")
         return Case(seq_lens=(64,), initial_state="random" if has_h0 else "none", **fields)
 
@@ -145,7 +150,7 @@ def cases(draw: st.DrawFn, profile: Profile, envelope: Envelope = ANY) -> Case:
     axes from the run's pool of kernel configurations, where the profile has one). With the default
     envelope the draws are the profile's own."""
     pool = envelope_pool(profile.kernel_pool, envelope) if envelope is not ANY else profile.kernel_pool
-    config: dict = dict(draw(st.sampled_from(pool))) if pool else {}
+    config: dict[str, Any] = dict(draw(st.sampled_from(pool))) if pool else {}
     budget = (
         profile.max_total_tokens if envelope.max_tokens is None else min(profile.max_total_tokens, envelope.max_tokens)
     )
@@ -185,7 +190,7 @@ def cases(draw: st.DrawFn, profile: Profile, envelope: Envelope = ANY) -> Case:
     else:
         lower_bound, safe_gate = None, False
     key_regime = draw(st.sampled_from(("random", "random", "correlated", "repeated")))
-    fields = dict(
+    fields: dict[str, Any] = dict(
         seq_lens=lens,
         packed=packed,
         num_heads=heads,

@@ -40,6 +40,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -244,7 +245,7 @@ class _Steps:
     final: torch.Tensor
     entering: torch.Tensor
 
-    def fields(self) -> tuple:
+    def fields(self) -> tuple[Any, ...]:
         return (self.plan, self.first, self.last, self.c0, self.heads, self.S_in, self.final, self.entering)
 
 

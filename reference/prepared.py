@@ -83,11 +83,11 @@ class Raw:
             return tuple(x[index] for x in done)
         padding = index == B * T
         at = index.clamp(max=B * T - 1)
-        flat = [x.reshape(B * T, *x.shape[2:])[at] for x in tensors]
+        q, k, v, g, beta = (x.reshape(B * T, *x.shape[2:])[at] for x in tensors)
         zero = torch.zeros((), dtype=self.dtype, device=index.device)
         return tuple(
             torch.where(padding.reshape(-1, *([1] * (x.dim() - 1))), zero, x)
-            for x in _preprocess(*flat, self.options, self.dtype)
+            for x in _preprocess(q, k, v, g, beta, self.options, self.dtype)
         )
 
 

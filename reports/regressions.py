@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
+from typing import Any, cast
 
 import pandas as pd
 
@@ -66,7 +68,7 @@ def _lengths(value: object) -> list[int]:
         return []
     if isinstance(value, str):
         return [int(x) for x in value.strip("[]() ").replace(",", " ").split()]
-    return [int(x) for x in value]
+    return [int(x) for x in cast(Iterable[Any], value)]
 
 
 def nightly_groups(records: pd.DataFrame) -> pd.DataFrame:

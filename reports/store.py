@@ -13,6 +13,7 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pandas as pd
 
@@ -31,6 +32,9 @@ from kda_reports.runfile import (
     run_id_of,
 )
 from kda_reports.schema import REQUIRED_COLUMNS, validate_records
+
+T = TypeVar("T")
+D = TypeVar("D")
 
 
 @dataclass
@@ -209,7 +213,7 @@ def _workers(night: dict, path: Path, problems: list[str]) -> int | str | None:
     return _field(night, "workers", int, None, path, problems)
 
 
-def _field(data: dict, name: str, kind: type, default: object, path: Path, problems: list[str]) -> object:
+def _field(data: dict[str, Any], name: str, kind: type[T], default: D, path: Path, problems: list[str]) -> T | D:
     """``data[name]`` where it is of ``kind`` (a number never a flag), else ``default``, named when present."""
     value = data.get(name)
     if value is None or (isinstance(value, kind) and not (kind is int and isinstance(value, bool))):

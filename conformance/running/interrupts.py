@@ -11,18 +11,23 @@ from __future__ import annotations
 
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+# What signal.signal takes and returns: a handler, or SIG_DFL / SIG_IGN, or None (one set outside Python).
+Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
-def _interrupt(signum: int, frame: object) -> None:
+def _interrupt(signum: int, frame: FrameType | None) -> None:
     guard = sys.modules.get("kda_kernels.guard")  # a backend's call runs only where the guard is loaded
     if guard is not None:
         guard.note_signal()
     raise KeyboardInterrupt
 
 
-def sigterm_as_interrupt() -> object:
+def sigterm_as_interrupt() -> Handler:
     """Make SIGTERM raise KeyboardInterrupt in this process; returns the handler it replaced."""
     return signal.signal(signal.SIGTERM, _interrupt)
 
