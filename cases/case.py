@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import math
@@ -358,7 +359,7 @@ class Case:
     def replace(self, **changes: Any) -> Case:
         return dataclasses.replace(self, **changes)
 
-    @property
+    @functools.cached_property  # a case is frozen, and a run asks its id dozens of times (a hash each)
     def id(self) -> str:
         """Stable short id: a hash of every field that shapes the inputs, plus the generator version."""
         data = self.to_dict()

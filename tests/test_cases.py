@@ -250,3 +250,12 @@ def test_a_misspelled_field_or_value_is_told_the_closest_name() -> None:
         Case.from_dict({"seq_lens": [3], "dtpye": "bf16"})
     with pytest.raises(ValueError, match=r"dtype='bf61' is not allowed \(did you mean 'bf16'\?\)"):
         Case(dtype="bf61")
+
+
+def test_a_case_computes_its_id_once() -> None:
+    """A run asked one 37-token case's id 44 times, a JSON dump and a hash each; a frozen case keeps it."""
+    case = Case(seq_lens=(37,))
+    assert "id" not in vars(case)
+    first = case.id
+    assert vars(case)["id"] is first and case.id is first
+    assert case.replace(seed=case.seed + 1).id != first and case == case.replace()
