@@ -116,6 +116,25 @@ def test_checks_run_prints_a_repro_line_for_each_failure(
     assert cu_rows and not any("contract broken" in line for line in cu_rows), cu_rows
 
 
+def test_the_module_map_is_the_tree(tmp_path: Path) -> None:
+    """docs/modules.md lists every module of the five packages, generated from the tree; a new module
+    without its line fails here, and so does a module without a docstring."""
+    from kda_conformance.cli.reference import modules_markdown
+
+    page = (REPO / "docs" / "modules.md").read_text()
+    stale = "docs/modules.md is stale: python -m kda_conformance.cli.reference docs/modules.md"
+    assert page == modules_markdown(), stale
+    assert "(no docstring)" not in page
+    # A module added to a package shows up in the map made from that tree.
+    tree = tmp_path / "repo"
+    for folder in ("cases", "reference", "kernels", "reports", "conformance"):
+        (tree / folder).mkdir(parents=True)
+        (tree / folder / "__init__.py").write_text(f'"""The {folder}."""\n')
+    (tree / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())
+    (tree / "kernels" / "new_adapter.py").write_text('"""A new adapter: it calls a kernel. More words."""\n')
+    assert "| `kernels/new_adapter.py` | A new adapter: it calls a kernel. |" in modules_markdown(tree)
+
+
 def test_the_command_line_reference_is_the_parser() -> None:
     from kda_conformance.cli.reference import cli_markdown
 

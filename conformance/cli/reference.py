@@ -1,11 +1,15 @@
-"""The command-line reference (docs/cli.md), made from the parser itself: every command, its options, its
-example, and the table of run options every front end shares. Regenerate with
-``python -m kda_conformance.cli.reference docs/cli.md``; a test holds the page to the code."""
+"""Reference pages made from the code, which tests hold to it: the command line (docs/cli.md, from the parser
+itself: every command, its options, its example, and the table of run options every front end shares) and
+the module map (docs/modules.md: every module of the five packages with the first sentence of its docstring,
+so no module is missing from the docs). Regenerate with
+``python -m kda_conformance.cli.reference docs/cli.md docs/modules.md``."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import sys
+import tomllib
 from pathlib import Path
 
 from kda_cases.files import atomic_write_text
@@ -65,13 +69,58 @@ def _subcommands(name: str, parser: argparse.ArgumentParser) -> list[str]:
     return lines
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _first_sentence(docstring: str | None, most: int = 200) -> str:
+    """A docstring's first sentence (its title, a colon and what follows), on one line, cut at a word past
+    ``most`` characters."""
+    paragraph = " ".join((docstring or "").strip().split("\n\n", 1)[0].split())
+    sentence = paragraph.split(". ", 1)[0].rstrip(".") + "."
+    if len(sentence) > most:
+        sentence = sentence[:most].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
+    return sentence.replace("|", "\\|") if paragraph else "(no docstring)"
+
+
+def modules_markdown(repo: Path = REPO) -> str:
+    """docs/modules.md: each package's modules (read, not imported) with what each holds."""
+    folders: dict[str, str] = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    lines = [
+        "# Every module",
+        "",
+        "Each module of the five packages (installed as `kda_*`, in the folders of the design card), with the first "
+        "sentence of its docstring; produced by `python -m kda_conformance.cli.reference docs/modules.md` from the "
+        "tree, and held to it by a test, so a new module appears here. How the layers fit: "
+        "[architecture.md](architecture.md).",
+    ]
+    for name, folder in folders.items():
+        root = repo / folder
+        package = ast.get_docstring(ast.parse((root / "__init__.py").read_text()))
+        lines += ["", f"## `{folder}/` ({name})", "", _first_sentence(package), ""]
+        lines += ["| module | what it holds |", "|---|---|"]
+        for path in sorted(root.rglob("*.py")):
+            relative = path.relative_to(root)
+            if path.name in ("__init__.py", "__main__.py") and relative.parent == Path("."):
+                continue
+            docstring = ast.get_docstring(ast.parse(path.read_text()))
+            lines.append(f"| `{folder}/{relative.as_posix()}` | {_first_sentence(docstring)} |")
+    return "\n".join(lines) + "\n"
+
+
+PAGES = {"cli.md": cli_markdown, "modules.md": modules_markdown}
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Write each page named (docs/cli.md, docs/modules.md); with none named, print the command line's."""
     argv = sys.argv[1:] if argv is None else argv
-    text = cli_markdown()
-    if argv:
-        atomic_write_text(Path(argv[0]), text)
-    else:
-        print(text)
+    unknown = [arg for arg in argv if Path(arg).name not in PAGES]
+    if unknown:
+        print(f"{', '.join(unknown)}: not a generated page; choose from {', '.join(PAGES)}", file=sys.stderr)
+        return 2
+    for arg in argv:
+        atomic_write_text(Path(arg), PAGES[Path(arg).name]())
+    if not argv:
+        print(cli_markdown())
     return 0
 
 
