@@ -20,9 +20,9 @@ import torch
 
 from kda_cases.case import Case
 from kda_cases.grids import FIRST_SWEEP_DTYPES
+from kda_conformance.checks import Check
 from kda_conformance.plugin_summary import RUN, WRITTEN, empty_selection, not_checked
 from kda_conformance.plugin_summary import pytest_terminal_summary as pytest_terminal_summary
-from kda_conformance.running.check import Check, Drawn
 from kda_conformance.running.config import Grid, baseline_warning, build_config, release_claims
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost
 from kda_conformance.running.interrupts import sigterm_as_interrupt
@@ -30,6 +30,7 @@ from kda_conformance.running.memory import chosen_gpus, visible_device
 from kda_conformance.running.not_checked import NOT_CHECKED_EXIT
 from kda_conformance.running.option_values import PURPOSE_VARIABLE, ConfigError
 from kda_conformance.running.options import add_pytest_options
+from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.search import (
     check_seed,
     configure_hypothesis,

@@ -11,8 +11,8 @@ import pytest
 
 from kda_cases.case import Case
 from kda_cases.corpus import CorpusEntry, load_corpus
-from kda_conformance.check_tests import fail, unanswered
 from kda_conformance.checks import CHECKS, Drawn
+from kda_conformance.checks._tests import fail, unanswered
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running.session import Run

@@ -7,8 +7,8 @@ from collections.abc import Callable
 import pytest
 
 from kda_cases.case import Case
-from kda_conformance.check_tests import fail, unanswered
 from kda_conformance.checks import CHECKS, Drawn
+from kda_conformance.checks._tests import fail, unanswered
 from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running.session import Run
 from kda_kernels import guard

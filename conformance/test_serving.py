@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from kda_conformance.check_tests import suite_tests
+from kda_conformance.checks._tests import suite_tests
 
 pytestmark = pytest.mark.kda_device_dependent
 

@@ -45,8 +45,8 @@ from kda_cases.presets import PRESETS as PRESETS
 from kda_cases.presets import preset as library_preset
 from kda_cases.profiles import get_profile
 from kda_cases.strategies import cases as profile_cases
-from kda_conformance.check_tests import check_report
-from kda_conformance.checking.registry import get_check, run_check
+from kda_conformance.checks import get_check, run_check
+from kda_conformance.checks._tests import check_report
 from kda_conformance.running.config import RunConfig
 from kda_conformance.running.session import Run
 from kda_kernels import api, guard, registry, triton_interpret

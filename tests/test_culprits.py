@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kda_cases.case import Case
-from kda_conformance.check_tests import finite_or_largest
 from kda_conformance.checks import Drawn, get_check, run_check
+from kda_conformance.checks._tests import finite_or_largest
 from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running import faults, truth
 from kda_conformance.running.config import build_config

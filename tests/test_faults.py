@@ -20,8 +20,8 @@ import torch
 
 from kda_cases.case import Case
 from kda_cases.grids import first_sweep_cases
-from kda_conformance.check_tests import check_report
 from kda_conformance.checks import Drawn, get_check
+from kda_conformance.checks._tests import check_report
 from kda_conformance.cli import main
 from kda_conformance.cli.exits import ERRORED
 from kda_conformance.running.config import build_config

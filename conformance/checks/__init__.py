@@ -2,11 +2,16 @@
 
 Each check is one module defining one :class:`Check` (how it draws a case and its parameters, such as a
 split point, for a backend; how it runs on a case's truth, returning findings) and one registration
-below. The pytest tests (``conformance/test_properties.py``, ``test_serving.py``), ``kda-conformance
-detection``, ``kda-conformance repro`` and ``docs/checks.md`` all read this registry (docs/architecture.md).
+below. The pytest tests (``conformance/test_properties.py``, ``test_serving.py``, made by ``_tests.py``),
+``kda-conformance detection``, ``kda-conformance repro`` and ``docs/checks.md`` all read this registry
+(docs/architecture.md). Everything a check is made of lives here: what a check is (``_check.py``), the
+registry (``_registry.py``), inputs derived from a case's (``_derived.py``), a backend run through the
+serving harness (``_served.py``) and the pytest tests made from the registry (``_tests.py``); outside this
+package a check is imported from it (``from kda_conformance.checks import Check``).
 """
 
-from kda_conformance.checking.registry import CHECKS, Check, Drawn, Param, get_check, register, run_check
+__all__ = ["CHECKS", "Check", "Drawn", "Param", "get_check", "register", "run_check", "serving_case"]
+
 from kda_conformance.checks import (
     budget,
     checkpoint,
@@ -21,6 +26,10 @@ from kda_conformance.checks import (
     split_resume,
     steps,
 )
+from kda_conformance.checks._check import Check, Param
+from kda_conformance.checks._registry import CHECKS, get_check, register, run_check
+from kda_conformance.checks._served import serving_case
+from kda_conformance.running.runnable import Drawn  # what a check draws: the executor (running/) reads it too
 
 # The registrations, in the order every table shows the checks.
 for module in (

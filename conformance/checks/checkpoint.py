@@ -10,9 +10,9 @@ from collections.abc import Mapping
 from hypothesis import strategies as st
 
 from kda_cases.profiles import Profile
-from kda_conformance.checking.derived import step_inputs
-from kda_conformance.checking.registry import Check, Drawn
-from kda_conformance.checking.served import (
+from kda_conformance.checks._check import Check
+from kda_conformance.checks._derived import step_inputs
+from kda_conformance.checks._served import (
     draw_served,
     request_findings,
     run_serving,
@@ -21,6 +21,7 @@ from kda_conformance.checking.served import (
     serving_case,
 )
 from kda_conformance.judging.judge import judge_for
+from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels.protocol import Backend, BackendOutput
 from kda_kernels.serving import new_out, plan_pool

@@ -15,9 +15,10 @@ import torch
 from hypothesis import strategies as st
 
 from kda_cases.profiles import Profile
-from kda_conformance.checking.registry import Check, Drawn
-from kda_conformance.checking.served import draw_served, serving_case
+from kda_conformance.checks._check import Check
+from kda_conformance.checks._served import draw_served, serving_case
 from kda_conformance.judging.judge import judge_for
+from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.runner import call_backend
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels.guard import add_listener, remove_listener

@@ -8,9 +8,11 @@ from hypothesis import strategies as st
 
 from kda_cases.case import Case
 from kda_cases.profiles import Profile
-from kda_conformance.checking.derived import alone_inputs
-from kda_conformance.checking.registry import Check, Drawn, draw_case, supported
+from kda_conformance.checks._check import Check
+from kda_conformance.checks._derived import alone_inputs
+from kda_conformance.checks._registry import draw_case, supported
 from kda_conformance.judging.judge import judge_for
+from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.runner import call_backend
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels.protocol import Backend

@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 
 from kda_cases.materialize import KDAInputs, materialize
 from kda_cases.profiles import Profile
-from kda_conformance.checking.derived import TOKEN_TENSORS
-from kda_conformance.checking.registry import Check, Drawn
-from kda_conformance.checking.served import draw_served, run_serving, served_result, serving_case
+from kda_conformance.checks._check import Check
+from kda_conformance.checks._derived import TOKEN_TENSORS
+from kda_conformance.checks._served import draw_served, run_serving, served_result, serving_case
 from kda_conformance.judging.judge import judge_for
+from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.runner import call_backend
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels.protocol import CALLER_BUFFER_FILL, Backend

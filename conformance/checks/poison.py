@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from hypothesis import strategies as st
 
 from kda_cases.profiles import Profile
-from kda_conformance.checking.registry import Check, Drawn, Param
-from kda_conformance.checking.served import (
+from kda_conformance.checks._check import Check, Param
+from kda_conformance.checks._served import (
     REGIONS,
     differences,
     draw_served,
@@ -22,6 +22,7 @@ from kda_conformance.checking.served import (
 )
 from kda_conformance.checks.determinism import nondeterminism
 from kda_conformance.judging.judge import judge_for
+from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels.protocol import Backend
 from kda_kernels.serving import POISON_MODES, plan_pool, poisoned_scratch

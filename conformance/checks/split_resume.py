@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 from kda_cases.case import Case
 from kda_cases.profiles import Profile
 from kda_cases.strategies import CHECKPOINT_GRIDS
-from kda_conformance.checking.derived import split_inputs, token_slice
-from kda_conformance.checking.registry import Check, Drawn, Param, draw_case, supported
+from kda_conformance.checks._check import Check, Param
+from kda_conformance.checks._derived import split_inputs, token_slice
+from kda_conformance.checks._registry import draw_case, supported
 from kda_conformance.judging.judge import Judge, judge_for
+from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.runner import call_backend
 from kda_conformance.running.truth import CaseTruth, baseline_backend, inputs_truth, widened
 from kda_kernels.guard import run_backend_call

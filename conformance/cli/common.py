@@ -27,7 +27,7 @@ from kda_reports.findings import recorded_text
 from kda_reports.runfile import DEFAULT_OUT
 
 if TYPE_CHECKING:
-    from kda_conformance.checking.registry import Check, Param
+    from kda_conformance.checks import Check, Param
     from kda_conformance.running.config import RunConfig
 
 CLI_DEFAULT_BACKENDS = ("fla_chunk", "fla_recurrent")

@@ -16,7 +16,7 @@ import torch
 from kda_cases.case import Case
 from kda_cases.files import atomic_write_text
 from kda_cases.materialize import cu_seqlens_tensor
-from kda_conformance.checking.served import serving_case
+from kda_conformance.checks import serving_case
 from kda_conformance.running.truth import case_truth, declared_precision
 from kda_kernels import registry
 from kda_kernels.protocol import Backend

@@ -23,10 +23,10 @@ import torch
 
 from kda_cases.case import Case
 from kda_conformance.judging.judge import judge_for
-from kda_conformance.running.check import Check, Drawn
 from kda_conformance.running.config import RunConfig
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost, die_with_parent
 from kda_conformance.running.option_values import DEFAULT_CASE_TIMEOUT
+from kda_conformance.running.runnable import Drawn, RunnableCheck
 from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
 from kda_kernels.left_work import exit_past_left_work, kill_tree
@@ -106,7 +106,7 @@ class IsolatedRunner:
             self.process.join(timeout=30)
         self.process, self.conn = None, None
 
-    def run(self, check: Check, drawn: Drawn, backend: str) -> list[Finding]:
+    def run(self, check: RunnableCheck, drawn: Drawn, backend: str) -> list[Finding]:
         """``check`` on the drawn case for ``backend`` in the worker (the check travels as itself: its fields
         are data and module-level functions), the worker's executor applying every rule the sweep's does."""
         if self.process is None:
@@ -168,7 +168,7 @@ def _exit_status(code: int | None) -> str:
 
 
 def run_isolated(
-    check: Check,
+    check: RunnableCheck,
     calls: Iterable[tuple[Case, str]],
     device: torch.device,
     plugins: Sequence[str] = (),

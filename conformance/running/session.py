@@ -23,12 +23,12 @@ from kda_cases.case import Case
 from kda_cases.files import atomic_write
 from kda_conformance.judging.judge import Judge, judge_for
 from kda_conformance.judging.known import apply_known
-from kda_conformance.running.check import Check, Drawn
 from kda_conformance.running.config import RunConfig
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost, is_sticky
 from kda_conformance.running.journal import CallJournal
 from kda_conformance.running.memory import device_slot, release_cached_memory, release_quietly
 from kda_conformance.running.quarantine import Quarantine
+from kda_conformance.running.runnable import Drawn, RunnableCheck
 from kda_conformance.running.runner import blamed, fault_finding
 from kda_conformance.running.search import ExampleLog
 from kda_conformance.running.stages import CLOCK
@@ -133,7 +133,7 @@ class Run:
     def rows(self) -> list[dict]:
         return [] if self._recorder is None else self._recorder.rows
 
-    def checked(self, check: Check, drawn: Drawn, backend: Backend, test: str | None = None) -> list[Finding]:
+    def checked(self, check: RunnableCheck, drawn: Drawn, backend: Backend, test: str | None = None) -> list[Finding]:
         """``check`` on the ``drawn`` case and parameters, for ``backend``: the one path from a check to its
         findings (the sweep, pytest, ``repro``, ``minimize``, ``checks --run``, ``findings --write-tests`` and
         isolated workers all come here). It holds the device (alone for a large case). Whatever goes
@@ -196,7 +196,7 @@ class Run:
 
     def _confirm_margins(
         self,
-        check: Check,
+        check: RunnableCheck,
         drawn: Drawn,
         backend: Backend,
         findings: list[Finding],

@@ -19,7 +19,7 @@ import torch
 from kda_cases.dtypes import stored_dtype
 from kda_cases.guards import memory_of
 from kda_cases.materialize import KDAInputs, cu_seqlens_tensor, materialize
-from kda_conformance.checking.derived import token_slice
+from kda_conformance.checks._derived import token_slice
 from kda_kernels.protocol import BackendOutput
 from kda_kernels.registry import register
 from kda_kernels.serving import gather_run_scatter

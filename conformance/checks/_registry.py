@@ -1,4 +1,4 @@
-"""The registry of checks (their shape is ``running/check.py``), how a check draws its case inside a backend's
+"""The registry of checks (what a check is: ``_check.py``), how a check draws its case inside a backend's
 envelope, and ``run_check``: one check on one case through the run's executor (``Run.checked``)."""
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ from hypothesis import strategies as st
 from kda_cases.case import Case, did_you_mean
 from kda_cases.profiles import Profile
 from kda_cases.strategies import cases
-from kda_conformance.running.check import Check, Drawn, Param, unchanged
+from kda_conformance.checks._check import Check, unchanged
 from kda_conformance.running.config import RunConfig
+from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.session import Run
 from kda_kernels import guard
 from kda_kernels.protocol import Backend
 from kda_reports.findings import Finding
-
-__all__ = ["CHECKS", "Check", "Drawn", "Param", "draw_case", "get_check", "register", "run_check", "supported"]
 
 CHECKS: dict[str, Check] = {}
 

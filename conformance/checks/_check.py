@@ -1,16 +1,18 @@
-"""The shape of one check, as the executor (``Run.checked``) runs it: how it draws a case and its parameters
-for a backend, how it runs on a case's truth. The checks themselves are ``conformance/checks/``, one module
-each, registered in ``conformance/checking/registry.py``."""
+"""What a check is: :class:`Check` (how it draws a case and its parameters for a backend, how it runs on the
+case's truth) and :class:`Param` (a parameter it draws besides its case). Every check of ``checks/`` is one
+such record, registered in ``checks/__init__.py``; ``running/`` sees a check only as the small protocol it
+runs (``running/runnable.py``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
 from kda_cases.case import Case
 from kda_cases.profiles import Profile
+from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels.protocol import Backend
 from kda_reports.findings import Finding
@@ -25,14 +27,6 @@ class Param:
     parse: Callable[[str], object]
     help: str
     choices: tuple[str, ...] | None = None
-
-
-@dataclass(frozen=True)
-class Drawn:
-    """What a check drew: the case it runs on and its parameters."""
-
-    case: Case
-    params: Mapping[str, object] = field(default_factory=dict)
 
 
 def unchanged(case: Case, backend: Backend) -> Case:

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.errors import FailedHealthCheck, Unsatisfiable
 
 from kda_cases.coverage import axis_values
-from kda_conformance.checking.registry import REFUSALS
-from kda_conformance.checks import CHECKS, Check
+from kda_conformance.checks._check import Check
+from kda_conformance.checks._registry import CHECKS, REFUSALS
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.running.runner import fault_finding
 from kda_conformance.running.session import NOT_LAUNCHED, Run

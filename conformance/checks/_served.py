@@ -14,7 +14,7 @@ from kda_cases.dtypes import bits
 from kda_cases.guards import memory_of
 from kda_cases.materialize import KDAInputs
 from kda_cases.profiles import Profile
-from kda_conformance.checking.registry import draw_case, supported
+from kda_conformance.checks._registry import draw_case, supported
 from kda_conformance.judging.judge import Judge
 from kda_conformance.running.stages import CLOCK
 from kda_conformance.running.truth import inputs_truth
