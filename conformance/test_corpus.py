@@ -16,6 +16,7 @@ from kda_conformance.checks._tests import fail, unanswered
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running.session import Run
+from kda_conformance.running.sweep import fit_or_fault
 from kda_kernels import guard
 from kda_kernels.guard import BackendFault
 from kda_kernels.protocol import Backend, Support
@@ -58,9 +59,8 @@ def test_long_case(
     request: pytest.FixtureRequest,
 ) -> None:
     """A long case of the run (moved into the backend's envelope), within its budgets."""
-    try:
-        fitted = guard.fit(kda_backend, long_case)
-    except BackendFault as fault:
+    fitted, fault = fit_or_fault(kda_backend, long_case)
+    if fault is not None:
         unanswered(BUDGET_CHECK, kda_backend, kda_run, kda_record, fault)
     _within_budget(fitted, kda_backend, kda_run, kda_checked, "long case of the run", request, kda_record)
 
@@ -78,10 +78,13 @@ def test_guaranteed_case(
     whatever the seed), within its budgets. A backend that does not take it records that skip (the night's
     coverage then tells a value outside its envelope from one the night missed) and runs the case moved
     into its envelope instead."""
-    try:
-        fitted = guard.fit(kda_backend, guaranteed_case)
-        outside = not guard.supports(kda_backend, guaranteed_case)
-    except BackendFault as fault:
+    fitted, fault = fit_or_fault(kda_backend, guaranteed_case)
+    if fault is None:
+        try:
+            outside = not guard.supports(kda_backend, guaranteed_case)
+        except BackendFault as raised:
+            fault = raised
+    if fault is not None:
         unanswered(BUDGET_CHECK, kda_backend, kda_run, kda_record, fault)
     if outside:
         _skip_record(guaranteed_case, kda_backend, kda_run, kda_record)

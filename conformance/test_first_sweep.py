@@ -11,8 +11,7 @@ from kda_conformance.checks import CHECKS, Drawn
 from kda_conformance.checks._tests import fail, unanswered
 from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running.session import Run
-from kda_kernels import guard
-from kda_kernels.guard import BackendFault
+from kda_conformance.running.sweep import fit_or_fault
 from kda_kernels.protocol import Backend
 from kda_reports.findings import failure_report
 
@@ -31,11 +30,10 @@ def test_first_sweep(
     case of the grid already became is not run twice."""
     backend = kda_backend
     grid = kda_run.config.grid.cases()
-    try:
-        fitted = guard.fit(backend, first_sweep_case)
-        earlier = {guard.fit(backend, c).id for c in grid[: grid.index(first_sweep_case)]}
-    except BackendFault as fault:
+    fitted, fault = fit_or_fault(backend, first_sweep_case)
+    if fault is not None:
         unanswered(BUDGET_CHECK, backend, kda_run, kda_record, fault)
+    earlier = {fit_or_fault(backend, c)[0].id for c in grid[: grid.index(first_sweep_case)]}
     if fitted.id in earlier:
         pytest.skip(f"{backend.name}: moved into its envelope, this is {fitted.id}, which an earlier case runs")
     findings = kda_checked(CHECKS[BUDGET_CHECK], Drawn(fitted), backend)

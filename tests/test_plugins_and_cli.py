@@ -381,9 +381,10 @@ def test_a_long_sweep_says_how_long_it_expects_before_it_starts_and_what_is_left
     """--lengths 1000000 worked for 3 minutes without a word: past ANNOUNCE_WORK a sweep first probes the
     largest case's shape and says how long it expects; its progress lines say what is left."""
     from kda_conformance.cli import sweep
+    from kda_conformance.running import sweep as engine
 
     monkeypatch.setattr(sweep, "ANNOUNCE_WORK", 2**16)
-    monkeypatch.setattr(sweep, "PROBE_WORK", (2**20, 2**21))
+    monkeypatch.setattr(engine, "PROBE_WORK", (2**20, 2**21))
     argv = ["run", "--device", "cpu", "--backend", "torch_chunk", "--lengths", "300", "--dtypes", "bf16"]
     assert main([*argv, "--out", str(tmp_path), "--no-dashboard"]) == 0
     out = capsys.readouterr().out
