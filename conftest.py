@@ -1,3 +1,3 @@
 """Wires the suite's pytest plugin (markers, options, device selection) into every run from this checkout."""
 
-pytest_plugins = ("kda_conformance.plugin",)
+pytest_plugins = ("kda_conformance.pytest_plugin",)

@@ -15,7 +15,7 @@ from kda_conformance.checks import CHECKS, Drawn
 from kda_conformance.checks._tests import fail, unanswered
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.judging.repro import BUDGET_CHECK
-from kda_conformance.running.session import Run
+from kda_conformance.running.run import Run
 from kda_conformance.running.sweep import fit_or_fault
 from kda_kernels import guard
 from kda_kernels.guard import BackendFault

@@ -10,7 +10,7 @@ from kda_cases.case import Case
 from kda_conformance.checks import CHECKS, Drawn
 from kda_conformance.checks._tests import fail, unanswered
 from kda_conformance.judging.repro import BUDGET_CHECK
-from kda_conformance.running.session import Run
+from kda_conformance.running.run import Run
 from kda_conformance.running.sweep import fit_or_fault
 from kda_kernels.protocol import Backend
 from kda_reports.findings import failure_report

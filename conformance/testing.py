@@ -48,7 +48,7 @@ from kda_cases.strategies import cases as profile_cases
 from kda_conformance.checks import get_check, run_check
 from kda_conformance.checks._tests import check_report
 from kda_conformance.running.config import RunConfig
-from kda_conformance.running.session import Run
+from kda_conformance.running.run import Run
 from kda_kernels import api, guard, registry, triton_interpret
 from kda_kernels.api import *  # noqa: F403  (the plugin face's names, re-exported: see __all__)
 from kda_kernels.api import Backend, BackendOutput, Envelope, KDAInputs, Support, stored

@@ -218,7 +218,7 @@ def test_magnitude_regimes_scale_v_and_normalized_queries_and_keys_only() -> Non
 
 @pytest.mark.parametrize("layout", INPUT_LAYOUTS)
 def test_inputs_drawn_ahead_on_the_cpu_are_the_same_bits_in_the_same_layout(layout: str) -> None:
-    """A run draws a case's tensors before it takes its share of the GPU (conformance/running/truths.py):
+    """A run draws a case's tensors before it takes its share of the GPU (conformance/running/truth_cache.py):
     placing them later must give what materialize gives, strides included."""
     case = Case(seq_lens=(40, 0, 25), packed=True, num_heads=2, num_v_heads=4, initial_state="random",
                 input_layout=layout, input_scale="outliers", dtype="fp16")  # fmt: skip
@@ -231,12 +231,12 @@ def test_inputs_drawn_ahead_on_the_cpu_are_the_same_bits_in_the_same_layout(layo
 
 
 def test_the_truth_cache_uses_what_it_drew_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kda_conformance.running import truths
+    from kda_conformance.running import truth_cache
 
     drawn: list[str] = []
-    original = truths.drawn_on_cpu
-    monkeypatch.setattr(truths, "drawn_on_cpu", lambda case: drawn.append(case.id) or original(case))
-    cache = truths.TruthCache(torch.device("cpu"))
+    original = truth_cache.drawn_on_cpu
+    monkeypatch.setattr(truth_cache, "drawn_on_cpu", lambda case: drawn.append(case.id) or original(case))
+    cache = truth_cache.TruthCache(torch.device("cpu"))
     case = Case(seq_lens=(20,))
     cache.draw_ahead(case)
     truth = cache.get(case)

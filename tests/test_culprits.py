@@ -20,7 +20,7 @@ from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running import faults, truth
 from kda_conformance.running.config import build_config
 from kda_conformance.running.faults import DeviceLost, memory_report
-from kda_conformance.running.session import Run
+from kda_conformance.running.run import Run
 from kda_kernels import registry
 from kda_kernels.torch_chunk import TorchChunk
 from kda_reports.findings import SUITE_BACKEND

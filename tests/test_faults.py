@@ -28,7 +28,7 @@ from kda_conformance.running.config import build_config
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost, is_sticky
 from kda_conformance.running.memory import SHARES, memory_shares, shares_for, visible_device
 from kda_conformance.running.option_values import parse_shard
-from kda_conformance.running.session import Run
+from kda_conformance.running.run import Run
 from kda_kernels import registry
 from kda_reports.regressions import find_regressions
 from kda_reports.store import load_store
@@ -260,7 +260,7 @@ def test_a_sticky_error_raised_when_the_case_gives_its_memory_back_is_still_that
 ) -> None:
     """On a GPU a dead context shows again when the case gives its allocator's cache back (seen on the
     H200: that error escaped the guard, the worker went on, and 368 later tests failed with it)."""
-    from kda_conformance.running import session
+    from kda_conformance.running import run as executor
 
     run = Run(build_config(device="cpu", backends=["torch_chunk"], out=tmp_path))
     case, backend = Case(seq_lens=(37,)), registry.get("torch_chunk")
@@ -268,7 +268,7 @@ def test_a_sticky_error_raised_when_the_case_gives_its_memory_back_is_still_that
     def release_on_a_dead_context(device: torch.device) -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(session, "release_cached_memory", release_on_a_dead_context)
+    monkeypatch.setattr(executor, "release_cached_memory", release_on_a_dead_context)
     # The kernel's fault surfaced only at the release: charged to this case and backend, and the worker ends.
     with pytest.raises(DeviceLost) as lost:
         run.checked(get_check("budget"), Drawn(case), backend)
@@ -748,11 +748,12 @@ def test_a_case_timeout_is_the_checks_time_not_the_suites_truth(
     """--case-timeout timed the suite's truth and baseline too: an instant backend on T = 1024 was charged
     "no result within 1.5 s". The backend's clock starts when the truth is ready; a truth slower than the
     timeout is the suite's hang."""
-    from kda_conformance.running import session, truths
+    from kda_conformance.running import run as executor
+    from kda_conformance.running import truth_cache
 
     ended: list[int] = []
-    monkeypatch.setattr(session, "end_process", ended.append)
-    slow_get = truths.TruthCache.get
+    monkeypatch.setattr(executor, "end_process", ended.append)
+    slow_get = truth_cache.TruthCache.get
 
     def slow(self, case, precision=None):
         time.sleep(3.0)
@@ -760,13 +761,13 @@ def test_a_case_timeout_is_the_checks_time_not_the_suites_truth(
 
     config = build_config(device="cpu", backends=["torch_chunk"], out=tmp_path, case_timeout=2.0)
     run = Run(config)
-    monkeypatch.setattr(truths.TruthCache, "get", slow)
+    monkeypatch.setattr(truth_cache.TruthCache, "get", slow)
     findings = run.checked(get_check("budget"), Drawn(Case(seq_lens=(37,))), registry.get("torch_chunk"))
     assert {f.verdict for f in findings} == {"pass"} and len(ended) == 1, "the backend itself was instant"
     rows = run.rows
     hung = [r for r in rows if r["verdict"] == "error"]
     assert [r["backend"] for r in hung] == ["(suite)"] and "the suite's truth of the case" in hung[0]["reason"]
     # A truth within the timeout: nothing is charged to anyone.
-    monkeypatch.setattr(truths.TruthCache, "get", slow_get)
+    monkeypatch.setattr(truth_cache.TruthCache, "get", slow_get)
     again = run.checked(get_check("budget"), Drawn(Case(seq_lens=(37,), seed=2)), registry.get("torch_chunk"))
     assert {f.verdict for f in again} == {"pass"} and len(ended) == 1

@@ -18,8 +18,8 @@ from kda_conformance.judging.judge import judge_for
 from kda_conformance.judging.metrics import Measurement
 from kda_conformance.repro.upstream import upstream_findings
 from kda_conformance.running.config import build_config
+from kda_conformance.running.run import Run, redraw_seeds
 from kda_conformance.running.runnable import Drawn
-from kda_conformance.running.session import Run, redraw_seeds
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels import registry
 from kda_kernels.protocol import Backend

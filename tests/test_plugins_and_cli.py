@@ -241,7 +241,7 @@ def test_a_marker_that_selects_nothing_says_why(strict: tuple[str, ...], code: i
 def test_skips_are_counted_by_reason() -> None:
     from types import SimpleNamespace
 
-    from kda_conformance.plugin_summary import skip_counts
+    from kda_conformance.pytest_summary import skip_counts
 
     def skipped(reason: str) -> SimpleNamespace:
         return SimpleNamespace(longrepr=("conformance/test_x.py", 3, f"Skipped: {reason}"))

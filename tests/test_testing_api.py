@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 
 from kda_conformance.running.config import RunConfig
-from kda_conformance.running.session import Run
+from kda_conformance.running.run import Run
 from kda_conformance.testing import Case, Checker, Envelope, as_backend, assert_conforms, kda_cases, preset
 from kda_kernels.torch_chunk import TorchChunk
 from kda_reports.store import load_store

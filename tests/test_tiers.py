@@ -14,7 +14,7 @@ import pytest
 
 from kda_cases.case import Case
 from kda_conformance.cli import main
-from kda_conformance.running.session import with_library_tolerance
+from kda_conformance.running.run import with_library_tolerance
 from kda_kernels import registry
 from kda_kernels.protocol import Library, LibraryTolerance
 from kda_kernels.torch_chunk import TorchChunk

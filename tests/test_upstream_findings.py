@@ -18,7 +18,7 @@ from kda_cases.case import Case
 from kda_conformance.cli import main
 from kda_conformance.judging.known import KnownIssue, load_ledger
 from kda_conformance.repro.upstream import findings_markdown, upstream_findings
-from kda_conformance.running.runner import CONTRACT
+from kda_conformance.running.blame import CONTRACT
 
 PLUGINS = Path(__file__).with_name("plugins")
 

@@ -1,4 +1,5 @@
-"""vLLM's and SGLang's vendored KDA kernels, loaded from a source tree (kernels/vendored.py), against test doubles
+"""vLLM's and SGLang's vendored KDA kernels, loaded from a source tree (kernels/vendored_trees.py; the backends:
+kernels/vendored.py), against test doubles
 of each API (tests/doubles/): signature detection, the argument mapping and the state handling each server's
 layer does, the layout probe, and the reasons given when a tree is missing or needs what the loader lacks."""
 
@@ -15,8 +16,9 @@ import torch
 from kda_cases.case import Case
 from kda_cases.materialize import materialize
 from kda_conformance.cli import main
-from kda_kernels import guard, registry, vendored
-from kda_kernels.vendored import SGLANG, VLLM
+from kda_kernels import guard, registry, vendored, vendored_trees
+from kda_kernels.protocol import Unsupported
+from kda_kernels.vendored_trees import SGLANG, VLLM
 from kda_reports.runfile import read_run
 
 DOUBLES = Path(__file__).with_name("doubles")
@@ -38,7 +40,7 @@ def doubles(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     kda_server_double.CALLS.clear()
     yield
-    for tree in vendored.TREES:
+    for tree in vendored_trees.TREES:
         vendored.forget(tree)
 
 
@@ -64,7 +66,7 @@ def test_vllm_current_tree_is_called_as_its_layer_calls_it(tmp_path: Path, monke
     assert packed["cu_seqlens"].tolist() == [0, 70, 70, 100]
     fresh = next(c for c in _calls() if c["initial_state"].shape[-2:] == (32, 16) and c["beta"].shape[1] == 40)
     assert not fresh["initial_state"].any(), "a fresh sequence's slot is zeroed, then gathered: zeros"
-    assert not vendored.load(VLLM).__name__.startswith("vllm.model_executor")  # the newest layout first
+    assert not vendored_trees.load(VLLM).__name__.startswith("vllm.model_executor")  # the newest layout first
     records = read_run(next((tmp_path / "out0" / "runs").glob("*.parquet")))
     assert json.loads(records["env_source_trees"].iloc[0]) == {"KDA_VLLM_SRC": "a vLLM test double"}
 
@@ -89,7 +91,7 @@ def test_vllm_033_layout_takes_raw_beta_and_the_lower_bound_gate(
     fused = [c for c in _calls() if c["entry"] == "chunk_kda_with_fused_gate"]
     assert [c["lower_bound"] for c in fused] == [-5.0, None] and all(c["A_log"] == (2,) for c in fused)
     assert bool((fused[0]["raw_beta"] < 0).any()), "beta goes in raw: its sigmoid is the kernel's"
-    assert vendored.load(VLLM).__name__ == "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
+    assert vendored_trees.load(VLLM).__name__ == "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
     backend = registry.get("vllm_chunk")
     activated = Case(seq_lens=(9,), gate="softplus", beta_sigmoid_in_kernel=False, **NO_BOUND)
     assert "takes beta raw" in backend.supports(activated).reason
@@ -118,7 +120,7 @@ def test_sglang_pool_api_reads_and_writes_each_sequence_slot(tmp_path: Path, mon
 
 @pytest.mark.parametrize("tree", [VLLM, SGLANG], ids=lambda t: t.package)
 def test_a_missing_or_incomplete_tree_says_why(
-    tree: vendored.Tree, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tree: vendored_trees.Tree, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     name = f"{tree.package}_chunk"
     monkeypatch.delenv(tree.variable, raising=False)
@@ -168,7 +170,9 @@ def test_glm5_flash_is_called_as_its_layer_calls_it(tmp_path: Path, monkeypatch:
     assert {c["lower_bound"] for c in calls} == {-1.0, -5.0}
     assert all(c["beta"].dtype == torch.float32 for c in calls)
     assert any(not c["initial_state"].any() for c in calls), "a fresh sequence passes zeros"
-    assert vendored.load(vendored.VLLM_GLM5).__name__.endswith("glm5next.nvidia.ops.third_party.kda.kernels")
+    assert vendored_trees.load(vendored_trees.VLLM_GLM5).__name__.endswith(
+        "glm5next.nvidia.ops.third_party.kda.kernels"
+    )
     # The layer's envelope: the safe lower-bound gate only, q/k normalised in the kernel, K = V, no GVA.
     backend = registry.get("vllm_glm5_chunk")
     assert "gates lower_bound" in backend.supports(Case(seq_lens=(9,), gate="softplus", **NO_BOUND)).reason
@@ -188,7 +192,7 @@ def test_a_tree_without_the_entry_point_is_unavailable_naming_it(
     monkeypatch.setenv(VLLM.variable, str(DOUBLES / "vllm033_tree"))
     reason = registry.get("vllm_glm5_chunk").availability(cpu).reason
     assert "holds none of vllm.models.glm5next.nvidia.ops.third_party.kda.kernels" in reason, reason
-    for tree in vendored.TREES:
+    for tree in vendored_trees.TREES:
         vendored.forget(tree)
     # A module that is there but has neither entry point: unavailable, naming both
     kda = tmp_path.joinpath(*VLLM.modules[0].split("."), "__init__.py")
@@ -202,14 +206,14 @@ def test_a_tree_without_the_entry_point_is_unavailable_naming_it(
 def test_a_stub_the_kernels_need_and_the_loader_lacks_is_the_suites_gap_not_the_kernels() -> None:
     """What the kernels ask of a stub that the loader does not provide is a StubGap: an AttributeError to
     `hasattr` and `from m import x`, and an Unsupported to the checks (a skip naming it, not an error)."""
-    platform = vendored._Platform()
+    platform = vendored_trees._Platform()
     assert not hasattr(platform, "some_new_question")
-    with pytest.raises(vendored.StubGap, match="current_platform has no some_new_question"):
+    with pytest.raises(vendored_trees.StubGap, match="current_platform has no some_new_question"):
         platform.some_new_question()
-    assert issubclass(vendored.StubGap, vendored.Unsupported)
+    assert issubclass(vendored_trees.StubGap, Unsupported)
     assert platform.has_device_capability(80) is torch.cuda.is_available()
-    stub = vendored._Stub("vllm.utils.math_utils")
-    with pytest.raises(vendored.StubGap, match=r"stub of vllm\.utils\.math_utils has no round_up"):
+    stub = vendored_trees._Stub("vllm.utils.math_utils")
+    with pytest.raises(vendored_trees.StubGap, match=r"stub of vllm\.utils\.math_utils has no round_up"):
         stub.round_up  # noqa: B018
 
 
@@ -232,7 +236,7 @@ def test_kimi_k3s_output_goes_into_the_slice_of_the_layers_buffer(
     assert _run("vllm_chunk", batched, tmp_path / "batched") == 0
     outs = [c["out"] for c in _calls() if c["entry"] == "chunk_kda_with_fused_gate" and c["out"].shape[0] == 2]
     assert outs and all(o.is_contiguous() and o.storage_offset() > 0 for o in outs)
-    module = vendored.load(VLLM)
+    module = vendored_trees.load(VLLM)
     right = module.chunk_kda_with_fused_gate
 
     @functools.wraps(right)  # its signature: what the adapter reads the API from

@@ -9,7 +9,7 @@ import torch
 
 from kda_cases.case import Case
 from kda_cases.materialize import KDAInputs, cu_seqlens_tensor, materialize
-from kda_conformance.running.runner import NotApplicable
+from kda_conformance.running.blame import NotApplicable
 
 TOKEN_TENSORS = ("q", "k", "v", "g", "beta")
 

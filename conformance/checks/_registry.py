@@ -15,8 +15,8 @@ from kda_cases.profiles import Profile
 from kda_cases.strategies import cases
 from kda_conformance.checks._check import Check, unchanged
 from kda_conformance.running.config import RunConfig
+from kda_conformance.running.run import Run
 from kda_conformance.running.runnable import Drawn
-from kda_conformance.running.session import Run
 from kda_kernels import guard
 from kda_kernels.protocol import Backend
 from kda_reports.findings import Finding

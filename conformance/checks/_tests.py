@@ -19,8 +19,8 @@ from kda_cases.coverage import axis_values
 from kda_conformance.checks._check import Check
 from kda_conformance.checks._registry import CHECKS, REFUSALS
 from kda_conformance.judging.judge import judge_for
-from kda_conformance.running.runner import fault_finding
-from kda_conformance.running.session import NOT_LAUNCHED, Run
+from kda_conformance.running.blame import fault_finding
+from kda_conformance.running.run import NOT_LAUNCHED, Run
 from kda_kernels.guard import BackendFault
 from kda_kernels.protocol import Backend
 from kda_reports.findings import Finding, failure_report

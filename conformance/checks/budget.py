@@ -15,9 +15,9 @@ from kda_conformance.checks._check import Check
 from kda_conformance.checks._registry import draw_case, supported
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.judging.repro import BUDGET_CHECK
+from kda_conformance.running.blame import fault_finding, raised_at
 from kda_conformance.running.faults import is_out_of_memory, memory_report
 from kda_conformance.running.runnable import Drawn
-from kda_conformance.running.runner import fault_finding, raised_at
 from kda_conformance.running.stages import CLOCK, Lap
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels import guard

@@ -24,8 +24,8 @@ from kda_cases.profiles import Profile
 from kda_conformance.checks._check import Check
 from kda_conformance.checks._served import draw_served, serve, serving_case
 from kda_conformance.judging.judge import Judge, judge_for
+from kda_conformance.running.blame import CONTRACT, breach_findings
 from kda_conformance.running.runnable import Drawn
-from kda_conformance.running.runner import CONTRACT, breach_findings
 from kda_conformance.running.truth import CaseTruth, case_truth
 from kda_kernels.protocol import Backend, BackendOutput
 from kda_kernels.serving import build_pool, new_out, plan_pool

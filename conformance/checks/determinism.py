@@ -18,8 +18,8 @@ from kda_cases.profiles import Profile
 from kda_conformance.checks._check import Check
 from kda_conformance.checks._registry import draw_case, supported
 from kda_conformance.judging.judge import Judge, judge_for
+from kda_conformance.running.blame import call_backend
 from kda_conformance.running.runnable import Drawn
-from kda_conformance.running.runner import call_backend
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels.protocol import Backend, BackendOutput
 from kda_reports.findings import Budget, Finding

@@ -21,9 +21,9 @@ from kda_conformance.checks._check import Check
 from kda_conformance.checks._served import draw_served, serving_case
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.judging.metrics import measure
+from kda_conformance.running.blame import call_backend
 from kda_conformance.running.probe import probe
 from kda_conformance.running.runnable import Drawn
-from kda_conformance.running.runner import call_backend
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels.protocol import Backend, BackendOutput
 from kda_reports.findings import Finding

@@ -20,8 +20,8 @@ from kda_conformance.checks._check import Check
 from kda_conformance.checks._derived import TOKEN_TENSORS
 from kda_conformance.checks._served import draw_served, run_serving, served_result, serving_case
 from kda_conformance.judging.judge import judge_for
+from kda_conformance.running.blame import call_backend
 from kda_conformance.running.runnable import Drawn
-from kda_conformance.running.runner import call_backend
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels.protocol import CALLER_BUFFER_FILL, Backend
 from kda_kernels.serving import plan_pool, poisoned_scratch

@@ -31,8 +31,8 @@ from kda_conformance.checks._registry import draw_case, supported
 from kda_conformance.checks.determinism import largest_change, nondeterminism
 from kda_conformance.checks.split_resume import CHECK as SPLIT
 from kda_conformance.judging.judge import Judge, judge_for
+from kda_conformance.running.blame import call_backend
 from kda_conformance.running.runnable import Drawn
-from kda_conformance.running.runner import call_backend
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels.protocol import Backend
 from kda_reports.findings import Finding, Location

@@ -16,8 +16,8 @@ from kda_conformance.checks._check import Check, Param
 from kda_conformance.checks._derived import split_inputs, token_slice
 from kda_conformance.checks._registry import draw_case, supported
 from kda_conformance.judging.judge import Judge, judge_for
+from kda_conformance.running.blame import call_backend
 from kda_conformance.running.runnable import Drawn
-from kda_conformance.running.runner import call_backend
 from kda_conformance.running.truth import CaseTruth, baseline_backend, inputs_truth, widened
 from kda_kernels.guard import run_backend_call
 from kda_kernels.protocol import Backend, BackendOutput

@@ -14,8 +14,8 @@ from kda_conformance.checks._check import Check
 from kda_conformance.checks._derived import step_inputs
 from kda_conformance.checks._served import draw_served, request_findings, serve, serving_case
 from kda_conformance.judging.judge import judge_for
+from kda_conformance.running.blame import NotApplicable
 from kda_conformance.running.runnable import Drawn
-from kda_conformance.running.runner import NotApplicable
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels.protocol import Backend, BackendOutput
 from kda_kernels.serving import build_pool, new_out, plan_pool

@@ -14,7 +14,7 @@ from kda_cases.grids import CALIBRATION_GATE_REGIMES, CALIBRATION_INITIAL_STATES
 from kda_conformance.cli.common import add_backends, add_device, add_grid, add_out, choices, config_from_args, say
 from kda_conformance.cli.exits import INTERRUPTED, verdict_exit
 from kda_conformance.cli.sweep import sweep
-from kda_conformance.running.session import Run
+from kda_conformance.running.run import Run
 from kda_reports.calibration import calibration_markdown, calibration_table
 from kda_reports.findings import grouped_failures
 from kda_reports.runfile import read_run

@@ -33,11 +33,11 @@ from kda_conformance.checks import CHECKS, run_check
 from kda_conformance.cli.common import add_backends, add_device, add_out, config_from_args, parse_case, say, typed
 from kda_conformance.cli.exits import PASSED, verdict_exit
 from kda_conformance.judging.judge import judge_for
+from kda_conformance.running.blame import fault_finding
 from kda_conformance.running.config import RunConfig
 from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.option_values import PURPOSE_VARIABLE, RUN_ID_VARIABLE, parse_count
-from kda_conformance.running.runner import fault_finding
-from kda_conformance.running.session import Run
+from kda_conformance.running.run import Run
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault
 from kda_kernels.serving import POISON_MODES

@@ -104,7 +104,7 @@ def pytest_command(
     """The pytest command line the detection run uses (the plugin loads itself through ``-p``), its options
     from the one table of run options."""
     command = [sys.executable, "-m", "pytest", *(str(CONFORMANCE / name) for name in SUITES)]
-    command += ["-q", "-p", "kda_conformance.plugin", "-p", "no:cacheprovider", "--import-mode=importlib"]
+    command += ["-q", "-p", "kda_conformance.pytest_plugin", "-p", "no:cacheprovider", "--import-mode=importlib"]
     values = {"device": device, "profile": profile, "out": out, "plugin": plugins, "backend": backends}
     return command + pytest_argv({**values, "seed": seed, "strict": strict, "examples": examples})
 

@@ -24,7 +24,7 @@ from kda_conformance.repro.upstream import (
     write_findings_page,
 )
 from kda_conformance.running.config import RunConfig
-from kda_conformance.running.session import Run
+from kda_conformance.running.run import Run
 from kda_kernels import registry
 from kda_kernels.registry import PluginError
 from kda_reports.precision import precision_lines

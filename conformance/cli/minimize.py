@@ -27,7 +27,7 @@ from kda_conformance.judging.repro import BUDGET_CHECK, repro_line
 from kda_conformance.repro.minimize import minimize
 from kda_conformance.repro.standalone import write_standalone
 from kda_conformance.running.faults import DeviceLost
-from kda_conformance.running.session import Run
+from kda_conformance.running.run import Run
 from kda_kernels import registry
 from kda_kernels.registry import plugin_module
 from kda_reports.findings import FAILED

@@ -113,7 +113,7 @@ def pytest_command(args: argparse.Namespace, run_id: str, workers: int | str | N
     """The night as one pytest command line (the plugin loads itself through ``-p``), the night's options
     passed on from the one table of run options."""
     command = [sys.executable, "-m", "pytest", *(str(CONFORMANCE / name) for name in SUITES)]
-    command += ["-p", "kda_conformance.plugin", "-p", "no:cacheprovider", "--import-mode=importlib", "-q"]
+    command += ["-p", "kda_conformance.pytest_plugin", "-p", "no:cacheprovider", "--import-mode=importlib", "-q"]
     # The slowest tests in the log: a shard's wall is its longest worker's, and that is where it went.
     command += ["--durations=15", "--durations-min=10"]
     values = {name: getattr(args, OPTIONS[name].dest) for name in PASSED_ON}

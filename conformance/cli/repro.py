@@ -25,9 +25,9 @@ from kda_conformance.cli.common import (
 from kda_conformance.cli.exits import ERRORED, NOTHING_RAN, PASSED, verdict_exit
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.repro.standalone import plan_lines, write_standalone
+from kda_conformance.running.blame import fault_finding
 from kda_conformance.running.faults import DeviceLost
-from kda_conformance.running.runner import fault_finding
-from kda_conformance.running.session import Run
+from kda_conformance.running.run import Run
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault
 

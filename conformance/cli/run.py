@@ -30,7 +30,7 @@ from kda_conformance.cli.sweep import SweepResult, sweep
 from kda_conformance.running.config import RunConfig, baseline_warning
 from kda_conformance.running.memory import too_large
 from kda_conformance.running.options import add_options
-from kda_conformance.running.session import Run
+from kda_conformance.running.run import Run
 from kda_conformance.running.stages import CLOCK
 from kda_kernels import registry
 from kda_reports.console import record_table, stale_lines

@@ -20,7 +20,7 @@ from kda_conformance.cli.common import say
 from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.memory import work
-from kda_conformance.running.session import Run
+from kda_conformance.running.run import Run
 from kda_conformance.running.stages import CLOCK
 from kda_conformance.running.sweep import ANNOUNCE_WORK, call_findings, planned_calls, probe_rate
 from kda_reports.console import RECORD_LINE_HEADER, record_line

@@ -17,7 +17,7 @@ import torch
 from kda_cases.case import Case
 from kda_cases.shrink import size, smaller_cases
 from kda_conformance.checks import Check, run_check
-from kda_conformance.running.session import Run
+from kda_conformance.running.run import Run
 from kda_kernels import guard
 from kda_kernels.guard import BackendFault
 from kda_kernels.protocol import Backend

@@ -36,9 +36,9 @@ from kda_cases.files import atomic_write_text
 from kda_conformance.checks import CHECKS, run_check
 from kda_conformance.judging.known import KnownIssue
 from kda_conformance.repro.standalone_finding import called_measurements, write_standalone_finding
+from kda_conformance.running.blame import CONTRACT
 from kda_conformance.running.faults import DeviceLost
-from kda_conformance.running.runner import CONTRACT
-from kda_conformance.running.session import NOT_LAUNCHED, Run
+from kda_conformance.running.run import NOT_LAUNCHED, Run
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault
 from kda_reports.findings import FAILED, message_kind, worst_ratio, worst_ratios, worst_tier

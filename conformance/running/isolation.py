@@ -16,7 +16,7 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from multiprocessing.connection import Connection
 
 import torch
@@ -26,8 +26,8 @@ from kda_conformance.judging.judge import judge_for
 from kda_conformance.running.config import RunConfig
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost, die_with_parent
 from kda_conformance.running.option_values import DEFAULT_CASE_TIMEOUT
+from kda_conformance.running.run import Run
 from kda_conformance.running.runnable import Drawn, RunnableCheck
-from kda_conformance.running.session import Run
 from kda_conformance.running.stages import CLOCK
 from kda_kernels.left_work import exit_past_left_work, kill_tree
 from kda_reports.findings import MARGIN_REDRAWS, SUITE_BACKEND, Finding
@@ -174,7 +174,7 @@ def run_isolated(
     plugins: Sequence[str] = (),
     case_timeout: float = DEFAULT_CASE_TIMEOUT,
     redraws: int = MARGIN_REDRAWS,
-) -> Iterator[list[Finding]]:
+) -> Generator[list[Finding], None, None]:
     """``check`` on each (case, backend) of ``calls``, every case in a worker process (see the module's
     docstring)."""
     runner = IsolatedRunner(device, plugins, case_timeout, redraws)

@@ -41,7 +41,7 @@ FLOOR_GIB = 1.0
 BYTES_PER_WORK = 0.7
 POLL_S = 0.05
 # Outside the shares, each worker holds its CUDA context with its loaded kernels (about 1 GiB) and the truths
-# it keeps for the next backends of a case (bounded by TRUTH_CACHE_GIB, conformance/running/session.py).
+# it keeps for the next backends of a case (bounded by TRUTH_CACHE_GIB, conformance/running/run.py).
 CONTEXT_GIB = 1.0
 TRUTH_CACHE_GIB = 3.0
 # How many workers the plan puts on one GPU at most, whatever its memory: compile and the host's share of each

@@ -33,8 +33,8 @@ class ProbeResult:
 def _child(conn: Connection, case_json: str, backend: Backend, device: str, metadata: dict, parent: int) -> None:
     import dataclasses
 
+    from kda_conformance.running.blame import raised_at
     from kda_conformance.running.faults import die_with_parent
-    from kda_conformance.running.runner import raised_at
 
     die_with_parent(parent)
 

@@ -7,18 +7,18 @@ tests of the first sweep and the corpus) call these; what a sweep shows is their
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 from kda_cases.case import Case
 from kda_conformance.judging.judge import judge_for
+from kda_conformance.running.blame import fault_finding
 from kda_conformance.running.config import RunConfig
 from kda_conformance.running.isolation import run_isolated
 from kda_conformance.running.memory import work
 from kda_conformance.running.option_values import DEFAULT_CASE_TIMEOUT
+from kda_conformance.running.run import Run
 from kda_conformance.running.runnable import Drawn, RunnableCheck
-from kda_conformance.running.runner import fault_finding
-from kda_conformance.running.session import Run
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault
 from kda_kernels.protocol import Backend
@@ -66,7 +66,7 @@ def planned_calls(cases: Sequence[Case], backends: Sequence[str], fit: bool = Tr
     return calls
 
 
-def call_findings(run: Run, calls: Sequence[Call], check: RunnableCheck) -> Iterator[list[Finding]]:
+def call_findings(run: Run, calls: Sequence[Call], check: RunnableCheck) -> Generator[list[Finding], None, None]:
     """``check`` (the sweeps': the budget check) of every call: in this process (each case's truth computed
     once, the run keeping it for the next backend), or each case in a worker process with ``--isolate``."""
     config = run.config

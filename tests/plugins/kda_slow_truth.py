@@ -8,12 +8,12 @@ import os
 import time
 
 from kda_cases.materialize import KDAInputs
-from kda_conformance.running import truths
+from kda_conformance.running import truth_cache
 from kda_kernels.protocol import BackendOutput
 from kda_kernels.registry import register
 from kda_kernels.torch_chunk import TorchChunk
 
-_get = truths.TruthCache.get
+_get = truth_cache.TruthCache.get
 
 
 def _slow_get(self, case, precision=None):
@@ -21,7 +21,7 @@ def _slow_get(self, case, precision=None):
     return _get(self, case, precision)
 
 
-truths.TruthCache.get = _slow_get
+truth_cache.TruthCache.get = _slow_get
 
 
 class SlowCall(TorchChunk):

@@ -1,6 +1,6 @@
 """The pytest plugin's report at the end of a run: skips by reason, backends that cannot run here, why a
 ``-m`` selection is empty, the examples per test, the suite's own time, known issues and warnings, declared
-working precisions, and the table of every measured error. ``conformance/plugin.py`` wires it in."""
+working precisions, and the table of every measured error. ``conformance/pytest_plugin.py`` wires it in."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from kda_cases.devices import gpu_arch
 from kda_conformance.running.not_checked import ACCEPT_RESOURCE_VARIABLE, NOT_CHECKED_EXIT, accepts_resource
-from kda_conformance.running.session import Run
+from kda_conformance.running.run import Run
 from kda_conformance.running.stages import CLOCK
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault

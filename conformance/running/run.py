@@ -1,5 +1,5 @@
 """One run as it goes: the executor every check runs through (``Run.checked``), its records and its example
-log. Its parts are their own modules: the truth of recent cases (running/truths.py), the journal of the call
+log. Its parts are their own modules: the truth of recent cases (running/truth_cache.py), the journal of the call
 in flight (running/journal.py), the quarantine (running/quarantine.py).
 
 The command line and the pytest plugin each hold one :class:`Run`; every check goes through its executor,
@@ -23,17 +23,17 @@ from kda_cases.case import Case
 from kda_cases.files import atomic_write
 from kda_conformance.judging.judge import Judge, judge_for
 from kda_conformance.judging.known import apply_known
+from kda_conformance.running.blame import blamed, fault_finding
 from kda_conformance.running.config import RunConfig
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost, is_sticky
+from kda_conformance.running.hypothesis_settings import ExampleLog
 from kda_conformance.running.journal import CallJournal
 from kda_conformance.running.memory import device_slot, release_cached_memory, release_quietly
 from kda_conformance.running.quarantine import Quarantine
 from kda_conformance.running.runnable import Drawn, RunnableCheck
-from kda_conformance.running.runner import blamed, fault_finding
-from kda_conformance.running.search import ExampleLog
 from kda_conformance.running.stages import CLOCK
 from kda_conformance.running.truth import CaseTruth, declared_precision
-from kda_conformance.running.truths import TruthCache
+from kda_conformance.running.truth_cache import TruthCache
 from kda_kernels import registry
 from kda_kernels.guard import BackendFault
 from kda_kernels.left_work import end_process

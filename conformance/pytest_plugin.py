@@ -21,24 +21,24 @@ import torch
 from kda_cases.case import Case
 from kda_cases.grids import FIRST_SWEEP_DTYPES
 from kda_conformance.checks import Check
-from kda_conformance.plugin_summary import RUN, WRITTEN, empty_selection, not_checked
-from kda_conformance.plugin_summary import pytest_terminal_summary as pytest_terminal_summary
+from kda_conformance.pytest_summary import RUN, WRITTEN, empty_selection, not_checked
+from kda_conformance.pytest_summary import pytest_terminal_summary as pytest_terminal_summary
 from kda_conformance.running.config import Grid, baseline_warning, build_config, release_claims
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost
-from kda_conformance.running.interrupts import sigterm_as_interrupt
-from kda_conformance.running.memory import chosen_gpus, visible_device
-from kda_conformance.running.not_checked import NOT_CHECKED_EXIT
-from kda_conformance.running.option_values import PURPOSE_VARIABLE, ConfigError
-from kda_conformance.running.options import add_pytest_options
-from kda_conformance.running.runnable import Drawn
-from kda_conformance.running.search import (
+from kda_conformance.running.hypothesis_settings import (
     check_seed,
     configure_hypothesis,
     observe_examples,
     seed_check_test,
     stop_observing,
 )
-from kda_conformance.running.session import Run
+from kda_conformance.running.interrupts import sigterm_as_interrupt
+from kda_conformance.running.memory import chosen_gpus, visible_device
+from kda_conformance.running.not_checked import NOT_CHECKED_EXIT
+from kda_conformance.running.option_values import PURPOSE_VARIABLE, ConfigError
+from kda_conformance.running.options import add_pytest_options
+from kda_conformance.running.run import Run
+from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.stages import CLOCK
 from kda_kernels import guard, registry, triton_interpret
 from kda_kernels.guard import BackendFault
