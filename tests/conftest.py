@@ -9,19 +9,16 @@ from typing import Any
 
 import pytest
 
-PLUGINS = Path(__file__).with_name("plugins")
+# The tests' shared helpers (tests/support/suite_paths.py), importable by name from every test module.
+sys.path.insert(0, str(Path(__file__).with_name("support")))
+from suite_paths import import_plugin
 
 
 @pytest.fixture(scope="module")
 def planted_zoo() -> dict[str, tuple[str, str]]:
     """The planted-bug backends of tests/plugins/kda_planted_bugs.py, registered: name -> (what it models,
     where the bug was seen)."""
-    sys.path.insert(0, str(PLUGINS))
-    try:
-        import kda_planted_bugs
-    finally:
-        sys.path.remove(str(PLUGINS))
-    return kda_planted_bugs.ZOO
+    return import_plugin("kda_planted_bugs").ZOO
 
 
 # The slowest modules first: their detection runs (a few minutes each in one process) then overlap the rest

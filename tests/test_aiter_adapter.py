@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from suite_paths import REPO
 
 from kda_cases.case import Case
 from kda_conformance.checks import get_check, run_check
@@ -26,7 +27,6 @@ from kda_kernels import aiter as adapter
 from kda_kernels import registry
 
 DOUBLE = Path(__file__).with_name("plugins") / "aiter_double"
-REPO = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
 FLASH_CASE = Case(seq_lens=(40,), num_heads=1, num_v_heads=1, head_k_dim=128, head_v_dim=128, initial_state="random")
 

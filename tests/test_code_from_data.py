@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from suite_paths import PLUGINS
 
 from kda_cases.case import Case
 from kda_conformance.cli import main
 
-PLUGINS = Path(__file__).with_name("plugins")
 PLANTED = "planted_nan_at_one_position"
 
 

@@ -9,12 +9,11 @@ error/limit of each is in the table (docs/detection.md), and the planted zoo is 
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from suite_paths import ENV, import_plugin
 
 from kda_conformance.cli.detection import DetectionRun, run_detection
 from kda_reports.detection import detection_problems
@@ -24,23 +23,17 @@ from kda_reports.runfile import read_run
 # Slow, every test of it: its module fixture runs every correct variant through every check (about 170 s on 2 cores).
 pytestmark = pytest.mark.slow
 
-PLUGINS = Path(__file__).with_name("plugins")
 EXAMPLES = 25
 
 
 @pytest.fixture(scope="module")
 def variants() -> dict[str, str]:
-    sys.path.insert(0, str(PLUGINS))
-    try:
-        import kda_correct_variants
-    finally:
-        sys.path.remove(str(PLUGINS))
-    return kda_correct_variants.VARIANTS
+    return import_plugin("kda_correct_variants").VARIANTS
 
 
 @pytest.fixture(scope="module")
 def detection(variants: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> DetectionRun:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
+    env = ENV
     out = tmp_path_factory.mktemp("controls")
     return run_detection(
         list(variants), ["kda_correct_variants"], out, profile="ci", device="cpu", env=env, examples=EXAMPLES

@@ -8,10 +8,10 @@ import dataclasses
 import math
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
+from suite_paths import import_plugin
 
 from kda_cases.case import Case
 from kda_conformance.checks import Drawn, get_check, run_check
@@ -138,11 +138,7 @@ def test_hypothesis_is_handed_finite_figures_only() -> None:
 
 
 def test_split_resume_judges_the_prefix_against_its_own_truth_first() -> None:
-    sys.path.insert(0, str(Path(__file__).with_name("plugins")))
-    try:
-        import kda_hostile  # noqa: F401  (registers the backends)
-    finally:
-        sys.path.pop(0)
+    import_plugin("kda_hostile")  # registers the backends
     case = Case(seq_lens=(40,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
     findings = run_check(
         get_check("split_resume"), case, registry.get("hostile_nan_state_at_step_one"), CPU, {"at": 17}

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from suite_paths import ENV, PLUGINS, REPO
 
 from kda_conformance.cli import main
 from kda_conformance.cli.exits import ERRORED
@@ -23,8 +24,6 @@ from kda_reports.regressions import find_regressions
 from kda_reports.runfile import RunRecorder, atomic_write, read_run, write_run
 from kda_reports.store import load_store
 
-REPO = Path(__file__).resolve().parent.parent
-PLUGINS = Path(__file__).with_name("plugins")
 ARTIFACTS = Path(os.environ.get("KDA_ARTIFACTS", REPO / "out" / "artifacts"))
 NIGHTS = 5
 RUN = [sys.executable, "-m", "kda_conformance.cli", "run"]
@@ -254,7 +253,7 @@ def test_an_interrupted_nightly_keeps_what_ran_and_shows_it(tmp_path: Path, inte
     command = [sys.executable, "-m", "kda_conformance.cli", "nightly", "--store", str(tmp_path), "--device", "cpu"]
     command += ["--profile", "smoke", "--examples", "1", "--workers", "2", "--plugin", "kda_planted_crashes"]
     command += ["--backend", "torch_chunk", "--backend", "planted_hang"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
+    env = ENV
     night = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                              **interruptible)  # fmt: skip
     try:
@@ -409,9 +408,6 @@ def test_a_pasted_repro_line_does_not_become_the_headline(tmp_path: Path) -> Non
     status = re.search(r"<p id='status' class='(\w+)'>(.*?)</p>", text)
     assert status and "6 pass" in status.group(2), status
     assert "Newest run kept apart from the sweeps (cases)" in text and "2 pass" in text
-
-
-PLUGINS = Path(__file__).with_name("plugins")
 
 
 def test_a_minimize_run_stays_apart_and_the_cli_counts_runs_as_the_page(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from suite_paths import PLUGINS, REPO
 
 from kda_cases.case import Case
 from kda_cases.envelope import ANY, Envelope
@@ -19,8 +20,6 @@ from kda_cases.strategies import cases
 from kda_conformance.cli import main
 from kda_kernels import registry
 
-PLUGINS = Path(__file__).with_name("plugins")
-REPO = Path(__file__).resolve().parent.parent
 NARROW = Envelope(
     dtypes=("bf16",), head_dims=(128,), equal_head_dims=True, gva=False, gates=("lower_bound",),
     l2norm_in_kernel=(True,), beta_sigmoid_in_kernel=(True,), checkpoints=False,

@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from suite_paths import PLUGINS
 
 from kda_conformance.cli import build_parser, main, nightly
 from kda_conformance.cli.exits import ERRORED, FAILED, MEANINGS, NOT_CHECKED, NOTHING_RAN, PASSED, verdict_exit
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "exit-codes.md"
-PLUGINS = Path(__file__).with_name("plugins")
 CASE = '{"seq_lens": [9], "num_heads": 1, "num_v_heads": 1, "head_k_dim": 16, "head_v_dim": 16}'
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from suite_paths import ENV, PLUGINS, REPO, import_plugin, pytest_run
 
 from kda_cases.case import Case
 from kda_cases.grids import first_sweep_cases
@@ -33,24 +34,12 @@ from kda_kernels import registry
 from kda_reports.regressions import find_regressions
 from kda_reports.store import load_store
 
-REPO = Path(__file__).resolve().parent.parent
-PLUGINS = Path(__file__).with_name("plugins")
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
 CORPUS_CASES = "kda-7735f63ee3cc or kda-cb6cc21512bb or kda-4b573c63b5b6"  # three short corpus cases
-
-
-def pytest_run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "--kda-device", "cpu", *args]
-    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env or ENV, timeout=600)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def planted_crashes() -> None:
-    sys.path.insert(0, str(PLUGINS))
-    try:
-        import kda_planted_crashes  # noqa: F401  (registers the failing backends)
-    finally:
-        sys.path.remove(str(PLUGINS))
+    import_plugin("kda_planted_crashes")  # registers the failing backends
 
 
 def test_sticky_device_errors_are_told_from_other_errors() -> None:

@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from suite_paths import PLUGINS, REPO
 
-REPO = Path(__file__).resolve().parent.parent
-PLUGINS = Path(__file__).with_name("plugins")
 ENTRY = "from kda_conformance.cli import entry; entry()"
 
 

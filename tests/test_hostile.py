@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from suite_paths import PLUGINS, REPO, plugins_on_path
 
 from kda_cases.case import Case
 from kda_conformance.checks import get_check, run_check
@@ -22,8 +23,6 @@ from kda_kernels.torch_chunk import TorchChunk
 from kda_reports.findings import SUITE_BACKEND
 from kda_reports.store import load_store
 
-PLUGINS = Path(__file__).with_name("plugins")
-REPO = Path(__file__).resolve().parent.parent
 # Both with an initial state; the second packed, with a zero-length member (cu_seqlens to write into).
 CASES = [
     Case(seq_lens=(37,), initial_state="random", num_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16),
@@ -35,12 +34,11 @@ CASE_ARGS = [arg for case in CASES for arg in ("--case", case.to_json())]
 
 @pytest.fixture(scope="module", autouse=True)
 def hostile() -> Iterator[dict[str, tuple[str, str]]]:
-    sys.path.insert(0, str(PLUGINS))
-    import kda_hostile
+    with plugins_on_path():
+        import kda_hostile
 
-    assert kda_hostile.WRITTEN_INPUTS == INPUTS
-    yield kda_hostile.EXPECTED
-    sys.path.remove(str(PLUGINS))
+        assert kda_hostile.WRITTEN_INPUTS == INPUTS
+        yield kda_hostile.EXPECTED
 
 
 def run_into(out: Path, *backends: str, plugin: str = "kda_hostile") -> int:

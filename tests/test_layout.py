@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from suite_paths import REPO
 
 
 def test_bare_kernels_import_from_the_repo_root_finds_the_other_package(tmp_path: Path) -> None:

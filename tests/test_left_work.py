@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from suite_paths import PLUGINS, REPO
 
 from kda_cases.case import Case
 from kda_cases.materialize import materialize
@@ -25,8 +26,6 @@ from kda_kernels.torch_chunk import TorchChunk
 from kda_reports.findings import SUITE_BACKEND
 from kda_reports.store import load_store
 
-PLUGINS = Path(__file__).with_name("plugins")
-REPO = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
 CASE = Case(seq_lens=(37,), initial_state="random", num_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16)
 OTHER = Case(seq_lens=(20, 0, 13), packed=True, num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=32)

@@ -7,12 +7,12 @@ import re
 from pathlib import Path
 
 import pytest
+from suite_paths import PLUGINS
 
 from kda_cases.case import Case
 from kda_cases.shrink import shorter_lengths, size, smaller_cases
 from kda_conformance.cli import main
 
-PLUGINS = Path(__file__).with_name("plugins")
 START = Case(
     seq_lens=(300, 0, 200),
     packed=True,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from suite_paths import ENV, PLUGINS
 
 from kda_conformance.cli import build_parser
 from kda_conformance.cli.detection import DetectionRun, run_detection
@@ -24,8 +25,6 @@ from kda_reports.findings import Finding
 # Slow, every test of it: its module fixture runs the whole zoo's detection (about 115 s on 2 cores).
 pytestmark = pytest.mark.slow
 
-PLUGINS = Path(__file__).with_name("plugins")
-
 
 @pytest.fixture(scope="module")
 def zoo(planted_zoo: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
@@ -34,7 +33,7 @@ def zoo(planted_zoo: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def detection(zoo: dict[str, tuple[str, str]], tmp_path_factory: pytest.TempPathFactory) -> DetectionRun:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
+    env = ENV
     out = tmp_path_factory.mktemp("detection")
     return run_detection([*zoo, "torch_chunk"], ["kda_planted_bugs"], out, profile="ci", device="cpu", env=env)
 

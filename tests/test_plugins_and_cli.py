@@ -10,12 +10,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from suite_paths import PLUGINS, REPO
 
 from kda_conformance.cli import main
 from kda_kernels import registry
-
-PLUGINS = Path(__file__).with_name("plugins")
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture

@@ -5,11 +5,10 @@ declaration that hides nothing is reported; a declaration holds only where the l
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pandas as pd
 import pytest
 import torch
+from suite_paths import PLUGINS
 
 from kda_cases.case import Case
 from kda_cases.materialize import materialize
@@ -19,7 +18,6 @@ from kda_kernels.protocol import WorkingPrecision
 from kda_kernels.torch_chunk import TorchChunk
 from kda_reports.precision import precision_costs
 
-PLUGINS = Path(__file__).with_name("plugins")
 BACKENDS = (
     "declared_bf16_state",
     "undeclared_bf16_state",

@@ -10,14 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from suite_paths import PLUGINS, REPO
 
 from kda_cases.case import Case
 from kda_conformance.cli import main
 from kda_conformance.cli.exits import FAILED, PASSED, USAGE
 from kda_reports.store import load_store
 
-PLUGINS = Path(__file__).with_name("plugins")
-REPO = Path(__file__).resolve().parent.parent
 CASE = Case(seq_lens=(40,)).to_json()
 MY_BACKENDS = """
 from kda_kernels.api import register

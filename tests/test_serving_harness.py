@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from suite_paths import PLUGINS
 
 from kda_cases.case import Case
 from kda_cases.dtypes import bits
@@ -40,7 +41,6 @@ from kda_kernels.serving import (
     run_serving,
 )
 
-PLUGINS = Path(__file__).with_name("plugins")
 CPU = torch.device("cpu")
 # Packed, a zero-length member, an initial state, a checkpoint: every slot kind and the padding at once.
 CASE = Case(

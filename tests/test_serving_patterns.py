@@ -7,13 +7,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
+from suite_paths import plugins_on_path
 
 from kda_cases.case import Case
 from kda_conformance.checks import get_check, run_check
@@ -24,7 +24,6 @@ from kda_reports.findings import Budget, Errors, Finding, Limit, stale_known_iss
 from kda_reports.schema import record_rows
 
 CPU = torch.device("cpu")
-PLUGINS = Path(__file__).with_name("plugins")
 PACKED = Case(seq_lens=(20, 0, 90), packed=True, num_heads=1, num_v_heads=1, head_k_dim=32, head_v_dim=32)
 
 
@@ -32,11 +31,10 @@ PACKED = Case(seq_lens=(20, 0, 90), packed=True, num_heads=1, num_v_heads=1, hea
 def backends(planted_zoo: dict) -> Iterator[None]:
     # On sys.path for the whole module: the host-metadata check probes stale metadata in a spawned process,
     # which imports the backend's module again.
-    sys.path.insert(0, str(PLUGINS))
-    import kda_behaviours  # noqa: F401  (registers the backends)
+    with plugins_on_path():
+        import kda_behaviours  # noqa: F401  (registers the backends)
 
-    yield
-    sys.path.remove(str(PLUGINS))
+        yield
 
 
 def check(name: str, backend: str, case: Case, **params: object) -> list[Finding]:

@@ -3,27 +3,21 @@ failure says what it must once, detection takes a subset of planted bugs and nam
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from suite_paths import ENV, PLUGINS, REPO, pytest_run
 
 from kda_cases.case import Case
 from kda_conformance.cli import main
 from kda_conformance.cli.detection import pytest_command
 
-REPO = Path(__file__).resolve().parent.parent
-PLUGINS = Path(__file__).with_name("plugins")
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
 
-
-def pytest_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-o", f"cache_dir={tmp_path / 'cache'}"]
-    command += ["--kda-device", "cpu", "--kda-out", str(tmp_path / "out"), *args]
-    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=ENV, timeout=600)
+def pytest_in(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """A pytest run with its cache and its run store in ``tmp_path``."""
+    return pytest_run("-o", f"cache_dir={tmp_path / 'cache'}", "--kda-out", str(tmp_path / "out"), *args)
 
 
 def test_test_ids_read_and_select_by_the_cases_label() -> None:
@@ -36,7 +30,7 @@ def test_test_ids_read_and_select_by_the_cases_label() -> None:
 def test_a_failure_says_it_once_with_its_ratio_and_repro_and_lf_and_junit_work(tmp_path: Path) -> None:
     select = ["conformance/test_corpus.py", "-k", "bf16 and T130", "--kda-plugin", "kda_planted_bugs"]
     select += ["--kda-backend", "planted_nan_at_one_position", "--kda-backend", "torch_chunk"]
-    done = pytest_run(tmp_path, *select, "--junitxml", str(tmp_path / "junit.xml"))
+    done = pytest_in(tmp_path, *select, "--junitxml", str(tmp_path / "junit.xml"))
     assert done.returncode == 1, done.stdout[-3000:]
     failures = done.stdout.split("= FAILURES =")[1].split("short test summary")[0]
     planted = (PLUGINS / "kda_planted_bugs.py").resolve()
@@ -49,7 +43,7 @@ def test_a_failure_says_it_once_with_its_ratio_and_repro_and_lf_and_junit_work(t
     properties = {p.get("name"): p.get("value") for p in failed[0].iter("property")}
     assert {"kda_case_id", "kda_backend", "kda_check", "kda_worst_ratio", "kda_repro"} <= set(properties)
     assert properties["kda_backend"] == "planted_nan_at_one_position" and properties["kda_worst_ratio"] == "inf"
-    again = pytest_run(tmp_path, *select, "--lf")
+    again = pytest_in(tmp_path, *select, "--lf")
     assert again.returncode == 1 and f"{len(failed)} failed" in again.stdout and " passed" not in again.stdout
 
 

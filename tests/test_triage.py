@@ -4,23 +4,21 @@ switch at a time; the switch under which it passes is named as its cause, and ev
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
+from suite_paths import ENV, PLUGINS
 
 from kda_cases.case import Case
 from kda_conformance.cli import build_parser, main
 from kda_conformance.repro.triage import SWITCHES, parse_repro, triage
 from kda_kernels import registry
 
-PLUGINS = Path(__file__).with_name("plugins")
-
 
 @pytest.fixture
 def plugins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.syspath_prepend(str(PLUGINS))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])
     monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
     return ["--plugin", "kda_triage", "--plugin", "kda_planted_bugs"]
 

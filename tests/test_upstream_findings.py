@@ -13,14 +13,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from suite_paths import ENV, PLUGINS
 
 from kda_cases.case import Case
 from kda_conformance.cli import main
 from kda_conformance.judging.known import KnownIssue, load_ledger
 from kda_conformance.repro.upstream import findings_markdown, upstream_findings
 from kda_conformance.running.blame import CONTRACT
-
-PLUGINS = Path(__file__).with_name("plugins")
 
 
 def _record(run: str, backend: str, verdict: str, known: str = "", **more: object) -> dict:
@@ -162,7 +161,7 @@ def test_a_finding_whose_backend_gives_no_standalone_call_gets_no_file_and_says_
     """A file runs with torch, the kernel's package and pytest alone, or it is not written: a planted bug of the
     suite's own has no package of its own (tests/test_standalone_findings.py writes and runs one that has)."""
     monkeypatch.syspath_prepend(str(PLUGINS))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])
     case = Case(seq_lens=(40,), num_heads=1, num_v_heads=1, head_k_dim=32, head_v_dim=32)
     run = ["run", "--plugin", "kda_planted_bugs", "--backend", "planted_nan_at_one_position", "--device", "cpu"]
     assert main([*run, "--case", case.to_json(), "--out", str(tmp_path / "store"), "--no-dashboard"]) == 1

@@ -5,17 +5,14 @@ needs its small case here, or the budget check's two default cases must catch it
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from suite_paths import import_plugin
 
 from kda_cases.case import Case
 from kda_conformance.checks import CHECKS, run_check
 from kda_kernels import registry
 
-PLUGINS = Path(__file__).with_name("plugins")
 CPU = torch.device("cpu")
 SMALL_HEADS = dict(num_heads=2, num_v_heads=2, head_k_dim=32, head_v_dim=32)
 TWO_SEQUENCES = Case(seq_lens=(20, 30), packed=True, **SMALL_HEADS)
@@ -76,12 +73,7 @@ SMALLEST: dict[str, tuple[str, Case, dict[str, object]]] = {
 
 
 def _zoo() -> list[str]:
-    sys.path.insert(0, str(PLUGINS))
-    try:
-        import kda_planted_bugs
-    finally:
-        sys.path.remove(str(PLUGINS))
-    return list(kda_planted_bugs.ZOO)
+    return list(import_plugin("kda_planted_bugs").ZOO)
 
 
 ZOO = _zoo()

@@ -1,0 +1,41 @@
+"""What the suite's tests of itself share: where the repository and the test plugins are, an environment
+whose PYTHONPATH finds the plugins, a pytest subprocess in that environment, and a plugin imported for a
+while. tests/conftest.py puts this folder on sys.path, so a test imports it by name."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+REPO = Path(__file__).resolve().parents[2]
+PLUGINS = REPO / "tests" / "plugins"  # backend modules the tests register: planted bugs, crashes, doubles
+# A subprocess's environment that finds the test plugins by name (``--plugin kda_planted_bugs``).
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
+
+
+def pytest_run(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """``python -m pytest -q --kda-device cpu ARGS`` from the repository, the plugins findable."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "--kda-device", "cpu", *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env or ENV, timeout=timeout)
+
+
+@contextlib.contextmanager
+def plugins_on_path() -> Iterator[None]:
+    """The test plugins importable by name inside the block, and not after it."""
+    sys.path.insert(0, str(PLUGINS))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(PLUGINS))
+
+
+def import_plugin(name: str) -> ModuleType:
+    """A test plugin module, imported (its backends registered), the plugin folder left off sys.path."""
+    with plugins_on_path():
+        return importlib.import_module(name)
