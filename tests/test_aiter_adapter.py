@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from budget_of import budget_check
 from suite_paths import REPO
 
 from kda_cases.case import Case
 from kda_conformance.checks import get_check, run_check
-from kda_conformance.checks.budget import run as budget_check
 from kda_conformance.running.truth import case_truth
 from kda_kernels import aiter as adapter
 from kda_kernels import registry
@@ -73,7 +73,7 @@ def test_missing_aiter_is_a_reason_not_a_crash(monkeypatch: pytest.MonkeyPatch) 
 def test_each_backend_runs_its_path_with_aiters_arguments(
     double: list[dict], backend: str, path: str, segment: str | None
 ) -> None:
-    findings = budget_check(case_truth(FLASH_CASE, CPU), registry.get(backend), {})
+    findings = budget_check(case_truth(FLASH_CASE, CPU), registry.get(backend))
     assert {f.verdict for f in findings} == {"pass"}, [f.message() for f in findings]
     call = double[-1]
     assert (call["path"], call["segment"]) == (path, segment)
@@ -86,7 +86,7 @@ def test_each_backend_runs_its_path_with_aiters_arguments(
 
 def test_state_layout_bf16_pool_and_packing_are_translated(double: list[dict]) -> None:
     case = FLASH_CASE.replace(seq_lens=(30, 0, 17), packed=True, state_layout="v_first", state_dtype="bf16")
-    findings = budget_check(case_truth(case, CPU), registry.get("aiter_flashkda"), {})
+    findings = budget_check(case_truth(case, CPU), registry.get("aiter_flashkda"))
     assert {f.verdict for f in findings} == {"pass"}, [f.message() for f in findings]
     assert double[-1]["state_v_first"] and double[-1]["cu_seqlens_dtype"] is not None
 

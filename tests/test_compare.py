@@ -71,14 +71,15 @@ def _dropping_checkpoints(claims: bool):
 
 
 def test_checkpoints_a_result_lacks_are_never_a_silent_pass() -> None:
-    from kda_conformance.checks.budget import run as budget_check
+    from budget_of import budget_check
+
     from kda_conformance.running.truth import case_truth
 
     truth = case_truth(Case(seq_lens=(40,), checkpoints=((0, 16), (0, 40))), torch.device("cpu"))
-    claims = {f.tensor: f for f in budget_check(truth, _dropping_checkpoints(claims=True), {})}
+    claims = {f.tensor: f for f in budget_check(truth, _dropping_checkpoints(claims=True))}
     assert claims["checkpoint_states"].verdict == "fail"
     assert "returned none of the case's 2 checkpoint states" in claims["checkpoint_states"].problems[0]
-    honest = {f.tensor: f for f in budget_check(truth, _dropping_checkpoints(claims=False), {})}
+    honest = {f.tensor: f for f in budget_check(truth, _dropping_checkpoints(claims=False))}
     assert honest["o"].verdict == honest["final_state"].verdict == "pass"
     assert honest["checkpoint_states"].verdict == "skip"
     assert (

@@ -235,7 +235,7 @@ def test_out_of_memory_is_retried_alone_and_then_a_resource_outcome(tmp_path: Pa
         assert error.verdict == "error" and said in error.reason, error
     check = get_check("prefix")
 
-    def raises(truth, backend, params):
+    def raises(truth, backend, params, judge):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     with pytest.raises(DeviceLost) as lost:
@@ -268,7 +268,7 @@ def test_a_sticky_error_raised_when_the_case_gives_its_memory_back_is_still_that
     # first one quarantined the case's kernel configuration on this backend, as a night does).
     run = Run(build_config(device="cpu", backends=["torch_chunk"], out=tmp_path))
 
-    def kernel_fault(truth, backend, params):
+    def kernel_fault(truth, backend, params, judge):
         raise RuntimeError("CUDA error: misaligned address")
 
     with pytest.raises(DeviceLost) as lost:

@@ -14,7 +14,7 @@ import pytest
 from kda_cases.case import Case
 from kda_conformance.checks import get_check
 from kda_conformance.cli.exits import PASSED, verdict_exit
-from kda_conformance.judging.judge import judge_for
+from kda_conformance.judging.judge import Judge
 from kda_conformance.judging.metrics import Measurement
 from kda_conformance.repro.upstream import upstream_findings
 from kda_conformance.running.config import build_config
@@ -37,9 +37,8 @@ def worst_for(seed: int) -> float:
 RATIOS: dict[object, float] = {}
 
 
-def judged_at_ratio(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> list[Finding]:
+def judged_at_ratio(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
     """A check whose output's rel-RMS is ``worst_for(seed)`` times its limit."""
-    judge = judge_for("budget", truth.case, backend.name, truth.inputs.device, params)
     budget = truth.budgets["o"]
     ratio = worst_for(truth.case.seed)
     errors = Errors(0.0, ratio * budget.rel_rms.value, 0.0, 0, True)

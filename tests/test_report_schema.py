@@ -10,9 +10,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from budget_of import budget_check
 
 from kda_cases.case import Case
-from kda_conformance.checks.budget import run as budget_check
 from kda_conformance.running.truth import case_truth
 from kda_kernels import registry
 from kda_reports.environment import environment
@@ -27,7 +27,7 @@ CPU = torch.device("cpu")
 def records() -> list[dict]:
     case = Case(seq_lens=(37,), checkpoints=((0, 5),))
     truth = case_truth(case, CPU)
-    return record_rows(budget_check(truth, registry.get("torch_chunk"), {}))
+    return record_rows(budget_check(truth, registry.get("torch_chunk")))
 
 
 def record_run(rows: list[dict], env: dict, out_dir: Path) -> tuple[pd.DataFrame, dict[str, Path]]:
@@ -71,10 +71,10 @@ def test_stopped_cli_run_writes_what_it_measured(tmp_path: Path) -> None:
         "from kda_conformance import cli\n"
         "from kda_conformance.checks import budget\n"
         "real = budget.run\n"
-        "def stop_after_first(truth, backend, params, calls=[]):\n"
+        "def stop_after_first(truth, backend, params, judge, calls=[]):\n"
         "    calls.append(1)\n"
         "    if len(calls) == 2: os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    return real(truth, backend, params)\n"
+        "    return real(truth, backend, params, judge)\n"
         "import dataclasses, kda_conformance.checks as checks\n"
         "checks.CHECKS['budget'] = dataclasses.replace(checks.CHECKS['budget'], run=stop_after_first)\n"
         f"sys.exit(cli.main(['run', '--device', 'cpu', '--backend', 'torch_chunk', '--out', {str(tmp_path)!r}]))\n"

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kda_cases.case import Case
 from kda_cases.profiles import Profile
+from kda_conformance.judging.judge import Judge
 from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels.protocol import Backend
@@ -42,8 +43,9 @@ class Check:
     """One check. ``prepare`` turns a drawn (or a given) case into the case the check runs on (packed for
     the serving checks, say); it must leave such a case unchanged. ``draw`` draws the case and the
     parameters inside a Hypothesis test, rejecting (``assume``) what the backend does not take; ``run``
-    checks the backend on a case's truth with those parameters. Every field is data or a module-level
-    function, so a check travels to an isolated worker process as itself (pickled), not as a name."""
+    checks the backend on a case's truth with those parameters and the judge the executor made for the
+    call. Every field is data or a module-level function, so a check travels to an isolated worker process
+    as itself (pickled), not as a name."""
 
     name: str  # what findings, ``repro --check`` and the run's example log call it
     title: str  # how tables show it
@@ -51,7 +53,7 @@ class Check:
     test_name: str  # its pytest test function
     summary: str
     draw: Callable[[st.DataObject, Profile, Backend], Drawn]
-    run: Callable[[CaseTruth, Backend, Mapping[str, object]], list[Finding]]
+    run: Callable[[CaseTruth, Backend, Mapping[str, object], Judge], list[Finding]]
     # The seed its cases are drawn from in derandomized profiles (ci, smoke): fixed, so that changing the
     # check's code does not change the cases CI draws. Each is the digest Hypothesis derived from the
     # check's test function before the checks moved into this registry, which kept the ci cases and the

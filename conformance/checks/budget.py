@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kda_cases.profiles import Profile
 from kda_conformance.checks._check import Check
 from kda_conformance.checks._registry import draw_case, supported
-from kda_conformance.judging.judge import judge_for
+from kda_conformance.judging.judge import Judge
 from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running.blame import fault_finding, raised_at
 from kda_conformance.running.faults import is_out_of_memory, memory_report
@@ -32,11 +32,10 @@ def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
     return Drawn(case)
 
 
-def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> list[Finding]:
+def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
     """``backend`` on the case, every tensor it returns held to the case's budgets."""
     case, inputs = truth.case, truth.inputs
     device = inputs.device
-    judge = judge_for(BUDGET_CHECK, case, backend.name, device)
     try:
         available = guard.availability(backend, device)
         supported = guard.supports(backend, case) if available else available

@@ -20,7 +20,7 @@ from kda_conformance.checks._served import (
     served_result,
     serving_case,
 )
-from kda_conformance.judging.judge import judge_for
+from kda_conformance.judging.judge import Judge
 from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels.protocol import Backend, BackendOutput
@@ -40,9 +40,8 @@ def requires(backend: Backend) -> str | None:
     return None if backend.produces_checkpoints else f"{backend.name} returns no checkpoint states"
 
 
-def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> list[Finding]:
+def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
     case, inputs = truth.case, truth.inputs
-    judge = judge_for(NAME, case, backend.name, inputs.device, params)
     plan = plan_pool(case)
     served = run_serving(backend, inputs, plan, "nan")
     findings = [

@@ -23,7 +23,7 @@ from kda_cases.case import Case
 from kda_cases.profiles import Profile
 from kda_conformance.checks._check import Check
 from kda_conformance.checks._served import draw_served, serve, serving_case
-from kda_conformance.judging.judge import Judge, judge_for
+from kda_conformance.judging.judge import Judge
 from kda_conformance.running.blame import CONTRACT, breach_findings
 from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.truth import CaseTruth, case_truth
@@ -56,10 +56,9 @@ def _serve(backend: Backend, truth: CaseTruth, cu: torch.Tensor | None) -> Backe
     return BackendOutput(o=out[:, : case.total_tokens], final_state=pool[list(plan.seq_slots)])
 
 
-def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> list[Finding]:
+def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
     case, device = truth.case.replace(checkpoints=()), truth.inputs.device
     first = dataclasses.replace(truth, case=case, inputs=dataclasses.replace(truth.inputs, case=case))
-    judge = judge_for(NAME, truth.case, backend.name, device, params)
     second = case_truth(next_batch(case), device, precision=truth.precision)
     n = case.num_seqs
     persistent = torch.zeros(n + 1 + 8, dtype=torch.int32, device=device)

@@ -17,7 +17,7 @@ from kda_cases.dtypes import bits
 from kda_cases.profiles import Profile
 from kda_conformance.checks._check import Check
 from kda_conformance.checks._registry import draw_case, supported
-from kda_conformance.judging.judge import Judge, judge_for
+from kda_conformance.judging.judge import Judge
 from kda_conformance.running.blame import call_backend
 from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.truth import CaseTruth
@@ -80,8 +80,7 @@ def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
     return Drawn(case)
 
 
-def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> list[Finding]:
-    judge = judge_for(NAME, truth.case, backend.name, truth.inputs.device, params)
+def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
     first, again = call_backend(backend, truth.inputs), call_backend(backend, truth.inputs)
     varies = nondeterminism(judge, first, again, truth.budgets)
     if varies is None:

@@ -19,7 +19,7 @@ from kda_cases.case import Case
 from kda_cases.profiles import Profile
 from kda_conformance.checks._check import Check
 from kda_conformance.checks._served import draw_served, serving_case
-from kda_conformance.judging.judge import judge_for
+from kda_conformance.judging.judge import Judge
 from kda_conformance.judging.metrics import measure
 from kda_conformance.running.blame import call_backend
 from kda_conformance.running.probe import probe
@@ -60,9 +60,8 @@ def _bits_equal(a: BackendOutput, b: BackendOutput) -> bool:
     )
 
 
-def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> list[Finding]:
+def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
     case, inputs = truth.case, truth.inputs
-    judge = judge_for(NAME, case, backend.name, inputs.device, params)
     metadata = backend.host_metadata(inputs.device, torch.tensor(case.offsets))
     if not metadata:
         return [judge.outcome("skip", f"this {backend.name} takes none of {', '.join(backend.envelope.host_metadata)}")]

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kda_cases.profiles import Profile
 from kda_conformance.checks._check import Check
 from kda_conformance.checks._served import draw_served, serving_case
-from kda_conformance.judging.judge import judge_for
+from kda_conformance.judging.judge import Judge
 from kda_conformance.running.blame import call_backend
 from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.truth import CaseTruth
@@ -55,10 +55,9 @@ def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
     return Drawn(draw_served(data, profile, backend))
 
 
-def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> list[Finding]:
+def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
     case, inputs = truth.case, truth.inputs
     device = inputs.device
-    judge = judge_for(NAME, case, backend.name, device, params)
     call_backend(backend, inputs)  # compile and autotune first: their syncs are not the call's
     syncs = count_syncs(lambda: call_backend(backend, inputs), backend)
     findings = [dataclasses.replace(judge.passed("syncs of one call"), observed=f"{syncs} syncs")]

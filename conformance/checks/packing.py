@@ -11,7 +11,7 @@ from kda_cases.profiles import Profile
 from kda_conformance.checks._check import Check
 from kda_conformance.checks._derived import alone_inputs
 from kda_conformance.checks._registry import draw_case, supported
-from kda_conformance.judging.judge import judge_for
+from kda_conformance.judging.judge import Judge
 from kda_conformance.running.blame import call_backend
 from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.truth import CaseTruth
@@ -37,9 +37,8 @@ def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
     return Drawn(case)
 
 
-def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> list[Finding]:
+def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
     case, inputs = truth.case, truth.inputs
-    judge = judge_for(NAME, case, backend.name, inputs.device, params)
     packed = call_backend(backend, inputs)
     findings = []
     for n, (row, start, end) in enumerate(case.row_spans):

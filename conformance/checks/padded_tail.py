@@ -19,7 +19,7 @@ from kda_cases.profiles import Profile
 from kda_conformance.checks._check import Check
 from kda_conformance.checks._derived import TOKEN_TENSORS
 from kda_conformance.checks._served import draw_served, run_serving, served_result, serving_case
-from kda_conformance.judging.judge import judge_for
+from kda_conformance.judging.judge import Judge
 from kda_conformance.running.blame import call_backend
 from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.truth import CaseTruth
@@ -72,9 +72,8 @@ def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
     return Drawn(draw_served(data, profile, backend))
 
 
-def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> list[Finding]:
+def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
     case, inputs = truth.case, truth.inputs
-    judge = judge_for(NAME, case, backend.name, inputs.device, params)
     T, batch = case.total_tokens, padded(inputs)
     if backend.run_paged is not None:
         # The server's call: the caller's output buffer is as long as the padded tensors.

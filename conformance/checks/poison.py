@@ -21,7 +21,7 @@ from kda_conformance.checks._served import (
     serving_case,
 )
 from kda_conformance.checks.determinism import nondeterminism
-from kda_conformance.judging.judge import judge_for
+from kda_conformance.judging.judge import Judge
 from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels.protocol import Backend
@@ -37,9 +37,8 @@ def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
     return Drawn(case, {"poison": data.draw(st.sampled_from(POISONS), label="poison")})
 
 
-def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> list[Finding]:
+def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
     case, inputs, poison = truth.case, truth.inputs, str(params["poison"])
-    judge = judge_for(NAME, case, backend.name, inputs.device, params)
     plan = plan_pool(case)
     clean = run_serving(backend, inputs, plan, "none")
     findings = judge.result(truth.reference, served_result(clean), truth.budgets, "clean run")

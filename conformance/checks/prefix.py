@@ -30,7 +30,7 @@ from kda_conformance.checks._derived import changed_after
 from kda_conformance.checks._registry import draw_case, supported
 from kda_conformance.checks.determinism import largest_change, nondeterminism
 from kda_conformance.checks.split_resume import CHECK as SPLIT
-from kda_conformance.judging.judge import Judge, judge_for
+from kda_conformance.judging.judge import Judge
 from kda_conformance.running.blame import call_backend
 from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.truth import CaseTruth
@@ -58,9 +58,8 @@ def chunk_start(case: Case, p: int, chunk: int) -> int:
     return start + (p - start) // chunk * chunk
 
 
-def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> list[Finding]:
+def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
     case, inputs, p = truth.case, truth.inputs, int(params["at"])
-    judge = judge_for(NAME, case, backend.name, inputs.device, params)
     limit = truth.budgets["o"].max_abs.value
     first, again = call_backend(backend, inputs), call_backend(backend, inputs)
     varies = nondeterminism(judge, first, again, truth.budgets)

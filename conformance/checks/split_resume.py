@@ -15,7 +15,7 @@ from kda_cases.strategies import CHECKPOINT_GRIDS
 from kda_conformance.checks._check import Check, Param
 from kda_conformance.checks._derived import split_inputs, token_slice
 from kda_conformance.checks._registry import draw_case, supported
-from kda_conformance.judging.judge import Judge, judge_for
+from kda_conformance.judging.judge import Judge
 from kda_conformance.running.blame import call_backend
 from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.truth import CaseTruth, baseline_backend, inputs_truth, widened
@@ -45,9 +45,8 @@ def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
     return Drawn(case, {"at": p})
 
 
-def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> list[Finding]:
+def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
     case, inputs, p = truth.case, truth.inputs, int(params["at"])
-    judge = judge_for(NAME, case, backend.name, inputs.device, params)
     T = case.seq_lens[0]
     prefix_inputs, suffix_case = split_inputs(inputs, p)
     prefix = call_backend(backend, prefix_inputs)

@@ -13,7 +13,7 @@ from kda_cases.profiles import Profile
 from kda_conformance.checks._check import Check
 from kda_conformance.checks._derived import step_inputs
 from kda_conformance.checks._served import draw_served, request_findings, serve, serving_case
-from kda_conformance.judging.judge import judge_for
+from kda_conformance.judging.judge import Judge
 from kda_conformance.running.blame import NotApplicable
 from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.truth import CaseTruth
@@ -28,11 +28,10 @@ def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
     return Drawn(draw_served(data, profile, backend, lambda case: case.max_len >= 2))
 
 
-def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object]) -> list[Finding]:
+def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
     case, inputs = truth.case, truth.inputs
     if case.max_len < 2:
         raise NotApplicable(f"a two-step prefill needs a sequence of 2 tokens or more; {case.id} has {case.seq_lens}")
-    judge = judge_for(NAME, case, backend.name, inputs.device, params)
     plan = plan_pool(case.replace(checkpoints=()))
     spans = [(start, end) for _, start, end in case.row_spans]
     cuts = [start + (end - start) // 2 for start, end in spans]

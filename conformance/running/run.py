@@ -67,6 +67,12 @@ def redraw_seeds(case: Case, count: int = MARGIN_REDRAWS) -> list[int]:
     return [(first + n) % 2**31 for n in range(1, count + 1) if (first + n) % 2**31 != case.seed]
 
 
+def on_device(judge: Judge, truth: CaseTruth) -> Judge:
+    """The executor's judge for the check it runs: the same case, check, backend and repro line, with the
+    device the case's inputs are on (``cuda:0`` where the run says ``cuda``), as the findings have named it."""
+    return dataclasses.replace(judge, device=str(truth.inputs.device))
+
+
 def _confirmed(finding: Finding, outcomes: list[tuple[int, list[Finding]]]) -> Finding:
     """``finding`` judged by what fresh draws of its case gave for the same tensor: a failure where most of the
     draws that counted failed it too, ``marginal`` otherwise."""
@@ -161,7 +167,7 @@ class Run:
                 if watchdogs["suite"] is not None:
                     watchdogs["suite"].cancel()
                 watchdogs["check"] = self._watchdog(judge)
-            return check.run(truth, backend, params)
+            return check.run(truth, backend, params, on_device(judge, truth))
 
         try:
             if unanswered:
@@ -213,7 +219,11 @@ class Run:
         for seed in redraw_seeds(drawn.case, self.config.redraws):
             case = drawn.case.replace(seed=seed)
             judge = judge_for(check.name, case, backend.name, self.config.device, dict(drawn.params))
-            found = self._attempts(judge, lambda truth: check.run(truth, backend, drawn.params), precision)
+
+            def redrawn(truth: CaseTruth, judge: Judge = judge) -> list[Finding]:
+                return check.run(truth, backend, drawn.params, on_device(judge, truth))
+
+            found = self._attempts(judge, redrawn, precision)
             self.truths.clear()
             outcomes.append((seed, found))
         return [_confirmed(f, outcomes) if f.within_margin else f for f in findings]

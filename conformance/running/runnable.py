@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kda_cases.case import Case
+from kda_conformance.judging.judge import Judge
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels.protocol import Backend
 from kda_reports.findings import Finding
@@ -23,9 +24,12 @@ class Drawn:
 
 
 class RunnableCheck(Protocol):
-    """What the executor needs of a check: the name its findings carry, and how it runs on a case's truth."""
+    """What the executor needs of a check: the name its findings carry, and how it runs on a case's truth
+    with the judge the executor made for the call (its findings carry that judge's repro line)."""
 
     @property
     def name(self) -> str: ...
 
-    def run(self, truth: CaseTruth, backend: Backend, params: Mapping[str, object], /) -> list[Finding]: ...
+    def run(
+        self, truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge, /
+    ) -> list[Finding]: ...
