@@ -71,7 +71,7 @@ def key_text(key: tuple) -> str:
 def key_id(text: str) -> str:
     """A key's name in the file: the first 12 hex digits of the SHA-1 of its ``key_text``. A key's text
     repeats every argument's dtype (20 names for FLA's kernels); hashed, 800 keys take 20 KB, not 240.
-    An id is already its own id, so files and parts that hold texts (before 2026-12-03) still load."""
+    An id is already its own id, so older files and parts, which hold the texts, still load."""
     if len(text) == 12 and all(c in "0123456789abcdef" for c in text):
         return text
     return hashlib.sha1(text.encode()).hexdigest()[:12]
@@ -215,7 +215,7 @@ def load(path: Path) -> Choices:
 
 def _choices(stored: dict) -> Choices:
     """A file's or a part's choices, kernel -> key id -> config: from the file's groups (``[config, [ids]]``
-    per config chosen) or a mapping of keys (parts, and files before 2026-12-03)."""
+    per config chosen) or a mapping of keys (parts, and older files)."""
     choices: Choices = {}
     for kernel, entries in stored.items():
         if isinstance(entries, list):

@@ -461,7 +461,7 @@ class VllmKimiChunkAmd(VllmChunk):
 
     def availability(self, device: torch.device) -> Support:
         if device.type == "cuda" and torch.version.hip is None:
-            # Measured on an H200 (2026-12-02), with Triton's allocator set as vLLM sets it: its first kernel
+            # On an H200 (docs/results/), with Triton's allocator set as vLLM sets it, its first kernel
             # stops with "an illegal instruction was encountered" (it builds tensor descriptors on the device,
             # written for ROCm). Not the suite's error, nor a bug of a kernel vLLM runs on ROCm only.
             return Support.no("vLLM's Kimi K3 AMD copy does not run on NVIDIA GPUs (an illegal instruction on an "

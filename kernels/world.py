@@ -119,8 +119,8 @@ SUITE_VARIABLES = "KDA_"  # the suite's own settings (the truth's form, the prof
 SUITE_PACKAGES = ("kda_cases", "kda_reference", "kda_kernels", "kda_reports", "kda_conformance")
 # Set by torch itself, when unset, the first time a part of it is used, in whichever call that happens:
 # inductor's cache folder (torch._inductor's cache_dir(), reached through the torch.compiler.disable that
-# FLA 0.6.0 and the servers' copies of its kernels wrap their entry points in: on the H200 on 2026-12-04
-# every FLA backend was charged with it on its first call) and CUDA's lazy module loading (set at CUDA's
+# FLA 0.6.0 and the servers' copies of its kernels wrap their entry points in: on an H200 every FLA backend
+# was charged with it on its first call, docs/results/) and CUDA's lazy module loading (set at CUDA's
 # initialization). They are the process's: a first setting is kept and charged to no one; a change of a
 # value already there is still the backend's.
 TORCH_VARIABLES = frozenset({"TORCHINDUCTOR_CACHE_DIR", "CUDA_MODULE_LOADING"})

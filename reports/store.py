@@ -203,7 +203,7 @@ def _nights(runs_dir: Path, problems: list[str]) -> tuple[pd.DataFrame, pd.DataF
 
 
 def _workers(night: dict, path: Path, problems: list[str]) -> int | str | None:
-    """A night's workers: a number, or "auto" (pytest-xdist's own count); nights before 2026-12-04 wrote
+    """A night's workers: a number, or "auto" (pytest-xdist's own count); older night files wrote
     --workers N as text."""
     value = night.get("workers")
     if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):

@@ -3,6 +3,7 @@ failure says what it must once, detection takes a subset of planted bugs and nam
 
 from __future__ import annotations
 
+import re
 import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -139,3 +140,17 @@ def test_the_command_line_reference_is_the_parser() -> None:
     page = cli_markdown()
     add = page[page.index("### `kda-conformance corpus add`") :]
     assert "| `--from-run` RUN_FILE |" in add.split("\n## ")[0] and "|---|---|\n\n" not in page
+
+
+def test_the_code_says_why_not_when() -> None:
+    """A measurement that justifies code is cited by what was measured, with its numbers in the results
+    journal (docs/results/); no comment, docstring or message of the five packages carries a date."""
+    dated = re.compile(r"20\d\d-[01]\d-[0-3]\d")
+    found = [
+        f"{path.relative_to(REPO)}:{number}"
+        for folder in ("cases", "reference", "kernels", "reports", "conformance")
+        for path in sorted((REPO / folder).rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if dated.search(line)
+    ]
+    assert not found, f"dates in the code (move the measurement to docs/results/): {found}"

@@ -47,8 +47,8 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     if not tests:
         say(
             console,
-            f"--run-id {args.run_id}: no test seconds in {args.out}/runs (a pytest run of 2026-12-04 or later "
-            "keeps them in its timing.json)",
+            f"--run-id {args.run_id}: no test seconds in {args.out}/runs (a pytest run of this suite "
+            "keeps them in its timing.json; older runs did not)",
             "error:",
             "red",
         )

@@ -2,8 +2,8 @@
 what each backend's tests cost in a measured night on the same GPU model.
 
 A test's shard was a hash of its name, so every shard held tests of every backend and its compile stage
-had to compile nearly every (backend, kernel configuration) of the night: on a cold H200 (2026-12-04,
-every backend, shards of 4) 306 to 319 jobs, 78 to 101 s of each shard's wall. By backend, a shard
+had to compile nearly every (backend, kernel configuration) of the night: on a cold H200 (every backend,
+shards of 4; docs/results/) 306 to 319 jobs, 78 to 101 s of each shard's wall. By backend, a shard
 compiles its own backends' configurations only. The shares are balanced by cost: each backend's seconds
 (the sum of its tests' wall, setup to teardown, over the night's workers) in a run recorded on this GPU
 model, kept in ``shard_costs/<gpu>.json`` (written by ``kda-conformance shards --store S --run-id R``),

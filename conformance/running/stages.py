@@ -94,7 +94,7 @@ class StageClock:
             self.add_form(form, seconds)
         for key, value in taken["peak_memory"].items():
             self.peaks[key] = max(self.peaks.get(key, 0.0), value)
-        tests = taken.get("tests", {})  # absent from files before 2026-12-04
+        tests = taken.get("tests", {})  # absent from older timing files
         for nodeid, seconds in tests.items() if isinstance(tests, dict) else ():
             if isinstance(seconds, int | float):
                 self.add_test(str(nodeid), seconds)
