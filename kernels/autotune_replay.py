@@ -27,7 +27,7 @@ import sys
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -97,7 +97,7 @@ class ReplayCache(dict):
     def __contains__(self, key: object) -> bool:
         if dict.__contains__(self, key):
             return True
-        autotuner = self._autotuner()
+        autotuner: Any = self._autotuner()
         if autotuner is None or not isinstance(key, tuple):
             return False
         name = kernel_name(autotuner)
@@ -228,7 +228,9 @@ def _choices(stored: dict) -> Choices:
 def merge(parts: Iterable[Path]) -> tuple[str, str, Choices]:
     """The device, Triton version and choices of a recording's part files; parts of two GPU models or two
     Triton versions are refused (a choice is one model's and one compiler's)."""
-    devices, versions, choices = set(), set(), {}
+    devices: set[str] = set()
+    versions: set[str] = set()
+    choices: Choices = {}
     for part in parts:
         data = json.loads(Path(part).read_text())
         devices.add(data["device"])

@@ -78,3 +78,20 @@ def test_a_runs_first_failure_is_minimized(tmp_path: Path, capsys: pytest.Captur
     out = capsys.readouterr().out
     assert "500 -> 34 tokens" in out and "standalone test:" in out
     assert '"seq_lens": [' in (tmp_path / "test_minimal.py").read_text()
+
+
+def test_a_runs_first_failure_of_a_check_with_parameters_is_minimized_with_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``minimize --from-run`` read the failure's parameters (``--at 11``) and then lost them to the set of
+    plugins it was given: every check with parameters said "check prefix needs --at"."""
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    case = '{"seq_lens": [40], "num_heads": 1, "num_v_heads": 1, "head_k_dim": 16, "head_v_dim": 16}'
+    repro = ["repro", "--plugin", "kda_planted_bugs", "--backend", "planted_future_leak", "--check", "prefix"]
+    main([*repro, "--at", "11", "--device", "cpu", "--case", case, "--out", str(tmp_path)])
+    records = next((tmp_path / "runs").glob("*.parquet"))
+    capsys.readouterr()
+    argv = ["minimize", "--plugin", "kda_planted_bugs", "--from-run", str(records), "--device", "cpu"]
+    assert main([*argv, "--out", str(tmp_path / "min")]) == 1
+    out = capsys.readouterr().out
+    assert "needs --at" not in out and "40 -> 12 tokens" in out and "--at 11 --check prefix" in out

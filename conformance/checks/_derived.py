@@ -4,6 +4,7 @@ the tokens of one serving step."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -58,6 +59,8 @@ def alone_inputs(inputs: KDAInputs, sequence: int) -> KDAInputs:
 def step_inputs(inputs: KDAInputs, spans: list[tuple[int, int]]) -> KDAInputs:
     """The tokens ``spans`` (packed row positions) of a packed batch, as a packed batch of their own."""
     case = inputs.case
-    pieces = {name: torch.cat([getattr(inputs, name)[:, a:b] for a, b in spans], dim=1) for name in TOKEN_TENSORS}
+    pieces: dict[str, Any] = {
+        name: torch.cat([getattr(inputs, name)[:, a:b] for a, b in spans], dim=1) for name in TOKEN_TENSORS
+    }
     step = case.replace(seq_lens=tuple(b - a for a, b in spans), checkpoints=())
     return dataclasses.replace(inputs, case=step, cu_seqlens=cu_seqlens_tensor(step, inputs.device), **pieces)

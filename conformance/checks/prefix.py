@@ -59,7 +59,7 @@ def chunk_start(case: Case, p: int, chunk: int) -> int:
 
 
 def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
-    case, inputs, p = truth.case, truth.inputs, int(params["at"])
+    case, inputs, p = truth.case, truth.inputs, int(str(params["at"]))
     limit = truth.budgets["o"].max_abs.value
     first, again = call_backend(backend, inputs), call_backend(backend, inputs)
     varies = nondeterminism(judge, first, again, truth.budgets)

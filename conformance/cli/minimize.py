@@ -93,11 +93,11 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         except (OSError, ValueError) as exc:
             say(console, f"--from-run: {exc}", "error:", "red")
             return 2
-        given = {plugin_module(p) for p in args.plugin}
-        missing = [p for p in plugins if plugin_module(p) not in given]
+        named = {plugin_module(p) for p in args.plugin}
+        missing = [p for p in plugins if plugin_module(p) not in named]
         if missing:  # a run file is data: the modules it names are never imported on its say-so
-            named = " ".join(f"--plugin {shlex.quote(p)}" for p in missing)
-            say(console, f"--from-run: its failure's repro line loads {named}; pass that to minimize it", "error:")
+            loads = " ".join(f"--plugin {shlex.quote(p)}" for p in missing)
+            say(console, f"--from-run: its failure's repro line loads {loads}; pass that to minimize it", "error:")
             return 2
         check = get_check(check_name)
         params = {p.name: p.parse(given[p.name]) if p.name in given else None for p in check.params}

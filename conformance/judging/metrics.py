@@ -16,11 +16,17 @@ CURVE_CHUNK = 64
 
 
 class Tensors(Protocol):
-    """Anything holding the checked tensors by name: a backend's output or the float64 truth."""
+    """Anything holding the checked tensors by name: a backend's output or the float64 truth (read only,
+    so a truth that always has its states is one too)."""
 
-    o: torch.Tensor
-    final_state: torch.Tensor | None
-    checkpoint_states: torch.Tensor | None
+    @property
+    def o(self) -> torch.Tensor: ...
+
+    @property
+    def final_state(self) -> torch.Tensor | None: ...
+
+    @property
+    def checkpoint_states(self) -> torch.Tensor | None: ...
 
 
 @dataclass(frozen=True)

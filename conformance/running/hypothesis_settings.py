@@ -50,7 +50,7 @@ def seed_check_test(test: Callable[..., Any], name: str, seed: int) -> None:
     in the failure database (every check's test is made from one function, which Hypothesis would
     otherwise take for one test and share saved failures between)."""
     hypothesis.seed(seed)(test)
-    database = settings.default.database
+    database = settings.default.database if settings.default is not None else None
     if isinstance(database, DirectoryBasedExampleDatabase):
         settings(database=DirectoryBasedExampleDatabase(database.path / name))(test)
 

@@ -100,7 +100,7 @@ class IsolatedRunner:
 
     def _discard(self) -> None:
         atexit.unregister(self._discard)
-        if self.process is not None and self.process.is_alive():
+        if self.process is not None and self.process.pid is not None and self.process.is_alive():
             kill_tree(self.process.pid)  # with the children a backend left in it, which hold our pipes
         if self.process is not None:
             self.process.join(timeout=30)

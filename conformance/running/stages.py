@@ -124,20 +124,21 @@ class StageClock:
 
 
 CLOCK = StageClock()
+STAGE_ATTRIBUTE = "kda_stage"  # where an exception carries the stage it was raised in
 
 
 def note_stage(exc: BaseException, name: str) -> None:
     """Mark ``exc`` with the stage it was raised in (the innermost one), so whoever catches it can say where."""
     if stage_of(exc) is None:
         try:
-            exc.kda_stage = name
+            setattr(exc, STAGE_ATTRIBUTE, name)  # an exception cannot be weakly referenced: it carries it
         except AttributeError:
             pass
 
 
 def stage_of(exc: BaseException) -> str | None:
     """The stage ``exc`` was raised in (None: outside every stage, in a check's own code)."""
-    return getattr(exc, "kda_stage", None)
+    return getattr(exc, STAGE_ATTRIBUTE, None)
 
 
 def _peak_memory() -> dict[str, float]:
