@@ -36,7 +36,7 @@ from kda_conformance.running.interrupts import sigterm_as_interrupt
 from kda_conformance.running.memory import chosen_gpus, visible_device
 from kda_conformance.running.not_checked import NOT_CHECKED_EXIT
 from kda_conformance.running.option_values import PURPOSE_VARIABLE, ConfigError
-from kda_conformance.running.options import add_pytest_options
+from kda_conformance.running.options import add_pytest_options, config_keywords
 from kda_conformance.running.run import Run
 from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.stages import CLOCK
@@ -75,25 +75,17 @@ def _run_config(config: pytest.Config):
             heads=option("--kda-heads"),
             head_dim=option("--kda-head-dim"),
         )
+        command = "pytest " + " ".join(shlex.quote(a) for a in _recorded_args(config.invocation_params.args))
         return build_config(
-            device=option("--kda-device"),
-            backends=option("--kda-backend"),
-            plugins=option("--kda-plugin"),
-            profile=option("--kda-profile"),
-            default_profile=True,
-            examples=option("--kda-examples"),
-            seed=seed,
-            grid=grid,
-            out=option("--kda-out"),
-            strict=option("--kda-strict"),
-            batch_invariant=option("--kda-batch-invariant"),
-            redraws=option("--kda-redraws"),
-            reference_form=option("--kda-reference-form"),
-            command="pytest " + " ".join(shlex.quote(a) for a in _recorded_args(config.invocation_params.args)),
-            purpose=os.environ.get(PURPOSE_VARIABLE) or "pytest",
-            run_id=run_id,
-            shard=option("--kda-shard"),
-            case_timeout=option("--kda-case-timeout"),
+            **config_keywords(lambda o: option(f"--kda-{o.name}"))
+            | dict(
+                default_profile=True,
+                seed=seed,
+                grid=grid,
+                command=command,
+                purpose=os.environ.get(PURPOSE_VARIABLE) or "pytest",
+                run_id=run_id,
+            )
         )
     except ConfigError as exc:
         raise pytest.UsageError(exc.shown_as("kda-")) from None

@@ -154,3 +154,33 @@ def test_the_code_says_why_not_when() -> None:
         if dated.search(line)
     ]
     assert not found, f"dates in the code (move the measurement to docs/results/): {found}"
+
+
+def test_a_run_option_is_one_entry_of_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every option that configures the run is a keyword of build_config, and both front ends hand them over
+    from the table (config_keywords); an option added to the table reaches the command line, pytest, the
+    pytest command lines of nightly and detection, the docs and the run's keywords."""
+    import argparse
+    import dataclasses
+    import inspect
+
+    from kda_conformance.running import options
+    from kda_conformance.running.config import build_config
+
+    keywords = set(inspect.signature(build_config).parameters)
+    for option in options.OPTIONS.values():
+        if option.configures:
+            assert option.keyword in keywords, f"--{option.name} is no keyword of build_config"
+    dummy = options.Option("dummy-knob", "a knob added in one place", 3, int, "number", configures=False)
+    monkeypatch.setitem(options.OPTIONS, "dummy-knob", dummy)
+    parser = argparse.ArgumentParser()
+    options.add_options(parser, ["dummy-knob"])
+    assert parser.parse_args(["--dummy-knob", "5"]).dummy_knob == 5
+    added: list[str] = []
+    options.add_pytest_options(type("Group", (), {"addoption": lambda self, name, **kw: added.append(name)})())
+    assert "--kda-dummy-knob" in added
+    assert options.pytest_argv({"dummy-knob": 7}) == ["--kda-dummy-knob", "7"]
+    assert "`--kda-dummy-knob`" in options.options_markdown()
+    configuring = dataclasses.replace(dummy, name="dummy-level", configures=True)
+    monkeypatch.setitem(options.OPTIONS, "dummy-level", configuring)
+    assert options.config_keywords(lambda o: 1 if o.name == "dummy-level" else options.MISSING) == {"dummy_level": 1}

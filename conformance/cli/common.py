@@ -22,9 +22,8 @@ from kda_conformance.running.option_values import (
     parse_count,
     parse_positive,
 )
-from kda_conformance.running.options import add_options, typed
+from kda_conformance.running.options import MISSING, add_options, config_keywords, typed
 from kda_reports.findings import recorded_text
-from kda_reports.runfile import DEFAULT_OUT
 
 if TYPE_CHECKING:
     from kda_conformance.checks import Check, Param
@@ -174,25 +173,18 @@ def config_from_args(args: argparse.Namespace, console: Console, writes: bool = 
         seed = args.seed or 0
         grid = Grid(**lengths, dtypes=tuple(args.dtypes), heads=args.heads, head_dim=args.head_dim, seed=seed)
     try:
+        keywords = config_keywords(lambda option: getattr(args, option.dest, MISSING))
         config = build_config(
-            device=args.device,
-            backends=args.backends,
-            default_backends=CLI_DEFAULT_BACKENDS,
-            plugins=args.plugin,
-            profile=getattr(args, "profile", None),
-            examples=getattr(args, "examples", None),
-            seed=getattr(args, "seed", None) or None,
-            grid=grid,
-            out=getattr(args, "out", DEFAULT_OUT),
-            reference_form=getattr(args, "reference_form", None),
-            isolate=getattr(args, "isolate", None),
-            case_timeout=getattr(args, "case_timeout", None),
-            strict=getattr(args, "strict", None),
-            redraws=getattr(args, "redraws", None),
-            run_id=getattr(args, "run_id", None),
-            command=args.command_line,
-            # `run` with given cases (a repro line pasted) is not a sweep; every other command is its purpose.
-            purpose="cases" if getattr(args, "cases", None) else "sweep" if args.command == "run" else args.command,
+            **keywords
+            | dict(
+                default_backends=CLI_DEFAULT_BACKENDS,
+                seed=getattr(args, "seed", None) or None,  # 0, the first sweep's default, draws a fresh one
+                grid=grid,
+                isolate=getattr(args, "isolate", None),
+                command=args.command_line,
+                # `run` with given cases (a repro line pasted) is not a sweep; every other command is its purpose.
+                purpose="cases" if getattr(args, "cases", None) else "sweep" if args.command == "run" else args.command,
+            )
         )
     except ConfigError as exc:
         say(console, f"{exc}", "error:", "red")

@@ -64,10 +64,19 @@ class Option:
     repeat: bool = False
     flag: bool = False
     aliases: tuple[str, ...] = ()  # other command-line spellings, kept for old command lines
+    # Whether it is a keyword of the run's configuration (config.build_config, named ``keyword``): every
+    # front end hands those over through ``config_keywords``. The first sweep's grid and the GPUs a night
+    # spreads over are the front ends' own.
+    configures: bool = True
 
     @property
     def dest(self) -> str:
         return "backends" if self.name == "backend" else self.name.replace("-", "_")
+
+    @property
+    def keyword(self) -> str:
+        """Its keyword of ``build_config`` (and field of ``RunConfig``)."""
+        return "plugins" if self.name == "plugin" else self.dest
 
     def kwargs(self, default: Any) -> dict[str, Any]:
         """argparse's (and pytest's) keyword arguments for this option with ``default``."""
@@ -142,25 +151,38 @@ OPTIONS: dict[str, Option] = {
         Option("shard", "run the I-th of N shares of the tests (hosts of one night)", None, shard, metavar="I/N",
                env=SHARD_VARIABLE),
         Option("gpus", "the GPUs parallel workers spread over, e.g. 0,1 (default: every visible one)", None,
-               metavar="LIST"),
+               metavar="LIST", configures=False),
         Option("case-timeout", "seconds a backend's call may take from its start to its return (under "
                "--isolate), or one check once the case's truth is ready; the suite's own work on the case (its "
                "truth, its wait for GPU memory) has its own S, charged to the suite; past it the case is "
                "recorded as hung and its process ends", None, positive_seconds, "number", metavar="S"),
-        Option("lengths", "first-sweep sequence lengths, comma-separated", None, parse_lengths, "list"),
+        Option("lengths", "first-sweep sequence lengths, comma-separated", None, parse_lengths, "list",
+               configures=False),
         Option("dtypes", f"first-sweep input dtypes, comma-separated ({', '.join(DTYPES)})", None, parse_dtypes,
-               "list"),
+               "list", configures=False),
         Option("heads", "first-sweep query/key heads (= value heads)", 2, lambda t: parse_count("heads", t),
-               "number"),
+               "number", configures=False),
         Option(
             "head-dim", "first-sweep K = V (any size a case takes: a backend refuses those its envelope does not)",
-            64, parse_head_dim, "number",
+            64, parse_head_dim, "number", configures=False,
         ),
     )
 }  # fmt: skip
 
-# The options every pytest run takes (as --kda-NAME).
-PYTEST_OPTIONS = tuple(OPTIONS)
+MISSING = object()  # what a front end returns for an option it does not have
+
+
+def config_keywords(value_of: Callable[[Option], Any]) -> dict[str, Any]:
+    """``build_config``'s keyword arguments from one front end's options: each option that configures the run
+    and whose value the front end has (``value_of`` gives MISSING for one it lacks: a command that does not
+    take ``--profile``). The command line and pytest both hand their options over here, so an option added
+    to the table reaches the run's configuration from both."""
+    keywords = {}
+    for option in OPTIONS.values():
+        value = value_of(option) if option.configures else MISSING
+        if value is not MISSING:
+            keywords[option.keyword] = value
+    return keywords
 
 
 def add_options(
@@ -190,8 +212,7 @@ def add_options(
 
 def add_pytest_options(group: Any) -> None:
     """Every option as ``--kda-NAME`` in a pytest option group."""
-    for name in PYTEST_OPTIONS:
-        option = OPTIONS[name]
+    for name, option in OPTIONS.items():
         kwargs = option.kwargs(option.default)
         kwargs["dest"] = f"kda_{option.dest}"
         group.addoption(f"--kda-{name}", **kwargs)
