@@ -6,6 +6,8 @@ its states (final and checkpoint) in the case's state dtype, whatever precision 
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 
 from kda_cases.case import Case
@@ -28,6 +30,14 @@ def stored_dtype_name(case: Case, tensor: str) -> str:
 def stored_dtype(case: Case, tensor: str) -> torch.dtype:
     """The torch dtype ``tensor`` is stored in for ``case`` (see :func:`stored_dtype_name`)."""
     return TORCH_DTYPES[stored_dtype_name(case, tensor)]
+
+
+@overload
+def stored(case: Case, tensor: str, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@overload
+def stored(case: Case, tensor: str, x: None) -> None: ...
 
 
 def stored(case: Case, tensor: str, x: torch.Tensor | None) -> torch.Tensor | None:

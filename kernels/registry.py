@@ -21,6 +21,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from kda_cases.case import did_you_mean
 from kda_kernels.guard import BackendExit
@@ -119,9 +120,9 @@ def _findable(spec: str) -> str:
     if path.is_dir() and not (path / "__init__.py").is_file():
         raise PluginError(f"plugin {spec!r}: a folder without an __init__.py is no package to import")
     file = (path / "__init__.py" if path.is_dir() else path).resolve()
-    loaded = sys.modules.get(module)
-    if loaded is not None and getattr(loaded, "__file__", None) and Path(loaded.__file__).resolve() != file:
-        raise PluginError(f"plugin {spec!r}: another module named {module!r} is imported, from {loaded.__file__}")
+    loaded_from = getattr(sys.modules.get(module), "__file__", None)
+    if loaded_from and Path(loaded_from).resolve() != file:
+        raise PluginError(f"plugin {spec!r}: another module named {module!r} is imported, from {loaded_from}")
     folder = str(path.resolve().parent)
     if folder not in sys.path:
         sys.path.insert(0, folder)
@@ -173,8 +174,8 @@ def plugin_argument(module: str) -> str:
     return str(path.parent if path.name == "__init__.py" else path)
 
 
-def _exit_at_import(code: int) -> None:
-    raise BackendExit(code)
+def _exit_at_import(status: int) -> NoReturn:
+    raise BackendExit(status)
 
 
 def names() -> list[str]:

@@ -46,7 +46,7 @@ def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
 
 
 def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
-    case, inputs, p = truth.case, truth.inputs, int(params["at"])
+    case, inputs, p = truth.case, truth.inputs, int(str(params["at"]))
     T = case.seq_lens[0]
     prefix_inputs, suffix_case = split_inputs(inputs, p)
     prefix = call_backend(backend, prefix_inputs)

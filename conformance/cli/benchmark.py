@@ -25,6 +25,7 @@ against the measured copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import functools
 import resource
 import statistics
 import time
@@ -163,7 +164,7 @@ def run_benchmark(args: argparse.Namespace) -> list[str]:
         for backend in backends:
             available = backend.availability(device)
             supported = backend.supports(x.case) if available else available
-            calls[backend.name] = (lambda b=backend, x=x: b.run(x)) if supported else None
+            calls[backend.name] = functools.partial(backend.run, x) if supported else None
             if not supported:
                 untimed[backend.name] = f"T={T}: {supported.reason}"
         seconds: dict[str, float] = {}

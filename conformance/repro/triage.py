@@ -238,7 +238,7 @@ def triage(
         pending = {
             name: pool.submit(_rerun, name, changed, environment, out, env, timeout)
             for name, (why, changed, environment) in rules.items()
-            if not why
+            if not why and changed is not None
         }
         switched = [pending[n].result() if n in pending else Rerun(n, not_applied=rules[n][0]) for n in SWITCHES]
     return Triage(finding_id, r.backend, r.check, r.case.id, (first, *switched))
