@@ -401,8 +401,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         run.finish(complete, examples=False)  # its part's timing.json carries its stage totals
         config.workeroutput["kda_examples"] = json.dumps(run.examples.entries)
     elif config.pluginmanager.getplugin("dsession") is not None:
+        CLOCK.add_night_compile_stage()
         config.stash[WRITTEN] = run.merge_workers(complete)
     else:
+        CLOCK.add_night_compile_stage()
         config.stash[WRITTEN] = run.finish(complete) if (run.rows or run.examples.entries) else {}
     if not hasattr(config, "workerinput") and run.config.strict and run.frame is not None:
         if not stale_known_issues(run.frame).empty and session.exitstatus == pytest.ExitCode.OK:

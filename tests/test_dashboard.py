@@ -239,8 +239,13 @@ def test_nightly_command_adds_a_run_and_rebuilds_the_dashboard(tmp_path: Path) -
         night = json.loads(night_file.read_text())
         assert night["cache"]["dir"].endswith("triton-cache")
         assert night["compile"]["outcomes"] == {"compiled": night["kernel_configs"]}
-        timing = json.loads(night_file.with_name(night_file.name.replace(".night.", ".timing.")).read_text())
+        timing_file = night_file.with_name(night_file.name.replace(".night.", ".timing."))
+        timing = json.loads(timing_file.read_text())
         assert timing["seconds"]["compile"] == night["compile"]["seconds"] > 0
+        assert timing["calls"]["compile"] == night["compile"]["jobs"]
+        assert timing["compile_wall_seconds"] == night["compile"]["wall_seconds"]
+        # Written once, by the pytest session, before the night file: the night does not rewrite it.
+        assert timing_file.stat().st_mtime_ns <= night_file.stat().st_mtime_ns
     page = (tmp_path / "dashboard.html").read_text()
     assert 'id="night-time"' in page and "night-walls" in page and "coverage-by-backend" in page
     assert "The night's wall time (minutes)" in page

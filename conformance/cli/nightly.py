@@ -41,6 +41,7 @@ from kda_conformance.running.memory import WORKERS_VARIABLE, WorkerPlan, chosen_
 from kda_conformance.running.option_values import DEFAULT_CASE_TIMEOUT, PURPOSE_VARIABLE, ConfigError
 from kda_conformance.running.options import OPTIONS, add_options, pytest_argv
 from kda_conformance.running.quarantine import Quarantine
+from kda_conformance.running.stages import COMPILE_VARIABLE
 from kda_reports.reach import backend_coverage, missed_lines
 from kda_reports.runfile import read_run, run_file
 
@@ -172,6 +173,9 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     # --compile only: the stage alone, no tests (a host's cache warmed before a night, or the stage timed, e.g.
     # with KDA_AUTOTUNE_REPLAY=0 and with replay on the same shard's jobs); its night file says so.
     only = args.compile == "only"
+    if compiled:  # the pytest session writes it into the run's timing file (running/stages.py)
+        stage = {key: compiled[key] for key in ("seconds", "jobs", "wall_seconds")}
+        env[COMPILE_VARIABLE] = json.dumps(stage)
     returncode = 0 if only else _run_pytest(command, env, console)
     night = {
         "part": config.part or "",
@@ -305,20 +309,10 @@ def _quarantine_crashes(config, jobs: list, results: list[dict], console: Consol
 
 
 def _write_night(config, night: dict, console: Console) -> None:
-    """The night file of this part, and the compile stage added to the run part's timing."""
+    """The night file of this part (the compile stage's totals reach the run's timing file through the pytest
+    session, which writes it once)."""
     path = run_file(config.out, config.run_id, config.part, "night")
     atomic_write(path, lambda p: p.write_text(json.dumps(night, indent=1)))
-    timing_path = run_file(config.out, config.run_id, config.part, "timing")
-    compiled = night["compile"]
-    if compiled and timing_path.exists():
-        try:
-            timing = json.loads(timing_path.read_text())
-            timing["seconds"]["compile"] = compiled["seconds"]
-            timing["calls"]["compile"] = compiled["jobs"]
-            timing["compile_wall_seconds"] = compiled["wall_seconds"]
-            atomic_write(timing_path, lambda p: p.write_text(json.dumps(timing, indent=1)))
-        except (OSError, ValueError, KeyError, TypeError) as exc:  # TypeError: a timing file that is no mapping
-            say(console, f"{timing_path.name}: the compile stage not added ({exc})", "warning:", "yellow")
 
 
 def _coverage_lines(config, console: Console) -> None:

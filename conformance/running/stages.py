@@ -7,6 +7,8 @@ test, not in drawing inputs or computing the truth; the totals go to each run's
 
 from __future__ import annotations
 
+import json
+import os
 import resource
 import time
 from collections.abc import Iterator
@@ -39,6 +41,7 @@ class StageClock:
         # Wall seconds of each pytest test (setup, call and teardown), in the process that reports the run:
         # a night's shards are balanced by them (conformance/running/shards.py).
         self.tests: dict[str, float] = {}
+        self.compile_wall_seconds: float | None = None  # a night's compile stage, before its tests
 
     @contextmanager
     def stage(self, name: str, device: torch.device, form: str | None = None) -> Iterator[Lap]:
@@ -69,6 +72,20 @@ class StageClock:
         """Count ``seconds`` spent outside any device work (a wait) as one call of stage ``name``."""
         self.seconds[name] += seconds
         self.calls[name] += 1
+
+    def add_compile_stage(self, seconds: float, jobs: int, wall_seconds: float) -> None:
+        """A night's compile stage (run by ``nightly`` before its pytest session): its seconds over the jobs as
+        the ``compile`` stage, and its wall time, so the run's timing file holds it when first written."""
+        self.seconds["compile"] = seconds
+        self.calls["compile"] = jobs
+        self.compile_wall_seconds = wall_seconds
+
+    def add_night_compile_stage(self) -> None:
+        """The compile stage a night handed its pytest session (:data:`COMPILE_VARIABLE`), if any."""
+        text = os.environ.get(COMPILE_VARIABLE)
+        if text:
+            stage = json.loads(text)
+            self.add_compile_stage(float(stage["seconds"]), int(stage["jobs"]), float(stage["wall_seconds"]))
 
     def add_test(self, nodeid: str, seconds: float) -> None:
         self.tests[nodeid] = self.tests.get(nodeid, 0.0) + seconds
@@ -105,12 +122,14 @@ class StageClock:
         peak = _peak_memory()
         for key, value in self.peaks.items():
             peak[key] = max(peak.get(key, 0.0), value)
+        wall = {} if self.compile_wall_seconds is None else {"compile_wall_seconds": self.compile_wall_seconds}
         return {
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
             "calls": dict(self.calls),
             "reference_seconds_by_form": {k: round(v, 3) for k, v in self.forms.items()},
             "peak_memory": {k: round(v, 2) for k, v in peak.items()},
             "tests": {k: round(v, 3) for k, v in self.tests.items()},
+            **wall,
         }
 
     def lines(self) -> list[str]:
@@ -124,6 +143,9 @@ class StageClock:
 
 
 CLOCK = StageClock()
+# How ``nightly`` hands its compile stage (seconds, jobs, wall seconds, as JSON) to the pytest session that
+# writes the run's files, so the timing file is written once, whole.
+COMPILE_VARIABLE = "KDA_NIGHT_COMPILE_STAGE"
 STAGE_ATTRIBUTE = "kda_stage"  # where an exception carries the stage it was raised in
 
 
