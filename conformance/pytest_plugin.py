@@ -23,7 +23,7 @@ from kda_cases.grids import FIRST_SWEEP_DTYPES
 from kda_conformance.checks import Check
 from kda_conformance.pytest_summary import RUN, WRITTEN, empty_selection, not_checked
 from kda_conformance.pytest_summary import pytest_terminal_summary as pytest_terminal_summary
-from kda_conformance.running.config import Grid, baseline_warning, build_config, release_claims
+from kda_conformance.running.config import Grid, baseline_warning, build_config
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost
 from kda_conformance.running.hypothesis_settings import (
     check_seed,
@@ -46,6 +46,7 @@ from kda_kernels.left_work import exit_past_left_work, flush_and_exit
 from kda_kernels.protocol import Backend
 from kda_reports.console import RECORD_LINE_HEADER, record_line
 from kda_reports.findings import Finding, stale_known_issues
+from kda_reports.runfile import release_claims
 
 # Whether this process writes the run (not a pytest-xdist worker): pytest_runtest_logreport has no config.
 _WRITES_RUN = [True]

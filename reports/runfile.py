@@ -2,7 +2,8 @@
 
 A run is one invocation. A run split over processes or hosts is written in parts, each named
 ``<run_id>.<part>.*``; the controlling process of a pytest-xdist run merges its workers' parts into one
-(``merge_parts``), and the store merges the parts of one run id that several hosts wrote.
+(``merge_parts``), and the store merges the parts of one run id that several hosts wrote. The locks on run
+files live here too: the journal's while a part is written, and a run id's claim while a command writes it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import fcntl
 import json
 import os
 import secrets
+import socket
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
@@ -373,3 +375,42 @@ def _formatted(table: pd.DataFrame) -> pd.DataFrame:
         if col in shown:
             shown[col] = shown[col].map(lambda x: f"{x:.2f}" if pd.notna(x) else "")
     return shown
+
+
+# The run ids this process holds: each claim file's open handle, its lock held until release_claims().
+_claims: dict[Path, IO[str]] = {}
+
+
+def claim_run(out: Path, stem: str) -> str | None:
+    """Claim the run (or part) ``stem`` in ``out`` for this process, or say who holds it. Two runs given one
+    id at once both saw no file of it and both wrote, the second's parquet replacing the first's: a claim is
+    an exclusive lock on ``runs/.<stem>.claim``, taken or refused at once and let go when the command ends
+    (:func:`release_claims`) or its process does (a killed run leaves no stale claim; what it wrote refuses
+    the id by itself)."""
+    path = out / "runs" / f".{stem}.claim"
+    if path in _claims:
+        return None
+    handle = path.open("a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        return f"is being written to {out} by another process ({holder})"
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    handle.flush()
+    _claims[path] = handle
+    return None
+
+
+def release_claims() -> None:
+    """Let go of every run id this process claimed (its command is over: what it wrote, if anything, now
+    refuses the id by itself). The file goes first, then the lock, so no one can take a lock on a file
+    that is about to be removed and still count as holding the id."""
+    for path, handle in list(_claims.items()):
+        path.unlink(missing_ok=True)
+        handle.close()
+        del _claims[path]

@@ -180,7 +180,7 @@ def test_a_run_id_being_written_by_another_process_is_refused(
 ) -> None:
     # Two runs given one KDA_RUN_ID at once both saw no file of it, both exited 0, the second's parquet
     # replacing the first's. The other process here holds the id's claim as a run in progress does.
-    holder = "import sys, time; from kda_conformance.running.config import claim_run; from pathlib import Path"
+    holder = "import sys, time; from kda_reports.runfile import claim_run; from pathlib import Path"
     holder += "; print(claim_run(Path(sys.argv[1]), 'x'), flush=True); time.sleep(120)"
     (tmp_path / "runs").mkdir()
     other = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path)], stdout=subprocess.PIPE, text=True)

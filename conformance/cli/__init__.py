@@ -139,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"error: {where}{said}; what was written before it is kept", highlight=False)
         return USAGE
     finally:
-        config = sys.modules.get("kda_conformance.running.config")
-        if config is not None:  # a command that never loaded it claimed no run id
-            config.release_claims()
+        runfile = sys.modules.get("kda_reports.runfile")
+        if runfile is not None:  # a command that never loaded it claimed no run id
+            runfile.release_claims()
 
 
 def entry() -> None:

@@ -8,16 +8,13 @@ seed, and draws the run's kernel configurations. Whatever a run does afterwards 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import os
 import re
 import secrets
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import torch
 
@@ -45,48 +42,9 @@ from kda_kernels import registry
 from kda_reference.forms import FORM_VARIABLE, FORMS
 from kda_reports.environment import SUITE_BASELINE, environment, redact
 from kda_reports.findings import MARGIN_REDRAWS, Finding
-from kda_reports.runfile import DEFAULT_OUT, new_run_id, run_file, run_files, run_stem
+from kda_reports.runfile import DEFAULT_OUT, claim_run, new_run_id, run_file, run_files, run_stem
 
 RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
-# The run ids this process holds: each claim file's open handle, its lock held until release_claims().
-_claims: dict[Path, IO[str]] = {}
-
-
-def claim_run(out: Path, stem: str) -> str | None:
-    """Claim the run (or part) ``stem`` in ``out`` for this process, or say who holds it. Two runs given one
-    id at once both saw no file of it and both wrote, the second's parquet replacing the first's: a claim is
-    an exclusive lock on ``runs/.<stem>.claim``, taken or refused at once and let go when the command ends
-    (:func:`release_claims`) or its process does (a killed run leaves no stale claim; what it wrote refuses
-    the id by itself)."""
-    path = out / "runs" / f".{stem}.claim"
-    if path in _claims:
-        return None
-    handle = path.open("a+", encoding="utf-8")
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        return f"is being written to {out} by another process ({holder})"
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
-    handle.flush()
-    _claims[path] = handle
-    return None
-
-
-def release_claims() -> None:
-    """Let go of every run id this process claimed (its command is over: what it wrote, if anything, now
-    refuses the id by itself). The file goes first, then the lock, so no one can take a lock on a file
-    that is about to be removed and still count as holding the id."""
-    for path, handle in list(_claims.items()):
-        path.unlink(missing_ok=True)
-        handle.close()
-        del _claims[path]
 
 
 @dataclass(frozen=True)
