@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -98,7 +99,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         atomic_write_text(args.table, envelopes_markdown(builtin_names()))
         console.print(f"envelopes: {args.table}", highlight=False)
     device = config.device
-    listed = []
+    listed: list[dict[str, Any]] = []
     for name in registry.names():
         backend = registry.get(name)
         try:
@@ -124,7 +125,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     return PASSED
 
 
-def _entry(backend: Backend, available: Support, envelope: Envelope) -> dict:
+def _entry(backend: Backend, available: Support, envelope: Envelope) -> dict[str, Any]:
     """One backend as data: what ``backends`` prints, and ``--json`` gives whole."""
     shown_envelope = shown(envelope)
     narrowed = {field: value for field, value in shown_envelope.items() if value not in ("any", "-")}

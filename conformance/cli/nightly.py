@@ -177,6 +177,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         stage = {key: compiled[key] for key in ("seconds", "jobs", "wall_seconds")}
         env[COMPILE_VARIABLE] = json.dumps(stage)
     returncode = 0 if only else _run_pytest(command, env, console)
+    cache_after = folder_size(cache)
     night = {
         "part": config.part or "",
         "wall_seconds": round(time.monotonic() - started, 3),
@@ -189,12 +190,12 @@ def execute(args: argparse.Namespace, console: Console) -> int:
             "dir": str(cache),
             "state": "warm" if cache_before[0] else "cold",
             "before": cache_before,
-            "after": folder_size(cache),
+            "after": cache_after,
         },
     }
     _write_night(config, night, console)
     after = "the compile stage" if only else "the night"
-    say(console, f"Triton cache after {after}: {cache} ({_size_text(night['cache']['after'])})")
+    say(console, f"Triton cache after {after}: {cache} ({_size_text(cache_after)})")
     if only:
         return 1 if any(r["outcome"] in ("failed", "died") for r in compiled.get("results", [])) else 0
     _coverage_lines(config, console)
