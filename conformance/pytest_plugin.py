@@ -401,12 +401,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if hasattr(config, "workeroutput"):
         run.finish(complete, examples=False)  # its part's timing.json carries its stage totals
         config.workeroutput["kda_examples"] = json.dumps(run.examples.entries)
-    elif config.pluginmanager.getplugin("dsession") is not None:
+    else:  # the process that writes the run's files: a night's compile stage goes in with its own totals
         CLOCK.add_night_compile_stage()
-        config.stash[WRITTEN] = run.merge_workers(complete)
-    else:
-        CLOCK.add_night_compile_stage()
-        config.stash[WRITTEN] = run.finish(complete) if (run.rows or run.examples.entries) else {}
+        if config.pluginmanager.getplugin("dsession") is not None:
+            config.stash[WRITTEN] = run.merge_workers(complete)
+        else:
+            config.stash[WRITTEN] = run.finish(complete) if (run.rows or run.examples.entries) else {}
     if not hasattr(config, "workerinput") and run.config.strict and run.frame is not None:
         if not stale_known_issues(run.frame).empty and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED  # --kda-strict: a retired issue must leave the ledger

@@ -73,19 +73,16 @@ class StageClock:
         self.seconds[name] += seconds
         self.calls[name] += 1
 
-    def add_compile_stage(self, seconds: float, jobs: int, wall_seconds: float) -> None:
-        """A night's compile stage (run by ``nightly`` before its pytest session): its seconds over the jobs as
-        the ``compile`` stage, and its wall time, so the run's timing file holds it when first written."""
-        self.seconds["compile"] = seconds
-        self.calls["compile"] = jobs
-        self.compile_wall_seconds = wall_seconds
-
     def add_night_compile_stage(self) -> None:
-        """The compile stage a night handed its pytest session (:data:`COMPILE_VARIABLE`), if any."""
+        """The compile stage a night ran before its pytest session and handed it (:data:`COMPILE_VARIABLE`),
+        if any: its seconds over the jobs as the ``compile`` stage, and its wall time, so the run's timing
+        file holds them when first written."""
         text = os.environ.get(COMPILE_VARIABLE)
         if text:
             stage = json.loads(text)
-            self.add_compile_stage(float(stage["seconds"]), int(stage["jobs"]), float(stage["wall_seconds"]))
+            self.seconds["compile"] = float(stage["seconds"])
+            self.calls["compile"] = int(stage["jobs"])
+            self.compile_wall_seconds = float(stage["wall_seconds"])
 
     def add_test(self, nodeid: str, seconds: float) -> None:
         self.tests[nodeid] = self.tests.get(nodeid, 0.0) + seconds
@@ -98,7 +95,7 @@ class StageClock:
         sends them with each result)."""
         taken = self.snapshot()
         self.seconds, self.calls, self.forms = dict.fromkeys(STAGES, 0.0), dict.fromkeys(STAGES, 0), {}
-        self.tests = {}
+        self.tests, self.compile_wall_seconds = {}, None
         return taken
 
     def absorb(self, taken: dict) -> None:

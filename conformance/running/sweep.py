@@ -70,11 +70,9 @@ def call_findings(run: Run, calls: Sequence[Call], check: RunnableCheck) -> Gene
     """``check`` (the sweeps': the budget check) of every call: in this process (each case's truth computed
     once, the run keeping it for the next backend), or each case in a worker process with ``--isolate``."""
     config = run.config
-    faulted = {(c.case.id, c.backend): c.fault for c in calls if c.fault is not None}
 
-    def fault_of(call: Call) -> list[Finding]:
-        judge = judge_for(check.name, call.case, call.backend, config.device)
-        return [fault_finding(judge, faulted[(call.case.id, call.backend)])]
+    def fault_of(call: Call, fault: BackendFault) -> list[Finding]:
+        return [fault_finding(judge_for(check.name, call.case, call.backend, config.device), fault)]
 
     if config.isolate:
         timeout = config.case_timeout or DEFAULT_CASE_TIMEOUT
@@ -82,13 +80,16 @@ def call_findings(run: Run, calls: Sequence[Call], check: RunnableCheck) -> Gene
         isolated = run_isolated(check, runnable, config.device, config.plugins, timeout, config.redraws)
         try:
             for call in calls:
-                yield fault_of(call) if call.fault is not None else next(isolated)
+                yield fault_of(call, call.fault) if call.fault is not None else next(isolated)
         finally:
             isolated.close()  # the worker ends with the sweep
         return
     backends = {name: registry.get(name) for name in config.backends}
     for call in calls:
-        yield fault_of(call) if call.fault is not None else run.checked(check, Drawn(call.case), backends[call.backend])
+        if call.fault is not None:
+            yield fault_of(call, call.fault)
+        else:
+            yield run.checked(check, Drawn(call.case), backends[call.backend])
 
 
 def probe_case(case: Case, work_units: int) -> Case:
