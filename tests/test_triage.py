@@ -75,6 +75,18 @@ def test_a_repro_line_reads_back_as_the_rerun_it_names(plugins: list[str]) -> No
                              "a fresh cu_seqlens tensor", "another chunk size", "an fp32 state"}  # fmt: skip
 
 
+def test_a_process_killed_in_the_call_reproduces_and_a_switch_can_clear_it(tmp_path: Path, plugins: list[str]) -> None:
+    # FlashKDA's abort on 64 one-token sequences was first read as "does not reproduce here (it exit -6)".
+    registry.load_plugin("kda_triage")
+    case = Case(seq_lens=(20, 0, 17), packed=True, num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
+    line = f"kda-conformance run --device cpu --backend triage_aborts_on_empty_member --case '{case.to_json()}'"
+    result = triage("f-1", line, build_parser(), tmp_path, plugins=["kda_triage"], jobs=3)
+    outcomes = {r.switch: r.outcome for r in result.reruns}
+    assert outcomes["as it failed"] == "dies of SIGABRT" and result.reproduces, outcomes
+    assert outcomes["zero-length members removed"] == "passes", outcomes
+    assert result.cause == "zero-length members removed"
+
+
 def test_a_finding_that_does_not_fail_here_runs_no_switch(tmp_path: Path, plugins: list[str]) -> None:
     case = Case(seq_lens=(37,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
     line = f"kda-conformance run --device cpu --backend torch_chunk --case '{case.to_json()}'"

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -37,9 +38,24 @@ from kda_kernels import registry
 from kda_kernels.protocol import Backend
 from kda_kernels.registry import plugin_module
 
-# The exits of a rerun (docs/exit-codes.md) and what they say of the case.
+# The exits of a rerun (docs/exit-codes.md) and what they say of the case. A negative exit is the process
+# killed by that signal during the backend's call (an abort in a CUDA extension): the finding's "process
+# ended" reproduced, and a switch that turns it into a pass names its cause as for any failure.
 EXITS = {0: "passes", 1: "fails", 3: "errs", 5: "does not run"}
 LAUNCH = "import sys; from kda_conformance.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def _fails(exit: int | None) -> bool:
+    return exit is not None and (exit in (1, 3) or exit < 0)
+
+
+def _outcome(exit: int) -> str:
+    if exit < 0:
+        try:
+            return f"dies of {signal.Signals(-exit).name}"
+        except ValueError:
+            return f"dies of signal {-exit}"
+    return EXITS.get(exit, f"exit {exit}")
 
 
 @dataclass(frozen=True)
@@ -60,7 +76,7 @@ class Rerun:
             return f"n/a ({self.not_applied})"
         if self.timed_out is not None:
             return f"stopped after {self.timed_out:g} s"
-        return EXITS.get(self.exit, f"exit {self.exit}") if self.exit is not None else "not run"
+        return _outcome(self.exit) if self.exit is not None else "not run"
 
 
 @dataclass(frozen=True)
@@ -73,7 +89,7 @@ class Triage:
 
     @property
     def reproduces(self) -> bool:
-        return bool(self.reruns) and self.reruns[0].exit in (1, 3)
+        return bool(self.reruns) and _fails(self.reruns[0].exit)
 
     @property
     def clearing(self) -> list[str]:
@@ -228,7 +244,7 @@ def triage(
     r = parse_repro(repro, parser, plugins)
     backend = registry.get(r.backend)
     first = _rerun("as it failed", r, {}, out, env, timeout)
-    if first.exit not in (1, 3):  # nothing to separate: a switch can only clear what fails here
+    if not _fails(first.exit):  # nothing to separate: a switch can only clear what fails here
         skipped = [Rerun(name, not_applied=f"it {first.outcome} as it failed") for name in SWITCHES]
         return Triage(finding_id, r.backend, r.check, r.case.id, (first, *skipped))
     rules = {name: rule(r, backend) for name, rule in SWITCHES.items()}

@@ -1,7 +1,7 @@
 """Backends for the tests of ``kda-conformance triage`` (tests/test_triage.py): a kernel whose float32 matmuls are
 TF32 unless ``TRITON_F32_DEFAULT=ieee`` is set before it runs, undeclared (what triage's IEEE switch clears),
-and one that reads strided inputs as contiguous (cleared by contiguous inputs). The zero-length-member bug is
-the zoo's (tests/plugins/kda_planted_bugs.py)."""
+and one that aborts the process on a zero-length member, as a CUDA extension's failed assertion does (cleared
+by removing them). The zero-length member bug that shifts states is the zoo's (tests/plugins/kda_planted_bugs.py)."""
 
 from __future__ import annotations
 
@@ -20,4 +20,15 @@ class Tf32UnlessIeee(TorchChunk):
         return super().run(inputs)
 
 
+class AbortsOnEmptyMember(TorchChunk):
+    name = "triage_aborts_on_empty_member"
+    description = "the process aborts (SIGABRT) when a packed batch holds a zero-length member"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        if inputs.case.packed and 0 in inputs.case.seq_lens:
+            os.abort()
+        return super().run(inputs)
+
+
 register(Tf32UnlessIeee.name, Tf32UnlessIeee)
+register(AbortsOnEmptyMember.name, AbortsOnEmptyMember)
