@@ -96,6 +96,15 @@ def test_a_finding_that_does_not_fail_here_runs_no_switch(tmp_path: Path, plugin
     assert result.cause == "does not reproduce here (it passes)"
 
 
+def test_switches_run_beside_the_first_rerun_count_only_where_it_fails(tmp_path: Path, plugins: list[str]) -> None:
+    case = Case(seq_lens=(20, 0, 17), packed=True, num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
+    line = f"kda-conformance run --device cpu --backend torch_chunk --case '{case.to_json()}'"
+    result = triage("f-1", line, build_parser(), tmp_path, jobs=7)
+    # The zero-length switch applies and ran beside the first rerun; the case passes, so it does not count.
+    assert [r.outcome for r in result.reruns] == ["passes"] + ["n/a (it passes as it failed)"] * len(SWITCHES)
+    assert result.cause == "does not reproduce here (it passes)"
+
+
 def test_a_rerun_past_its_timeout_is_recorded_as_stopped(tmp_path: Path, plugins: list[str]) -> None:
     case = Case(seq_lens=(37,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
     line = f"kda-conformance run --device cpu --backend torch_chunk --case '{case.to_json()}'"

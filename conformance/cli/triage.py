@@ -49,8 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=typed(lambda text: parse_count("--jobs", text)),
         default=1,
         metavar="N",
-        help="reruns of one finding run at once (default 1; on a GPU host, where compiling is CPU-bound, the "
-        "number of switches, 6, finishes a finding fastest)",
+        help="reruns of one finding run at once (default 1: the switches wait for the rerun as it failed, and "
+        "run only where it fails; with more, that rerun starts beside them and their results count only where it "
+        "fails; on a GPU host, where compiling is CPU-bound, 7, the rerun and the 6 switches, finishes a finding "
+        "fastest)",
     )
     parser.add_argument(
         "--rerun-timeout",
