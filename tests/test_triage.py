@@ -4,6 +4,8 @@ switch at a time; the switch under which it passes is named as its cause, and ev
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -110,6 +112,20 @@ def test_a_rerun_past_its_timeout_is_recorded_as_stopped(tmp_path: Path, plugins
     line = f"kda-conformance run --device cpu --backend torch_chunk --case '{case.to_json()}'"
     result = triage("f-1", line, build_parser(), tmp_path, timeout=0.01)
     assert result.reruns[0].outcome == "stopped after 0.01 s" and result.cause.startswith("not established (as it")
+    # A rerun stopped is stopped with its children (an --isolate worker holding the GPU), on time.
+    registry.load_plugin("kda_triage")
+    line = f"kda-conformance run --device cpu --backend triage_hangs_with_a_child --case '{case.to_json()}'"
+    pid_file = tmp_path / "child.pid"
+    env = {**os.environ, "KDA_TEST_CHILD_PID": str(pid_file)}
+    started = time.monotonic()
+    result = triage("f-2", line, build_parser(), tmp_path, env=env, plugins=["kda_triage"], timeout=8)
+    assert result.reruns[0].outcome == "stopped after 8 s" and time.monotonic() - started < 30
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the orphan is reaped by init once killed
+        if not Path(f"/proc/{child}").exists():
+            break
+        time.sleep(0.1)
+    assert not Path(f"/proc/{child}").exists(), "the rerun's child outlived it"
     with pytest.raises(SystemExit) as refused:
         main(["triage", "--store", str(tmp_path), "--rerun-timeout", "0"])
     assert refused.value.code == 2

@@ -35,6 +35,7 @@ from kda_cases.case import Case
 from kda_conformance.checks import CHECKS
 from kda_conformance.judging.repro import BUDGET_CHECK, repro_line
 from kda_kernels import registry
+from kda_kernels.left_work import kill_tree
 from kda_kernels.protocol import Backend
 from kda_kernels.registry import plugin_module
 
@@ -214,17 +215,22 @@ def _rerun(
     words += ["--out", str(out)] + (["--no-dashboard"] if words[0] == "run" else [])
     shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in environment.items())
     command = f"{shown} {line}".strip()
+    process = subprocess.Popen(
+        [sys.executable, "-c", LAUNCH, *words],
+        env={**env, **environment},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", LAUNCH, *words],
-            env={**env, **environment},
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:  # a compile that takes the GPU host minutes, a hang: said, not waited on
+        # With its children: an --isolate worker holds the pipes, and reading them to the end waited for it
+        # (an H100 triage ran past its rerun timeout until the whole call was cut).
+        kill_tree(process.pid)
+        process.communicate()
         return Rerun(switch, command, dict(environment), timed_out=timeout)
-    return Rerun(switch, command, dict(environment), done.returncode)
+    return Rerun(switch, command, dict(environment), process.returncode)
 
 
 def triage(

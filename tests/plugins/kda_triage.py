@@ -6,6 +6,9 @@ by removing them). The zero-length member bug that shifts states is the zoo's (t
 from __future__ import annotations
 
 import os
+import subprocess
+import time
+from pathlib import Path
 
 from kda_kernels.api import BackendOutput, KDAInputs, register
 from kda_kernels.torch_chunk import TorchChunk
@@ -30,5 +33,18 @@ class AbortsOnEmptyMember(TorchChunk):
         return super().run(inputs)
 
 
+class HangsWithAChild(TorchChunk):
+    name = "triage_hangs_with_a_child"
+    # The child's pid goes to the file KDA_TEST_CHILD_PID names.
+    description = "the call starts a child (as --isolate starts a worker) and never returns"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        child = subprocess.Popen(["sleep", "120"])
+        Path(os.environ["KDA_TEST_CHILD_PID"]).write_text(str(child.pid))
+        time.sleep(120)
+        return super().run(inputs)
+
+
 register(Tf32UnlessIeee.name, Tf32UnlessIeee)
+register(HangsWithAChild.name, HangsWithAChild)
 register(AbortsOnEmptyMember.name, AbortsOnEmptyMember)
