@@ -17,9 +17,10 @@ from suite_paths import ENV, PLUGINS
 
 from kda_cases.case import Case
 from kda_conformance.cli import main
-from kda_conformance.judging.known import KnownIssue, load_ledger
+from kda_conformance.judging.known import KnownIssue, apply_known, load_ledger
 from kda_conformance.repro.upstream import findings_markdown, upstream_findings
 from kda_conformance.running.blame import CONTRACT
+from kda_reports.findings import Finding
 
 
 def _record(run: str, backend: str, verdict: str, known: str = "", **more: object) -> dict:
@@ -146,6 +147,45 @@ def test_a_ledger_entry_that_names_an_error_claims_the_errors_of_earlier_runs() 
         "new-flashkda-cuda-runtimeerror-all-tensors-must-be-contiguous-at",
         "new-flashkda-cuda-the-process-ended-during-its-call",
     ]
+
+
+def test_a_ledger_entry_that_names_a_crash_claims_it_on_the_page_and_leaves_it_an_error_in_its_run() -> None:
+    """FLA's chunk-32 misaligned address and FlashKDA's abort on one-token batches were `new` every night: a
+    crash kills the device or the process, so no entry could make it known. An entry's `crashes` lists it under
+    the entry on the page, while the run still records it as an error (its device lost, its run exit 3)."""
+    one_token = Case(seq_lens=(1,) * 64, packed=True)
+    gpu = {"device": "cuda:0", "env_variables": "{}"}
+    aborted = "the process ended during flashkda_cuda's call in check packing (os._exit, a signal, an abort or a kill)"
+    records = pd.DataFrame(
+        [
+            _record("r1", "fla_chunk32", "error", reason="AcceleratorError: CUDA error: misaligned address", **gpu),
+            _record("r1", "fla_chunk32", "error", reason="CUDA error: an illegal memory access was encountered", **gpu),
+            _record(
+                "r1",
+                "flashkda_cuda",
+                "error",
+                reason=aborted,
+                case_json=one_token.to_json(),
+                case_id=one_token.id,
+                **gpu,
+            ),
+            _record("r1", "flashkda_cuda", "error", reason=aborted, tokens=2, **gpu),  # not a one-token batch
+        ]
+    )
+    misaligned = dataclasses.replace(_issue("chunk32-misaligned", ("fla_chunk32",)), crashes=("misaligned address",))
+    abort = dataclasses.replace(
+        _issue("one-token-abort", ("flashkda_cuda",)), when={"max_len": (1,)}, crashes=("the process ended during",)
+    )
+    found = {f.id: f for f in upstream_findings(records, (misaligned, abort))}
+    assert found["chunk32-misaligned"].status == "open" and "misaligned address" in found["chunk32-misaligned"].worst
+    assert found["one-token-abort"].status == "open" and found["one-token-abort"].case_id == one_token.id
+    assert sorted(i for i in found if i.startswith("new-")) == [
+        "new-fla-chunk-triton-cuda-error-an-illegal-memory-access-was-enc",
+        "new-flashkda-cuda-the-process-ended-during-the-backend-s-call-os",
+    ]
+    crashed = Finding("budget", Case(seq_lens=(40,)), "fla_chunk32", "cuda", "error", reason="misaligned address")
+    [still] = apply_known([crashed], (misaligned,))
+    assert still.verdict == "error" and not still.known_issue
 
 
 def test_new_findings_whose_kinds_share_a_truncated_id_keep_ids_of_their_own() -> None:

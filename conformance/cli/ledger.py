@@ -33,8 +33,10 @@ several libraries' copies of one code path (FLA's `prepare_chunk_indices`, copie
 one entry that names each copy, where it lives and the backends that run it; an entry that took over earlier
 ones names their ids (`replaces`), and the records that name them are its. An entry may also name words of the
 backend's own error message (`raises`): such an error is `known` too, its message kept in the reason (a
-device-killing error never is: it still quarantines the configuration); the backend's other errors, and the
-suite's, stay errors.
+device-killing error never is: it still quarantines the configuration). Words of a crash's message
+(`crashes`: a device-killing error, or the process ending inside the backend's call) leave the crash an error in
+its run (the device or the worker is lost, the run exits 3), but the findings page lists it under the entry
+instead of as a new finding every night. The backend's other errors, and the suite's, stay errors.
 
 An entry matches an issue, not a tensor. Among the findings of one check on one case, a failure that matches
 an entry is reported as `known`: not a pass, not a failure; the case's other tensors that pass stay passes.
@@ -70,6 +72,7 @@ def _matches(issue: KnownIssue) -> str:
     parts += [f"on {issue.device}"] if issue.device else []
     parts += [f"{name} {' or '.join(repr(v) for v in values)}" for name, values in issue.environment.items()]
     parts += [f"the error says {' or '.join(repr(r) for r in issue.raises)}"] if issue.raises else []
+    parts += [f"it crashes: {' or '.join(repr(r) for r in issue.crashes)}"] if issue.crashes else []
     return "; ".join(parts) or "every case"
 
 

@@ -4,7 +4,8 @@ An entry matches an issue: a backend on a family of cases (case fields, device, 
 what it observed), and the tensors it lists (all, by default). Applied to the findings of one check on one
 case, a failed finding that matches an entry becomes ``known`` while its worst error/limit stays within the
 entry's ``worst`` x ``growth``, and stays a failure (saying so) beyond it; a backend's error is ``known``
-where an entry names words of its message (``raises``); a finding of the same case that
+where an entry names words of its message (``raises``; a crash an entry names, ``crashes``, stays an
+error: the findings page lists it under the entry); a finding of the same case that
 passes stays a pass (an issue of the output need not spoil the state). Every finding an entry matched
 carries the entry's id (``known_issue``), so a run can tell, over all its cases, an entry that no longer
 reproduces (``kda_reports.findings.stale_known_issues``): a warning, and a failure under --kda-strict.
@@ -84,6 +85,11 @@ class KnownIssue:
     # Errors it is: the backend's own exception, by words of its message (FLA's FlashKDA dispatch raising
     # "all tensors must be contiguous" on strided inputs). An error no entry names stays an error.
     raises: tuple[str, ...] = ()
+    # Crashes it causes, by words of the record's message: an error that kills the device (a misaligned
+    # address) or the process (an abort). Such an error stays an error in its run (the device or the worker is
+    # lost and its configuration quarantined, whoever is to blame, and the run exits 3), but the findings page
+    # lists it under this entry, one finding per cause, instead of as new every night.
+    crashes: tuple[str, ...] = ()
     links: tuple[UpstreamLink, ...] = ()  # where it is tracked upstream, with the status there
     copies: tuple[Copy, ...] = ()  # one cause in several libraries' copies of one code path
     replaces: tuple[str, ...] = ()  # earlier entries' ids it took over: records that name them are its
@@ -96,6 +102,10 @@ class KnownIssue:
     def names_error(self, reason: str) -> bool:
         """Whether this entry names an error by words of its message (``raises``)."""
         return any(words in reason for words in self.raises)
+
+    def names_crash(self, reason: str) -> bool:
+        """Whether this entry names a crash by words of its record's message (``crashes``)."""
+        return any(words in reason for words in self.crashes)
 
     def matches(self, finding: Finding) -> bool:
         if finding.backend not in self.backends or (self.checks and finding.check not in self.checks):
@@ -130,6 +140,7 @@ def load_ledger(path: Path = LEDGER) -> tuple[KnownIssue, ...]:
                     "observed": tuple(entry.get("observed", ())),
                     "tensors": tuple(entry.get("tensors", ())),
                     "raises": tuple(entry.get("raises", ())),
+                    "crashes": tuple(entry.get("crashes", ())),
                     "when": {k: tuple(v) for k, v in entry.get("when", {}).items()},
                     "environment": {k: tuple(v) for k, v in entry.get("environment", {}).items()},
                 }

@@ -219,7 +219,8 @@ def _claimed(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> pd.Series
     """The ledger entry each record is known by: the one its run matched, or for a failure its run's ledger
     did not know, the first of today's entries that matches and allows it (KnownIssue.matches, on the
     record's fields and its run's recorded environment instead of this process's); for an error, the first
-    that matches and names words of its message (``raises``)."""
+    that matches and names words of its message (``raises``, or ``crashes``: a crash stays an error in its run,
+    but has its cause here)."""
     matched = records["known_issue"].fillna("").astype(str) if "known_issue" in records else None
     if matched is None:
         return pd.Series("", index=records.index, dtype=str)
@@ -229,7 +230,7 @@ def _claimed(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> pd.Series
     for index, row in unclaimed.iterrows():
         if row["verdict"] == "error":  # an error is an entry's where the entry names words of its message
             reason = "" if pd.isna(row.get("reason")) else str(row.get("reason"))
-            claims = [i for i in ledger if i.names_error(reason) and _claims(i, row)]
+            claims = [i for i in ledger if (i.names_error(reason) or i.names_crash(reason)) and _claims(i, row)]
             if claims:
                 matched.at[index] = claims[0].id
             continue
