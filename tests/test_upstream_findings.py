@@ -229,6 +229,14 @@ def test_the_findings_page_goes_under_the_output_folder_unless_given_a_path(
     assert (tmp_path / "pages" / "findings.md").exists()
     assert main(["findings", "--store", str(store), "--page", str(tmp_path / "one.md")]) == 0
     assert (tmp_path / "one.md").exists() and not (tmp_path / "docs").exists()
+    # A night whose shards ran on two machines names both (the page of seed 1206 named the H100 only).
+    [part] = (store / "runs").glob("*.parquet")
+    run_id = pd.read_parquet(part)["run_id"].iloc[0]
+    other = pd.read_parquet(part).assign(env_device_name="Another CPU")
+    other.to_parquet(part.with_name(f"{run_id}.s2of2.parquet"))
+    assert main(["findings", "--store", str(store), "--page", str(tmp_path / "two.md")]) == 0
+    header = (tmp_path / "two.md").read_text().splitlines()[2]
+    assert f"from runs {run_id} (" in header and "cpu Another CPU" in header and header.count("cpu ") == 2, header
 
 
 def test_a_cpu_store_does_not_list_the_gpu_ledger_entries_as_not_seen(

@@ -125,9 +125,10 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         run.finish()
     else:
         findings = [with_committed_test(f) for f in findings]
-    runs = store.records.drop_duplicates("run_id")
+    # Every device of every run: the shards of one night may run on different machines.
+    runs = store.records.drop_duplicates(["run_id", "env_device_type", "env_device_name"])
     where = ", ".join(sorted({f"{r.env_device_type} {r.env_device_name}" for r in runs.itertuples()}))
-    source = f"runs {', '.join(sorted(runs['run_id'].astype(str)))} ({where})"
+    source = f"runs {', '.join(sorted(runs['run_id'].astype(str).unique()))} ({where})"
     folder = args.out or (args.store if args.store.is_dir() else args.store.parent)
     page_path = args.page or folder / PAGE
     page_path.parent.mkdir(parents=True, exist_ok=True)
