@@ -14,7 +14,7 @@ import torch
 from suite_paths import import_plugin
 
 from kda_cases.case import Case
-from kda_conformance.checks import Drawn, get_check, run_check
+from kda_conformance.checks import CHECKS, Drawn, get_check, run_check
 from kda_conformance.checks._tests import finite_or_largest
 from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running import faults, truth
@@ -48,9 +48,16 @@ class NanCheckpoints(TorchChunk):
         return dataclasses.replace(out, checkpoint_states=torch.full_like(out.checkpoint_states, math.nan))
 
 
+class NoFinalState(TorchChunk):
+    name = "test_no_final_state"
+
+    def run(self, inputs):
+        return dataclasses.replace(super().run(inputs), final_state=None)
+
+
 @pytest.fixture(autouse=True)
 def registered() -> None:
-    for backend in (Raises, NanCheckpoints):
+    for backend in (Raises, NanCheckpoints, NoFinalState):
         registry.register(backend.name, backend, replace=True)
 
 
@@ -152,3 +159,18 @@ def test_a_wrong_checkpoint_is_judged_at_the_batch_and_no_request_resumes_from_i
     findings = run_check(get_check("checkpoint"), case, registry.get("test_nan_checkpoints"), CPU)
     assert [f.tensor for f in findings] == ["checkpoint_states"] and findings[0].failed
     assert "non-finite" in findings[0].problems[0] and findings[0].backend == "test_nan_checkpoints"
+
+
+def test_a_backend_that_returns_no_final_state_is_at_fault_in_every_check(run: Run) -> None:
+    """Packing indexed the missing state and charged the suite a TypeError."""
+    backend = registry.get(NoFinalState.name)
+    case = Case(seq_lens=(20, 17), packed=True, initial_state="random", num_heads=1, num_v_heads=1, head_k_dim=16,
+                head_v_dim=16)  # fmt: skip
+    for name, check in CHECKS.items():
+        if check.applies(backend, "cpu"):
+            continue
+        params = {p.name: {"at": 5, "poison": "nan"}[p.name] for p in check.params}
+        findings = run_check(check, case, backend, CPU, params, run)
+        assert all(f.backend != SUITE_BACKEND for f in findings), (name, [f.reason for f in findings])
+        if name == "packing":
+            assert any(f.errors and f.errors.detail == "backend returned no tensor" for f in findings), findings

@@ -130,3 +130,12 @@ def test_an_error_a_ledger_entry_names_by_its_message_is_known(tmp_path: Path, m
     assert row["reason"].startswith("known issue raises-on-cpu: ") and "planted message" in row["reason"]
     monkeypatch.setenv("KDA_PLANTED_MESSAGE", "another failure")
     assert main([*argv, "--out", str(tmp_path / "b")]) == ERRORED
+
+
+def test_repro_of_a_gpu_only_check_on_the_cpu_runs_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """host_syncs measures CUDA's sync debug mode: on the CPU it raised "Torch not compiled with CUDA enabled",
+    charged to the suite, where its pytest test skips."""
+    case = '{"seq_lens": [20], "num_heads": 1, "num_v_heads": 1, "head_k_dim": 16, "head_v_dim": 16}'
+    argv = ["repro", "--device", "cpu", "--backend", "torch_chunk", "--check", "host_syncs", "--case", case]
+    assert main([*argv, "--out", str(tmp_path)]) == NOTHING_RAN
+    assert "check host_syncs runs on cuda only, not cpu" in capsys.readouterr().out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from hypothesis import strategies as st
 
 from kda_cases.case import Case
@@ -37,20 +38,26 @@ def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
     return Drawn(case)
 
 
+def _rows(state: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if state is None else state[n : n + 1]
+
+
 def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
     case, inputs = truth.case, truth.inputs
     packed = call_backend(backend, inputs)
     findings = []
     for n, (row, start, end) in enumerate(case.row_spans):
+        truth_state = truth.reference.final_state[n : n + 1]
         if start == end:
             # Nothing to run alone: a zero-length sequence's final state is its initial state.
-            pairs = [("final_state", packed.final_state[n : n + 1], truth.reference.final_state[n : n + 1])]
+            pairs = [("final_state", _rows(packed.final_state, n), truth_state)]
         else:
             alone = call_backend(backend, alone_inputs(inputs, n))
-            pairs = [
-                ("o", packed.o[row : row + 1, start:end], alone.o),
-                ("final_state", packed.final_state[n : n + 1], alone.final_state),
-            ]
+            # A final state the backend did not return is judged missing against the truth, as the budget
+            # check judges it (it raised a TypeError charged to the suite).
+            alone_state = truth_state if alone.final_state is None else alone.final_state
+            packed_state = None if alone.final_state is None else _rows(packed.final_state, n)
+            pairs = [("o", packed.o[row : row + 1, start:end], alone.o), ("final_state", packed_state, alone_state)]
         for name, got, want in pairs:
             findings.append(judge.tensor(name, got, want, truth.budgets[name], f"sequence {n} {name} packed vs alone"))
     return findings

@@ -254,7 +254,9 @@ def triage(
     r = parse_repro(repro, parser, plugins)
     backend = registry.get(r.backend)
     rules = {name: rule(r, backend) for name, rule in SWITCHES.items()}
-    runnable = {name: rule for name, rule in rules.items() if not rule[0] and rule[1] is not None}
+    runnable = {
+        name: (changed, env_) for name, (why, changed, env_) in rules.items() if not why and changed is not None
+    }
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         first_run = pool.submit(_rerun, "as it failed", r, {}, out, env, timeout)
         if jobs <= 1 and not _fails(first_run.result()):
@@ -263,7 +265,7 @@ def triage(
         # CPU-bound, so several at once finish a finding in the time of its slowest rerun.
         pending = {
             name: pool.submit(_rerun, name, changed, environment, out, env, timeout)
-            for name, (_, changed, environment) in runnable.items()
+            for name, (changed, environment) in runnable.items()
         }
         first = first_run.result()
         if not _fails(first):  # nothing to separate: a switch can only clear what fails here
