@@ -47,6 +47,10 @@ COMMANDS: tuple[Command, ...] = (
         "triage",
         "rerun each untriaged finding's smallest case with one switch at a time and name the one that clears it",
     ),
+    Command(
+        "sanitize",
+        "rerun each finding's smallest case under compute-sanitizer and record the kernel and access it names",
+    ),
     Command("ledger", "print the ledger of known upstream problems, or write it as a page (docs/known-issues.md)"),
     Command(
         "detection",

@@ -4,7 +4,6 @@ ledger of known issues, and a standalone test for each one that runs here (confo
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from kda_cases.devices import resolve_device
 from kda_conformance.cli.common import add_device, say
 from kda_conformance.judging.known import LEDGER, load_ledger
 from kda_conformance.repro.standalone_finding import issue_text
+from kda_conformance.repro.triage import said_of_findings
 from kda_conformance.repro.upstream import (
     FindingLostDevice,
     UpstreamFinding,
@@ -73,6 +73,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a triage.json of `kda-conformance triage` over this store (repeatable): the page shows each new "
         "finding's cause as triage found it, or 'not triaged'",
     )
+    parser.add_argument(
+        "--sanitize",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="FILE",
+        help="a sanitize.json of `kda-conformance sanitize` over this store (repeatable): the page shows what "
+        "compute-sanitizer reported on each finding's smallest case",
+    )
     add_device(parser)
 
 
@@ -99,11 +108,21 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         return 2
     store, findings = read
     try:
-        causes = triage_causes(args.triage)
+        causes = said_of_findings(args.triage, "cause")
     except (OSError, ValueError) as exc:
         say(console, f"--triage: {exc}", "error:", "red")
         return 2
-    findings = [replace(f, cause=_cause(f, causes)) for f in findings]
+    try:
+        sanitized = said_of_findings(args.sanitize, "summary")
+    except (OSError, ValueError, KeyError) as exc:
+        say(console, f"--sanitize: {exc}", "error:", "red")
+        return 2
+    findings = [
+        replace(
+            f, cause=_cause(f, causes), sanitizer=sanitized.get(f.id) or sanitized.get(f"{f.case_id} {f.check}", "")
+        )
+        for f in findings
+    ]
     if args.report is not None:
         chosen = [f for f in findings if f.id == args.report]
         if not chosen:
@@ -145,18 +164,6 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         console.print(elsewhere, highlight=False)
     console.print(f"page: {page}", highlight=False)
     return 0
-
-
-def triage_causes(files: list[Path]) -> dict[str, str]:
-    """Each triaged finding's cause, from triage.json files (conformance/repro/triage.py), with the file it is
-    read from, keyed by the finding's id and by its smallest case and check (an id made by older code still
-    finds its finding); a later file's word on a finding wins."""
-    causes = {}
-    for path in files:
-        for entry in json.loads(Path(path).read_text()):
-            said = f"{entry['cause']} ({Path(path).parent.name}/{Path(path).name})"
-            causes[str(entry["finding"])] = causes[f"{entry['case_id']} {entry['check']}"] = said
-    return causes
 
 
 def _cause(finding: UpstreamFinding, causes: dict[str, str]) -> str:

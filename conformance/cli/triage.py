@@ -22,18 +22,20 @@ from kda_conformance.running.options import typed
 EXAMPLE = "kda-conformance triage --store nightly-store"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_rerun_arguments(parser: argparse.ArgumentParser, command: str, default_findings: str) -> None:
+    """The options of the commands that rerun a store's findings (triage, sanitize): what to read and rerun,
+    where the pages go, and how long a rerun may take."""
     parser.add_argument("--store", type=Path, required=True, metavar="DIR", help="the store (or run folder) to read")
     parser.add_argument(
         "--finding",
         action="append",
         default=[],
         metavar="ID",
-        help="a finding to triage, of any status (repeatable; default: every new one, untriaged)",
+        help=f"a finding to rerun, of any status (repeatable; default: {default_findings})",
     )
     parser.add_argument(
-        "--out", type=Path, default=None, metavar="DIR", help="where triage.md, triage.json and the reruns' records "
-        "go (default: STORE/triage)",
+        "--out", type=Path, default=None, metavar="DIR", help=f"where {command}.md, {command}.json and the reruns' "
+        f"records go (default: STORE/{command})",
     )  # fmt: skip
     parser.add_argument("--ledger", type=Path, default=LEDGER, metavar="FILE", help="the ledger of known issues")
     parser.add_argument(
@@ -45,6 +47,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "when given here, and a finding whose line names others is not rerun",
     )
     parser.add_argument(
+        "--rerun-timeout",
+        type=typed(lambda text: parse_positive("--rerun-timeout", text)),
+        default=None,
+        metavar="S",
+        help="stop a rerun after S seconds, recorded as stopped (default: none)",
+    )
+
+
+def plugins_missing(
+    finding_id: str, repro: str, plugins: list[str], parser: argparse.ArgumentParser, console: Console
+) -> bool:
+    """Whether the repro line loads plugins the command line does not (said): a store is data, and the modules
+    it names are never imported on its say-so."""
+    missing = parse_repro(repro, parser, plugins).missing_plugins
+    if missing:
+        named = " ".join(f"--plugin {shlex.quote(p)}" for p in missing)
+        say(console, f"{finding_id}: its repro line loads {named}; pass that to rerun it", "not rerun:", "yellow")
+    return bool(missing)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_rerun_arguments(parser, "triage", "every new one, untriaged")
+    parser.add_argument(
         "--jobs",
         type=typed(lambda text: parse_count("--jobs", text)),
         default=1,
@@ -53,13 +78,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "run only where it fails; with more, that rerun starts beside them and their results count only where it "
         "fails; on a GPU host, where compiling is CPU-bound, 7, the rerun and the 6 switches, finishes a finding "
         "fastest)",
-    )
-    parser.add_argument(
-        "--rerun-timeout",
-        type=typed(lambda text: parse_positive("--rerun-timeout", text)),
-        default=None,
-        metavar="S",
-        help="stop a rerun after S seconds, recorded as stopped (default: none)",
     )
 
 
@@ -85,10 +103,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     for finding in chosen:
         if not finding.repro:
             continue
-        missing = parse_repro(finding.repro, parser, args.plugin).missing_plugins
-        if missing:  # a store is data: the modules it names are never imported on its say-so
-            named = " ".join(f"--plugin {shlex.quote(p)}" for p in missing)
-            say(console, f"{finding.id}: its repro line loads {named}; pass that to triage it", "not rerun:", "yellow")
+        if plugins_missing(finding.id, finding.repro, args.plugin, parser, console):
             continue
         console.print(f"triage {finding.id}: {finding.backends}, {finding.check}", highlight=False)
         results.append(

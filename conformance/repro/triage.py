@@ -207,16 +207,25 @@ SWITCHES: dict[str, SwitchRule] = {
 }
 
 
-def _rerun(
-    switch: str, r: Rerunnable, environment: dict[str, str], out: Path, env: dict[str, str], timeout: float | None
-) -> Rerun:
+def launch(
+    r: Rerunnable,
+    out: Path,
+    env: dict[str, str],
+    timeout: float | None,
+    environment: dict[str, str] | None = None,
+    prefix: Sequence[str] = (),
+) -> tuple[str, int | None]:
+    """Run ``r``'s line in a process of its own (behind ``prefix``: a tool that runs it, as compute-sanitizer
+    does), its records to ``out``, with ``environment`` set: the command as a person would type it, and its
+    exit (None where it was stopped after ``timeout`` seconds)."""
+    environment = environment or {}
     line = r.line()
     words = shlex.split(line)[1:]
     words += ["--out", str(out)] + (["--no-dashboard"] if words[0] == "run" else [])
     shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in environment.items())
-    command = f"{shown} {line}".strip()
+    command = " ".join(filter(None, (shown, shlex.join(prefix), line)))
     process = subprocess.Popen(
-        [sys.executable, "-c", LAUNCH, *words],
+        [*prefix, sys.executable, "-c", LAUNCH, *words],
         env={**env, **environment},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -225,12 +234,20 @@ def _rerun(
     try:
         process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:  # a compile that takes the GPU host minutes, a hang: said, not waited on
-        # With its children: an --isolate worker holds the pipes, and reading them to the end waited for it
-        # (an H100 triage ran past its rerun timeout until the whole call was cut).
+        # With its children: an --isolate worker holds the GPU, and it outlived the rerun killed alone.
         kill_tree(process.pid)
         process.communicate()
+        return command, None
+    return command, process.returncode
+
+
+def _rerun(
+    switch: str, r: Rerunnable, environment: dict[str, str], out: Path, env: dict[str, str], timeout: float | None
+) -> Rerun:
+    command, exit = launch(r, out, env, timeout, environment)
+    if exit is None:
         return Rerun(switch, command, dict(environment), timed_out=timeout)
-    return Rerun(switch, command, dict(environment), process.returncode)
+    return Rerun(switch, command, dict(environment), exit)
 
 
 def triage(
@@ -306,3 +323,15 @@ def triage_json(results: list[Triage]) -> str:
         ],
         indent=1,
     )  # fmt: skip
+
+
+def said_of_findings(files: Sequence[Path], field: str) -> dict[str, str]:
+    """What the JSON files of triage (``cause``) or sanitize (``summary``) say of each finding, with the file it
+    is read from, keyed by the finding's id and by its smallest case and check (an id made by older code still
+    finds its finding); a later file's word on a finding wins."""
+    said = {}
+    for path in files:
+        for entry in json.loads(Path(path).read_text()):
+            text = f"{entry[field]} ({Path(path).parent.name}/{Path(path).name})"
+            said[str(entry["finding"])] = said[f"{entry['case_id']} {entry['check']}"] = text
+    return said

@@ -153,6 +153,7 @@ class UpstreamFinding:
     environment: str = ""  # where that record was made: device, torch, triton, the library's version
     title: str = ""  # an upstream issue's title
     cause: str = ""  # a new finding's cause as `kda-conformance triage` found it ("not triaged" where it did not)
+    sanitizer: str = ""  # what compute-sanitizer reported on its smallest case (`kda-conformance sanitize`)
     device: str = ""  # a ledger entry's device ("cuda", "cpu"; "" any)
 
 
@@ -562,6 +563,8 @@ def findings_markdown(
             lines += ["", "Copies of the code path:", "", *(f"- {c}" for c in f.copies)]
         if f.cause:
             lines.append(f"\nCause (triage): {f.cause}")
+        if f.sanitizer:
+            lines.append(f"\nSanitizer: {f.sanitizer}")
         if f.confirmed:
             lines.append(f"\nConfirmed: {f.confirmed}")
         if f.upstream:
