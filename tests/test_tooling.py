@@ -184,3 +184,31 @@ def test_a_run_option_is_one_entry_of_the_table(monkeypatch: pytest.MonkeyPatch)
     configuring = dataclasses.replace(dummy, name="dummy-level", configures=True)
     monkeypatch.setitem(options.OPTIONS, "dummy-level", configuring)
     assert options.config_keywords(lambda o: 1 if o.name == "dummy-level" else options.MISSING) == {"dummy_level": 1}
+
+
+def test_a_check_is_one_registration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A check registered in one place reaches the pytest tests made from the registry, repro's --check and its
+    parameters, and the checks page."""
+    import dataclasses
+
+    from kda_conformance.checks import CHECKS, Param, get_check
+    from kda_conformance.checks._tests import suite_tests
+    from kda_conformance.cli import build_parser
+    from kda_conformance.cli.checks import checks_markdown
+
+    dummy = dataclasses.replace(
+        get_check("determinism"),
+        name="dummy_check",
+        title="a dummy",
+        test_name="test_a_dummy_holds",
+        summary="A check added in one place.",
+        params=(Param("knob", int, "a dummy's parameter"),),
+    )
+    monkeypatch.setitem(CHECKS, "dummy_check", dummy)
+    assert "test_a_dummy_holds" in suite_tests(dummy.suite)
+    argv = ["repro", "--backend", "torch_chunk", "--check", "dummy_check", "--knob", "3", "--case", '{"seq_lens": [9]}']
+    args = build_parser().parse_args(argv)
+    assert (args.check, args.knob) == ("dummy_check", 3)
+    assert "| `dummy_check` | a dummy | `conformance/test_properties.py::test_a_dummy_holds` | `--knob` |" in (
+        checks_markdown()
+    )

@@ -47,5 +47,3 @@ for module in (
     padded_tail,
 ):
     register(module.CHECK)
-
-__all__ = ["CHECKS", "Check", "Drawn", "Param", "get_check", "run_check"]
