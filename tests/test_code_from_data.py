@@ -53,5 +53,5 @@ def test_triage_imports_no_plugin_the_store_names(
     store = records.parent.parent
     assert main(["triage", "--store", str(store), "--plugin", "kda_planted_bugs"]) == 0
     out = capsys.readouterr().out
-    assert "not rerun:" in out and "loads --plugin planted_module; pass that to triage it" in out
+    assert "not rerun:" in out and "loads --plugin planted_module; pass that to rerun it" in out
     assert not marker.exists()
