@@ -211,11 +211,11 @@ def _load() -> None:
 
 
 def _register_builtins() -> None:
-    from kda_kernels.aiter import BACKENDS as AITER_BACKENDS
-    from kda_kernels.fla import FlaChunk, FlaRecurrent
-    from kda_kernels.flashkda import FlaChunkDispatch, FlashKdaCuda
+    from kda_kernels.backends.aiter import BACKENDS as AITER_BACKENDS
+    from kda_kernels.backends.fla import FlaChunk, FlaRecurrent
+    from kda_kernels.backends.flashkda import FlaChunkDispatch, FlashKdaCuda
+    from kda_kernels.backends.vendored import SglangChunk, VllmChunk, VllmGlm5Chunk, VllmGlm5ChunkAmd, VllmKimiChunkAmd
     from kda_kernels.torch_chunk import TorchChunk
-    from kda_kernels.vendored import SglangChunk, VllmChunk, VllmGlm5Chunk, VllmGlm5ChunkAmd, VllmKimiChunkAmd
 
     register("fla_chunk", FlaChunk)
     register("fla_chunk32", lambda: FlaChunk(chunk_size=32))

@@ -21,7 +21,7 @@ working and when the interpreter no longer needs it:
    kernel's module for the length of each launch (FLA's own ``gather`` then
    runs, where an earlier workaround switched FLA to its ``tl.load`` fallback).
    The loop-index patch (2) is also applied to a vendored tree's modules
-   (:func:`patch_loop_index`, called by kernels/vendored.py).
+   (:func:`patch_loop_index`, called by kernels/backends/vendored.py).
 
 Everything is switched on by :func:`enable`, called by the pytest plugin and the
 FLA adapters on a CPU: the Triton patches at once, the one that patches FLA's own

@@ -5,7 +5,7 @@ The packages between the tree's root and its ``kda.py`` are registered as bare p
 never runs (it would import the whole server), and the few server modules the kernels import from outside
 their folder are stubbed with what they use (``STUBS``). A tree whose kernels import anything else is
 unavailable, and says which module. The backends that call these kernels as the servers' layers do are
-kernels/vendored.py.
+kernels/backends/vendored.py.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def main() -> None:
         elif probe in ("chunk_fp32", "chunk_bf16"):
             from kda_cases.case import Case
             from kda_cases.materialize import materialize
-            from kda_kernels.fla import FlaChunk
+            from kda_kernels.backends.fla import FlaChunk
             from kda_reference.run import run_reference
 
             case = Case(seq_lens=(37,), dtype=probe.split("_")[1], initial_state="random")

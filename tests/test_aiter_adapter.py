@@ -1,4 +1,4 @@
-"""The AITER adapters (kernels/aiter.py) against a TEST DOUBLE of AITER's chunk_kimi_delta_attn
+"""The AITER adapters (kernels/backends/aiter.py) against a TEST DOUBLE of AITER's chunk_kimi_delta_attn
 (tests/plugins/aiter_double: AITER's signature, switch and checks over this suite's float64 reference).
 
 What is tested here is the adapter: how it imports AITER without its HIP build, translates a case into
@@ -23,8 +23,8 @@ from suite_paths import REPO
 from kda_cases.case import Case
 from kda_conformance.checks import get_check, run_check
 from kda_conformance.running.truth import case_truth
-from kda_kernels import aiter as adapter
 from kda_kernels import registry
+from kda_kernels.backends import aiter as adapter
 
 DOUBLE = Path(__file__).with_name("plugins") / "aiter_double"
 CPU = torch.device("cpu")

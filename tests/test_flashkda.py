@@ -1,4 +1,4 @@
-"""FlashKDA on CUDA (kernels/flashkda.py) against a test double of ``flash_kda`` (tests/doubles/flash_kda): its
+"""FlashKDA on CUDA (kernels/backends/flashkda.py) against a test double of ``flash_kda`` (tests/doubles/flash_kda): its
 envelope in its own words, the arguments as FlashKDA's README passes them, and FLA's own dispatch adapter
 (fla-core's ``fla/ops/kda/backends/flash_kda.py``) run for real on the double; on a GPU the real package."""
 
@@ -14,7 +14,7 @@ from kda_cases.case import Case
 from kda_cases.materialize import materialize
 from kda_conformance.running.truth import case_truth
 from kda_kernels import registry
-from kda_kernels.flashkda import FlaChunkDispatch
+from kda_kernels.backends.flashkda import FlaChunkDispatch
 from kda_kernels.protocol import Support, Unsupported
 
 DOUBLES = Path(__file__).with_name("doubles")

@@ -1,5 +1,5 @@
 """vLLM's and SGLang's vendored KDA kernels, loaded from a source tree (kernels/vendored_trees.py; the backends:
-kernels/vendored.py), against test doubles
+kernels/backends/vendored.py), against test doubles
 of each API (tests/doubles/): signature detection, the argument mapping and the state handling each server's
 layer does, the layout probe, and the reasons given when a tree is missing or needs what the loader lacks."""
 
@@ -16,7 +16,8 @@ import torch
 from kda_cases.case import Case
 from kda_cases.materialize import materialize
 from kda_conformance.cli import main
-from kda_kernels import guard, registry, vendored, vendored_trees
+from kda_kernels import guard, registry, vendored_trees
+from kda_kernels.backends import vendored
 from kda_kernels.protocol import Unsupported
 from kda_kernels.vendored_trees import SGLANG, VLLM
 from kda_reports.runfile import read_run

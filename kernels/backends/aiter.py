@@ -44,8 +44,8 @@ from kda_cases.devices import gpu_arch
 from kda_cases.dtypes import stored
 from kda_cases.materialize import KDAInputs
 from kda_kernels import triton_interpret
+from kda_kernels.backends.fla import FLA_CHUNK_FAMILY
 from kda_kernels.envelope import CHUNK_KDA, FLASH_KDA, SAFE_LOWER_BOUND_RANGE
-from kda_kernels.fla import FLA_CHUNK_FAMILY
 from kda_kernels.libraries import AITER
 from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported, WorkingPrecision
 

@@ -8,7 +8,7 @@ FLA's ``chunk_kda`` hands calls to it when it is installed.
 - ``fla_chunk_dispatch``: what a Hopper user of ``fla.ops.kda.chunk_kda`` gets with ``flash_kda`` installed:
   FLA's own FlashKDA backend (``fla/ops/kda/backends/flash_kda.py``): its verifier decides, its adapter
   converts the arguments and calls ``flash_kda.fwd``. The suite imports FLA with its dispatch switched
-  off (``kernels/fla.py``), which leaves FLA's wrapper out; this backend runs the same verifier and adapter
+  off (``kernels/backends/fla.py``), which leaves FLA's wrapper out; this backend runs the same verifier and adapter
   FLA's wrapper would. Calls the verifier rejects run FLA's Triton path, which ``fla_chunk`` tests: they
   are outside this backend's envelope, with the verifier's reason.
 
@@ -27,8 +27,8 @@ import torch
 from kda_cases.case import Case
 from kda_cases.dtypes import stored
 from kda_cases.materialize import KDAInputs
+from kda_kernels.backends.fla import FLA_ENVIRONMENT
 from kda_kernels.envelope import FLASH_KDA
-from kda_kernels.fla import FLA_ENVIRONMENT
 from kda_kernels.libraries import FLA, FLASHKDA
 from kda_kernels.protocol import (
     CALLER_BUFFER_FILL,
@@ -169,7 +169,7 @@ class FlashKdaCuda(Backend):
 
 def _fla_flash_kda(device: torch.device) -> Any:
     """FLA's FlashKDA backend object (fla-core's ``fla/ops/kda/backends/flash_kda.py``)."""
-    from kda_kernels.fla import _import_fla_kda  # FLA set up as the suite imports it for this device
+    from kda_kernels.backends.fla import _import_fla_kda  # FLA set up as the suite imports it for this device
 
     _import_fla_kda(device)
     try:

@@ -36,8 +36,8 @@ from kda_cases.envelope import Envelope
 from kda_cases.materialize import KDAInputs
 from kda_kernels import libraries as libs
 from kda_kernels import triton_interpret
+from kda_kernels.backends.fla import FLA_CHUNK_FAMILY
 from kda_kernels.envelope import CHUNK_KDA
-from kda_kernels.fla import FLA_CHUNK_FAMILY
 from kda_kernels.guard import suite_work
 from kda_kernels.protocol import (
     CALLER_BUFFER_FILL,
