@@ -50,6 +50,10 @@ class NanCheckpoints(TorchChunk):
 
 class NoFinalState(TorchChunk):
     name = "test_no_final_state"
+    envelope = dataclasses.replace(TorchChunk.envelope, host_metadata=("cu_seqlens_cpu",))  # the check runs too
+
+    def host_metadata(self, device, cu_seqlens_cpu):
+        return {"cu_seqlens_cpu": cu_seqlens_cpu.long()}
 
     def run(self, inputs):
         return dataclasses.replace(super().run(inputs), final_state=None)
@@ -162,7 +166,7 @@ def test_a_wrong_checkpoint_is_judged_at_the_batch_and_no_request_resumes_from_i
 
 
 def test_a_backend_that_returns_no_final_state_is_at_fault_in_every_check(run: Run) -> None:
-    """Packing indexed the missing state and charged the suite a TypeError."""
+    """Packing and host_metadata indexed the missing state and charged the suite a TypeError."""
     backend = registry.get(NoFinalState.name)
     case = Case(seq_lens=(20, 17), packed=True, initial_state="random", num_heads=1, num_v_heads=1, head_k_dim=16,
                 head_v_dim=16)  # fmt: skip

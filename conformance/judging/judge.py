@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -109,7 +110,7 @@ class Judge:
         """A call that did not give tensors to judge: ``skip`` (unsupported) or ``error`` (it raised)."""
         return self._finding(verdict, reason=reason, seconds=seconds)
 
-    def _finding(self, verdict: str, **fields: object) -> Finding:
+    def _finding(self, verdict: str, **fields: Any) -> Finding:  # Finding's own fields, by name
         return Finding(
             check=self.check,
             case=self.case,

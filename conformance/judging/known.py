@@ -186,8 +186,12 @@ def apply_known(findings: Iterable[Finding], issues: Iterable[KnownIssue] | None
             if allowing:
                 issue = allowing[0]
                 reason = f"known issue {issue.id}: {issue.description} ({issue.upstream})"
-                known = dict(verdict="known", observed=f"known: {issue.id}", reason=reason, known_issue=issue.id)
-                result.append(dataclasses.replace(finding, **known))
+                observed = f"known: {issue.id}"
+                result.append(
+                    dataclasses.replace(
+                        finding, verdict="known", observed=observed, reason=reason, known_issue=issue.id
+                    )
+                )
             else:
                 widest = max(matching, key=lambda i: i.allowed)
                 worse = f"worse than known issue {widest.id} allows: {finding.worst:.3g} of the limit"

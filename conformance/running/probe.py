@@ -44,12 +44,13 @@ def _child(conn: Connection, case_json: str, backend: Backend, device: str, meta
         if inputs.device.type == "cuda":
             torch.cuda.synchronize(inputs.device)
         # As bytes: a tensor pickled through torch's reductions would share memory with a process that ends.
-        conn.send(_pack({"o": result.o.cpu(), "final_state": result.final_state.cpu()}))
+        final = None if result.final_state is None else result.final_state.cpu()  # a backend that returns none
+        conn.send(_pack({"o": result.o.cpu(), "final_state": final}))
     except Exception as exc:
         conn.send(ProbeResult(raised=raised_at(exc)))
 
 
-def _pack(tensors: dict[str, torch.Tensor]) -> bytes:
+def _pack(tensors: dict[str, torch.Tensor | None]) -> bytes:
     buffer = io.BytesIO()
     torch.save(tensors, buffer)
     return buffer.getvalue()
