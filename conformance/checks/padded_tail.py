@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 from hypothesis import strategies as st
@@ -49,7 +50,7 @@ def padded(inputs: KDAInputs) -> KDAInputs:
     if zeros:
         tails = {name: torch.zeros_like(tail) for name, tail in tails.items()}
     tensors = {name: torch.cat([getattr(inputs, name), tails[name]], dim=1) for name in TOKEN_TENSORS}
-    return dataclasses.replace(inputs, **tensors)
+    return dataclasses.replace(inputs, **cast(dict[str, Any], tensors))  # the token tensors, by name
 
 
 def classify(tail: torch.Tensor, before: torch.Tensor | None) -> tuple[str, str]:
@@ -79,7 +80,8 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge:
         # The server's call: the caller's output buffer is as long as the padded tensors.
         plan = dataclasses.replace(plan_pool(case), out_rows=batch.q.shape[1])
         served = run_serving(backend, batch, plan, "sentinel")
-        o, tail, before = served.o, served.out[:, T:], served.out_before[:, T:]
+        before: torch.Tensor | None = served.out_before[:, T:]  # the caller's rows as handed over
+        o, tail = served.o, served.out[:, T:]
         result = served_result(served)
     else:
         # Memory the API allocates and leaves unwritten reads as NaN (as the poison check makes it), so

@@ -147,6 +147,8 @@ class FlashKdaCuda(Backend):
         final = torch.empty(n, case.num_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=inputs.device)
         cu = None if inputs.cu_seqlens is None else inputs.cu_seqlens.to(torch.int64)
         scale = case.scale if case.scale is not None else HEAD_DIM**-0.5
+        # Its envelope takes only the in-kernel gate with a lower bound: A_log, dt_bias and the bound are given.
+        assert inputs.A_log is not None and inputs.dt_bias is not None and case.lower_bound is not None
         with torch.inference_mode():
             flash_kda.fwd(
                 inputs.q.contiguous(),
