@@ -157,20 +157,25 @@ def test_the_code_says_why_not_when() -> None:
 
 
 def test_a_run_option_is_one_entry_of_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every option that configures the run is a keyword of build_config, and both front ends hand them over
-    from the table (config_keywords); an option added to the table reaches the command line, pytest, the
-    pytest command lines of nightly and detection, the docs and the run's keywords."""
+    """Every option that configures the run is a keyword of build_config and a field of RunConfig (or folded
+    into one), and both front ends hand them over from the table (config_keywords); an option added to the
+    table reaches the command line, pytest, the pytest command lines of nightly and detection, the docs and
+    the run's keywords."""
     import argparse
     import dataclasses
     import inspect
 
     from kda_conformance.running import options
-    from kda_conformance.running.config import build_config
+    from kda_conformance.running.config import RunConfig, build_config
 
     keywords = set(inspect.signature(build_config).parameters)
+    fields = {field.name for field in dataclasses.fields(RunConfig)}
+    # The one option that is no field of its own: build_config folds it into the profile it draws from.
+    folded = {"examples": "profile.max_examples"}
     for option in options.OPTIONS.values():
         if option.configures:
             assert option.keyword in keywords, f"--{option.name} is no keyword of build_config"
+            assert option.keyword in fields or option.keyword in folded, f"--{option.name} is no field of RunConfig"
     dummy = options.Option("dummy-knob", "a knob added in one place", 3, int, "number", configures=False)
     monkeypatch.setitem(options.OPTIONS, "dummy-knob", dummy)
     parser = argparse.ArgumentParser()
