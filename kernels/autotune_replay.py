@@ -18,6 +18,7 @@ from the kernel's own list (a file whose config is no longer in the list tunes, 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -25,7 +26,7 @@ import os
 import re
 import sys
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +39,7 @@ RECORD_VARIABLE = "KDA_AUTOTUNE_RECORD"  # a folder: each process writes the cho
 
 Choices = dict[str, dict[str, dict]]  # kernel -> key id (``key_id``) -> config
 
-_state: dict = {"installed": False, "choices": {}, "source": "", "replayed": 0, "told": set()}
+_state: dict = {"installed": False, "choices": {}, "source": "", "replayed": 0, "told": set(), "pinned": {}}
 _seen: weakref.WeakSet = weakref.WeakSet()  # the autotuners this process ran, for recording
 _recorded_count = [0]
 
@@ -101,6 +102,12 @@ class ReplayCache(dict):
         if autotuner is None or not isinstance(key, tuple):
             return False
         name = kernel_name(autotuner)
+        if name in _state["pinned"]:  # every key of a pinned kernel launches the pinned config (see pinned)
+            config = next((c for c in autotuner.configs if config_dict(c) == _state["pinned"][name]), None)
+            if config is None:
+                raise ValueError(f"{name}: the pinned config {_state['pinned'][name]} is not in its list")
+            dict.__setitem__(self, key, config)
+            return True
         recorded = _state["choices"].get(name, {}).get(key_id(key_text(key)))
         config = None
         if recorded is not None:
@@ -167,6 +174,8 @@ def install(choices: Choices, source: str = "") -> None:
         if not isinstance(self.cache, ReplayCache):
             self.cache = ReplayCache(self, self.cache)
         _seen.add(self)
+        if _state.get("window") is not None:
+            _state["window"][kernel_name(self)] = list(self.configs)
         try:
             return original(self, *args, **kwargs)
         finally:
@@ -176,13 +185,46 @@ def install(choices: Choices, source: str = "") -> None:
     _state.update(installed=True, original=original)
 
 
+@contextlib.contextmanager
+def launches() -> Iterator[dict[str, list]]:
+    """The autotuned kernels launched within the block (kernel name -> its list of configs), filled as they
+    launch. Installs the hook that sees them (with this process's recorded choices, if any)."""
+    install(_state["choices"], _state["source"])
+    window: dict[str, list] = {}
+    _state["window"] = window
+    try:
+        yield window
+    finally:
+        _state["window"] = None
+
+
+@contextlib.contextmanager
+def pinned(kernel: str, config: dict) -> Iterator[None]:
+    """Within the block every launch of ``kernel`` (a name of ``autotuners_launched``) takes ``config`` (a
+    ``config_dict`` of one of its configs), whatever autotune chose or would choose; the other kernels keep
+    their choices. Every autotuner's chosen configs are set aside for the block and put back after it, so
+    the block launches nothing autotune chose for the pinned kernel, and no choice is tuned again after."""
+    install(_state["choices"], _state["source"])
+    kept = {tuner: dict(tuner.cache) for tuner in list(_seen)}
+    for tuner in kept:
+        if kernel_name(tuner) == kernel:
+            tuner.cache = ReplayCache(tuner, {})
+    _state["pinned"] = {kernel: config}
+    try:
+        yield
+    finally:
+        _state["pinned"] = {}
+        for tuner, cache in kept.items():
+            tuner.cache = ReplayCache(tuner, cache)
+
+
 def uninstall() -> None:
     """Triton's autotuner as it was before ``install`` (for tests)."""
     from triton.runtime.autotuner import Autotuner
 
     if _state["installed"]:
         Autotuner.run = _state.pop("original")
-    _state.update(installed=False, choices={}, source="", replayed=0, told=set())
+    _state.update(installed=False, choices={}, source="", replayed=0, told=set(), pinned={})
 
 
 def activate(device: torch.device) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fake_jit import FakeJit
 
 triton = pytest.importorskip("triton")
 
@@ -21,22 +22,8 @@ def kernel_body(x, n, BLOCK):
     """The Python function under the JIT (its module and name name the kernel in the file)."""
 
 
-class FakeJit:
-    """What triton.autotune wraps: the argument names, the function, and ``run``, which launches (records the
-    config it is given)."""
-
-    arg_names = ("x", "n", "BLOCK")
-    fn = staticmethod(kernel_body)
-
-    def __init__(self) -> None:
-        self.launched: list[int] = []
-
-    def run(self, *args, **kwargs) -> None:
-        self.launched.append(kwargs["BLOCK"])
-
-
 def autotuned() -> tuple[FakeJit, object, list[int]]:
-    jit, benched = FakeJit(), []
+    jit, benched = FakeJit(kernel_body), []
 
     def bench(kernel_call, quantiles=None, **kwargs):
         kernel_call()

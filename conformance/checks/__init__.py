@@ -13,6 +13,7 @@ package a check is imported from it (``from kda_conformance.checks import Check`
 __all__ = ["CHECKS", "Check", "Drawn", "Param", "get_check", "register", "run_check", "serving_case"]
 
 from kda_conformance.checks import (
+    autotune_configs,
     budget,
     checkpoint,
     cu_seqlens,
@@ -44,6 +45,7 @@ for module in (
     cu_seqlens,
     host_metadata,
     host_syncs,
+    autotune_configs,
     padded_tail,
 ):
     register(module.CHECK)

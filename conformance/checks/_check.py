@@ -64,6 +64,10 @@ class Check:
     targets: bool = False  # in a targeted profile, its error/limit ratios steer Hypothesis toward the worst cases
     requires: Callable[[Backend], str | None] = applies_to_every_backend  # why it cannot apply to a backend
     devices: tuple[str, ...] = ("cpu", "cuda")  # the device types it applies to
+    # At most this many examples per backend, whatever the profile gives the others (None: the profile's): a
+    # check whose one example is many calls (every autotune configuration of every kernel) costs a night
+    # what a dozen of the others do.
+    max_examples: int | None = None
 
     def applies(self, backend: Backend, device_type: str) -> str | None:
         """Why the check does not apply to ``backend`` on a device of this type (None: it applies)."""

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 import pytest
-from hypothesis import event, given, target
+from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 from hypothesis.errors import FailedHealthCheck, Unsatisfiable
 
@@ -127,8 +127,13 @@ def check_test(check: Check) -> Callable[..., None]:
             failed[example] = (findings, report)
             fail(request, findings, report)
 
+    capped = [check.max_examples is None]
+
     @functools.wraps(test)
     def refusing_plugin_said(*args, **kwargs) -> None:
+        if not capped[0]:  # built when it runs, so the profile loaded then is its parent
+            settings(settings.default, max_examples=min(check.max_examples, settings.default.max_examples))(test)
+            capped[0] = True
         backend = kwargs.get("kda_backend")
         try:
             test(*args, **kwargs)

@@ -1,0 +1,90 @@
+"""Every autotune configuration: each configuration of each autotuned Triton kernel a call launches, pinned one
+at a time (the other kernels keep autotune's choices), held to the case's budget against the truth, and named
+when it fails or raises.
+
+Which configuration autotune picks depends on the machine, the cache and the timings, so the one that ships on
+another GPU may never have won here; vLLM's ROCm Kimi path found a ``num_stages=4`` configuration that raced
+and wrote values near 1e38. The call is made once with autotune's choices (which also lists the autotuned
+kernels it launched), then once per (kernel, configuration) through kernels/autotune_replay.py's ``pinned``.
+A backend that launches no autotuned kernel (a CUDA extension, the PyTorch baseline) passes, saying so. On a
+GPU only: Triton's CPU interpreter launches each kernel's first configuration (kernels/triton_interpret.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from hypothesis import strategies as st
+
+from kda_cases.profiles import Profile
+from kda_conformance.checks._check import Check
+from kda_conformance.checks._registry import draw_case, supported
+from kda_conformance.judging.judge import Judge
+from kda_conformance.running.blame import call_backend
+from kda_conformance.running.faults import is_sticky
+from kda_conformance.running.runnable import Drawn
+from kda_conformance.running.truth import CaseTruth
+from kda_kernels import autotune_replay as replay
+from kda_kernels.protocol import Backend
+from kda_reports.findings import Finding
+
+NAME = "autotune_configs"
+
+
+def describe(kernel: str, config: dict) -> str:
+    """``chunk_kda_fwd_kernel_h BK=64 BV=32 warps=4 stages=3``: the kernel's own name and what it was pinned to."""
+    knobs = " ".join(f"{k}={v}" for k, v in sorted(config["kwargs"].items()))
+    more = [f"{short}={config[name]}" for name, short in (("num_warps", "warps"), ("num_stages", "stages"))]
+    more += [f"ctas={config['num_ctas']}"] if config.get("num_ctas") not in (None, 1) else []
+    more += [f"maxnreg={config['maxnreg']}"] if config.get("maxnreg") is not None else []
+    return " ".join(part for part in (kernel.rsplit(".", 1)[-1], knobs, *more) if part)
+
+
+def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
+    case = draw_case(data, profile, backend)
+    supported(backend, case)
+    return Drawn(case)
+
+
+def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
+    inputs = truth.inputs
+    with replay.launches() as kernels:
+        chosen = call_backend(backend, inputs)
+    findings = judge.result(truth.reference, chosen, truth.budgets, "autotune's choices")
+    tried = 0
+    for kernel, configs in sorted(kernels.items()):
+        if len(configs) < 2:
+            continue
+        for config in configs:
+            pinned = replay.config_dict(config)
+            label = describe(kernel, pinned)
+            tried += 1
+            try:
+                with replay.pinned(kernel, pinned):
+                    result = call_backend(backend, inputs)
+            except Exception as exc:  # the configuration's own: named, and the others still run
+                if is_sticky(exc):  # the device is lost: nothing more runs in this process
+                    raise
+                failed = judge.problem(f"with {label}", f"raised {type(exc).__name__}: {str(exc)[:300]}")
+                findings.append(dataclasses.replace(failed, observed="configuration raised"))
+                continue
+            findings += judge.result(truth.reference, result, truth.budgets, f"with {label}")
+    if not tried:
+        findings.append(dataclasses.replace(judge.passed("autotuned kernels"), observed="none with a choice"))
+    return findings
+
+
+CHECK = Check(
+    name=NAME,
+    title="every autotune configuration",
+    suite="properties",
+    test_name="test_every_autotune_configuration_within_budget",
+    summary="Each configuration of each autotuned kernel the call launches, pinned one at a time, is within the "
+    "case's budgets; a failing or raising configuration is named (kernel, block sizes, warps, stages).",
+    draw=draw,
+    run=run,
+    ci_seed=0x5D1C0A7E4F2B9C3A1E6D8F0B7C2A4E9D3F1B6A8C0E5D7F2A9B4C1E3D6F8A0B2C4E,
+    devices=("cuda",),
+    max_examples=1,
+)

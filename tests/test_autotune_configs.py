@@ -1,0 +1,118 @@
+"""Every autotune configuration (conformance/checks/autotune_configs.py), on the CPU against a backend that
+launches a test double of a JIT kernel under Triton's own ``triton.autotune``: each configuration is pinned
+once, the one that computes wrong is named, the others pass; the winners are back in place afterwards."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import torch
+from fake_jit import FakeJit
+
+triton = pytest.importorskip("triton")
+
+from kda_cases.case import Case  # noqa: E402
+from kda_conformance.checks import get_check, run_check  # noqa: E402
+from kda_conformance.checks.autotune_configs import describe  # noqa: E402
+from kda_conformance.running.config import build_config  # noqa: E402
+from kda_conformance.running.run import Run  # noqa: E402
+from kda_kernels import autotune_replay as replay  # noqa: E402
+from kda_kernels import registry  # noqa: E402
+from kda_kernels.protocol import BackendOutput  # noqa: E402
+from kda_kernels.torch_chunk import TorchChunk  # noqa: E402
+
+TIMES = {16: 3.0, 32: 1.0, 64: 2.0}  # BLOCK -> the benchmark's time: autotune picks 32
+WRONG_BLOCK = 64  # the configuration that computes wrong (it never wins the benchmark)
+
+
+def scale_tail(x, n, BLOCK):
+    """The Python function under the JIT."""
+
+
+JIT = FakeJit(scale_tail)
+
+
+def _bench(kernel_call, quantiles=None, **kwargs):
+    kernel_call()
+    return [TIMES[JIT.launched[-1]]] * 3
+
+
+TUNED = triton.autotune(
+    configs=[triton.Config({"BLOCK": block}, num_warps=4) for block in TIMES], key=["n"], do_bench=_bench
+)(JIT)
+
+
+class TunedBaseline(TorchChunk):
+    """The baseline, whose output passes through the autotuned kernel: right with every BLOCK but one."""
+
+    name = "test_tuned_baseline"
+
+    def run(self, inputs):
+        out = super().run(inputs)
+        TUNED.run(None, inputs.case.total_tokens)
+        if JIT.launched[-1] == WRONG_BLOCK:
+            return BackendOutput(o=out.o * 1.5, final_state=out.final_state)
+        return out
+
+
+@pytest.fixture
+def tuned(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    from triton.runtime.autotuner import Autotuner
+
+    # Triton's own autotuning: the CPU interpreter's workaround (which launches the first config) set aside.
+    monkeypatch.setattr(Autotuner, "run", getattr(Autotuner.run, "__wrapped__", Autotuner.run))
+    monkeypatch.delenv(replay.RECORD_VARIABLE, raising=False)
+    registry.register(TunedBaseline.name, TunedBaseline, replace=True)
+    TUNED.cache.clear()
+    yield
+    replay.uninstall()
+
+
+def test_each_configuration_is_pinned_once_and_the_wrong_one_is_named(tuned: None, tmp_path) -> None:
+    check = get_check("autotune_configs")
+    assert check.applies(registry.get("torch_chunk"), "cpu"), "a GPU check: the CPU interpreter pins nothing"
+    check = dataclasses.replace(check, devices=("cpu", "cuda"))  # here, for the double
+    case = Case(seq_lens=(40,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
+    run = Run(build_config(device="cpu", out=tmp_path), journal=False)
+    findings = run_check(check, case, registry.get(TunedBaseline.name), torch.device("cpu"), {}, run)
+    # Tuned once (3 benchmarks, then the winner's launch), then each BLOCK pinned once, with no benchmark.
+    assert JIT.launched == [16, 32, 64, 32, 16, 32, 64]
+    failed = {f.subject for f in findings if f.failed}
+    wrong = describe(replay.kernel_name(TUNED), replay.config_dict(TUNED.configs[2]))
+    assert wrong == "scale_tail BLOCK=64 warps=4 stages=3"
+    assert failed == {f"with {wrong}"}, failed
+    assert {f.subject for f in findings if f.passed} >= {
+        "autotune's choices",
+        "with scale_tail BLOCK=16 warps=4 stages=3",
+    }
+    # The winner is back: the next call launches BLOCK 32 with no benchmark.
+    TUNED.run(None, 40)
+    assert JIT.launched[-1] == 32 and len(JIT.launched) == 8
+
+
+def test_a_backend_without_autotuned_kernels_passes_saying_so(tuned: None, tmp_path) -> None:
+    check = get_check("autotune_configs")
+    check = dataclasses.replace(check, devices=("cpu", "cuda"))
+    case = Case(seq_lens=(37,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
+    run = Run(build_config(device="cpu", out=tmp_path), journal=False)
+    findings = run_check(check, case, registry.get("torch_chunk"), torch.device("cpu"), {}, run)
+    assert [f.observed for f in findings if f.subject == "autotuned kernels"] == ["none with a choice"]
+    assert not any(f.failed for f in findings)
+
+
+@pytest.mark.slow
+def test_a_costly_check_runs_its_own_number_of_examples(tmp_path) -> None:
+    """The profile gives every check 12 examples; a check that declares 2 runs 2 (the autotune one declares 1)."""
+    from suite_paths import ENV, pytest_run
+
+    count = tmp_path / "count"
+    done = pytest_run(
+        "conformance/test_properties.py", "-k", "capped_probe", "--kda-plugin",
+        "kda_capped_check", "--kda-backend", "torch_chunk", "--kda-profile", "cpu-nightly", "--kda-seed", "1",
+        "--kda-out", str(tmp_path / "store"), env={**ENV, "KDA_TEST_CAPPED_COUNT": str(count)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert count.read_text() == "2"
+    assert get_check("autotune_configs").max_examples == 1
