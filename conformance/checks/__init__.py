@@ -20,6 +20,7 @@ from kda_conformance.checks import (
     determinism,
     host_metadata,
     host_syncs,
+    offsets_past_2_31,
     packing,
     padded_tail,
     poison,
@@ -46,6 +47,7 @@ for module in (
     host_metadata,
     host_syncs,
     autotune_configs,
+    offsets_past_2_31,
     padded_tail,
 ):
     register(module.CHECK)

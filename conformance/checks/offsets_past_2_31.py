@@ -1,0 +1,103 @@
+"""Offsets past 2^31: the case's sequences, packed behind one long sequence of zero tokens so that they start
+past 2^31 elements into the token tensors, give what they give alone, within the case's budgets against the
+truth.
+
+32-bit block-pointer offsets corrupt results silently once B x T x H x K passes 2^31 (FLA #1080; vLLM and SGLang
+took the fix later): a case of 128K tokens at 16 heads of 128 is 2^28 elements, 8 times short, and a float64
+truth of 2^31 elements does not fit. So the truth is the drawn case's own, a small one, and only the filler is
+large: its tokens are zeros (valid for every gate form; their own output is not judged), and the case's rows
+are judged where they land. A GPU check, once per backend a night: it skips where the batch would not fit the
+device's memory (its plan says how much it needs) and on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from hypothesis import strategies as st
+
+from kda_cases.case import Case
+from kda_cases.dtypes import TORCH_DTYPES
+from kda_cases.profiles import Profile
+from kda_conformance.checks._check import Check
+from kda_conformance.checks._derived import behind_filler
+from kda_conformance.checks._registry import draw_case, supported
+from kda_conformance.judging.judge import Judge
+from kda_conformance.running.blame import NotApplicable, call_backend
+from kda_conformance.running.faults import device_memory
+from kda_conformance.running.runnable import Drawn
+from kda_conformance.running.truth import CaseTruth
+from kda_kernels.protocol import Backend, BackendOutput
+from kda_reports.findings import Finding
+
+NAME = "offsets_past_2_31"
+THRESHOLD = 2**31  # elements: past it a 32-bit signed offset wraps
+# What the batch may take of the device's memory: the kernel's own scratch (a chunk kernel keeps a state per
+# chunk, T/64 x HV x K x V in float32) comes on top of the tensors.
+MEMORY_SHARE = 0.8
+
+
+def filler_tokens(case: Case) -> int:
+    """Tokens of zeros that put the case's first token past ``THRESHOLD`` elements of q, k (H x K per token) and
+    v (HV x V per token)."""
+    per_token = min(case.num_heads * case.head_k_dim, case.num_v_heads * case.head_v_dim)
+    return math.ceil(THRESHOLD / per_token) + 1
+
+
+def planned_bytes(case: Case, filler: int) -> int:
+    """What the batch behind the filler needs: its token tensors, its output, and a chunk kernel's states."""
+    tokens = filler + case.total_tokens
+    width = TORCH_DTYPES[case.dtype].itemsize
+    gate = 4 if case.gate_dtype == "fp32" else width
+    per_token = (2 * case.num_heads * case.head_k_dim + 2 * case.num_v_heads * case.head_v_dim) * width
+    per_token += case.num_v_heads * case.head_k_dim * gate + case.num_v_heads * 4
+    states = math.ceil(tokens / 64) * case.num_v_heads * case.head_k_dim * case.head_v_dim * 4
+    return tokens * per_token + states
+
+
+def prepare(case: Case, backend: Backend) -> Case:
+    """Packed (the filler is a sequence of the batch), without checkpoints."""
+    return case if case.packed and not case.checkpoints else case.replace(packed=True, checkpoints=())
+
+
+def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
+    case = draw_case(data, profile, backend, prepare)
+    supported(backend, case)
+    return Drawn(case)
+
+
+def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
+    case, inputs = truth.case, truth.inputs
+    filler = filler_tokens(case)
+    batch_case = case.replace(seq_lens=(filler, *case.seq_lens), packed=True, checkpoints=())
+    support = backend.supports(batch_case)
+    if not support:
+        raise NotApplicable(f"{backend.name} does not take the batch behind the filler: {support.reason}")
+    needed, memory = planned_bytes(case, filler), device_memory(inputs.device)
+    if memory is not None and needed > MEMORY_SHARE * memory:
+        raise NotApplicable(
+            f"the batch behind {filler} tokens of filler needs about {needed / 2**30:.1f} GiB, more than "
+            f"{MEMORY_SHARE:.0%} of the device's {memory / 2**30:.1f} GiB"
+        )
+    batch = call_backend(backend, behind_filler(inputs, filler))
+    o = batch.o[:, filler:]
+    final = None if batch.final_state is None else batch.final_state[1:]
+    subject = f"behind {filler} tokens of filler (past {THRESHOLD} elements)"
+    return judge.result(truth.reference, BackendOutput(o=o, final_state=final), truth.budgets, subject)
+
+
+CHECK = Check(
+    name=NAME,
+    title="offsets past 2^31 elements",
+    suite="properties",
+    test_name="test_offsets_past_2_31_elements_change_nothing",
+    summary="The case's sequences, packed behind a sequence of zero tokens that puts them past 2^31 elements "
+    "of the token tensors, are within the case's budgets against the truth.",
+    draw=draw,
+    run=run,
+    ci_seed=0x3B7E1F9A2C5D8E0B4A6C1F3E7D9B2A5C8E0F4D6B1A3C7E9F2D5B8A0C6E1F4A7D9B,
+    prepare=prepare,
+    devices=("cuda",),
+    max_examples=1,
+)
