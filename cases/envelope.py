@@ -43,6 +43,9 @@ class Envelope:
     # The sequence metadata its API can take from the host (FLA's cu_seqlens_cpu): the host-metadata check
     # runs for backends that name some.
     host_metadata: tuple[str, ...] = ()
+    # Its call can be captured in a CUDA graph and replayed with new inputs and boundaries (no device-to-host
+    # sync, nothing kept on the host per call): the graph-replay check holds it to that; others are only told.
+    graph_capture: bool = False
     max_tokens: int | None = None  # the longest case (total tokens) it should get
     devices: tuple[str, ...] = DEVICE_TYPES  # the device types it runs on
     # The dtypes g and beta may arrive in (cases/case.py GATE_DTYPES): FlashKDA takes its tokens' only.
@@ -65,6 +68,7 @@ class Envelope:
         "beta_sigmoid_in_kernel": "whether beta's sigmoid may be taken in the kernel, outside it, or both",
         "checkpoints": "False: takes no case with intermediate-state checkpoints",
         "host_metadata": "the sequence metadata its API takes from the host (FLA's cu_seqlens_cpu)",
+        "graph_capture": "True: its call can be captured in a CUDA graph and replayed with new inputs and boundaries",
         "max_tokens": "the longest case (total tokens) it should get",
         "devices": "the device types it runs on: cpu, cuda",
         "gate_dtypes": "the dtypes g and beta may arrive in: same (the tokens'), fp32",
@@ -243,7 +247,7 @@ def shown(envelope: Envelope) -> dict[str, str]:
     for field in dataclasses.fields(Envelope):
         value, default = getattr(envelope, field.name), getattr(ANY, field.name)
         if value == default:
-            cells[field.name] = "any" if field.name not in ("host_metadata",) else "-"
+            cells[field.name] = "any" if field.name not in ("host_metadata", "graph_capture") else "-"
         elif isinstance(value, tuple) and field.name != "in_kernel_lower_bound":
             cells[field.name] = ", ".join(map(str, value)) or "-"
         elif field.name == "in_kernel_lower_bound":

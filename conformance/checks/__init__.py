@@ -18,6 +18,7 @@ from kda_conformance.checks import (
     checkpoint,
     cu_seqlens,
     determinism,
+    graph_replay,
     host_metadata,
     host_syncs,
     offsets_past_2_31,
@@ -48,6 +49,7 @@ for module in (
     host_syncs,
     autotune_configs,
     offsets_past_2_31,
+    graph_replay,
     padded_tail,
 ):
     register(module.CHECK)

@@ -1,0 +1,60 @@
+"""CUDA-graph replay (conformance/checks/graph_replay.py) on the CPU: its plan (what is captured, what is
+rewritten in place, which batches are replayed, what is compared), the second batch's moved boundaries, and the
+skip that says why it does not run here. The capture itself needs a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kda_cases.case import Case
+from kda_cases.envelope import Envelope
+from kda_conformance.checks import get_check, run_check
+from kda_conformance.checks.graph_replay import moved_boundaries, plan
+from kda_conformance.running.blame import NotApplicable
+from kda_conformance.running.config import build_config
+from kda_conformance.running.run import Run
+from kda_kernels import registry
+
+
+def test_the_plan_names_what_is_captured_rewritten_and_compared() -> None:
+    case = Case(seq_lens=(20, 0, 17), packed=True, initial_state="random")
+    said = plan(case)
+    assert said["replays"] == [(20, 0, 17), (0, 17, 20)]
+    assert said["rewritten"] == [
+        "q",
+        "k",
+        "v",
+        "g",
+        "beta",
+        "A_log",
+        "dt_bias",
+        "initial_state",
+        "cu_seqlens (in place)",
+    ]
+    assert "bit for bit with the eager call" in str(said["compared"]) and case.id in str(said["captured"])
+
+
+def test_the_second_batch_keeps_the_shapes_and_moves_a_boundary() -> None:
+    for lengths in ((20, 0, 17), (5, 5), (64, 64, 1), (0, 7)):
+        case = Case(seq_lens=lengths, packed=True)
+        second = moved_boundaries(case)
+        assert (second.num_seqs, second.total_tokens) == (case.num_seqs, case.total_tokens)
+        assert second.offsets != case.offsets and second.seed == case.seed + 1, (lengths, second.seq_lens)
+    assert moved_boundaries(Case(seq_lens=(5, 5), packed=True)).seq_lens == (4, 6)
+    with pytest.raises(NotApplicable, match="no boundary can move"):
+        moved_boundaries(Case(seq_lens=(1, 1), packed=True))
+
+
+def test_it_runs_on_a_gpu_only_and_backends_declare_capture(tmp_path) -> None:
+    check = get_check("graph_replay")
+    backend = registry.get("torch_chunk")
+    assert check.applies(backend, "cpu") == "check graph_replay runs on cuda only, not cpu"
+    assert Envelope().graph_capture is False and check.max_examples == 1
+    here = dataclasses.replace(check, devices=("cpu", "cuda"))
+    run = Run(build_config(device="cpu", out=tmp_path), journal=False)
+    case = Case(seq_lens=(20, 17), packed=True, num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
+    [skipped] = run_check(here, case, backend, torch.device("cpu"), {}, run)
+    assert skipped.verdict == "skip" and "CUDA graphs need a CUDA device" in skipped.reason
