@@ -92,6 +92,18 @@ def test_each_configuration_is_pinned_once_and_the_wrong_one_is_named(tuned: Non
     assert JIT.launched[-1] == 32 and len(JIT.launched) == 8
 
 
+def test_past_its_time_the_configurations_left_are_said_not_judged(tuned: None, tmp_path, monkeypatch) -> None:
+    from kda_conformance.checks import autotune_configs
+
+    monkeypatch.setattr(autotune_configs, "SECONDS", -1.0)
+    check = dataclasses.replace(get_check("autotune_configs"), devices=("cpu", "cuda"))
+    case = Case(seq_lens=(40,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
+    run = Run(build_config(device="cpu", out=tmp_path), journal=False)
+    findings = run_check(check, case, registry.get(TunedBaseline.name), torch.device("cpu"), {}, run)
+    [cut] = [f for f in findings if f.observed == "cut"]
+    assert cut.reason == "0 of 3 configurations tried in -1 s; the rest not" and not any(f.failed for f in findings)
+
+
 def test_a_backend_without_autotuned_kernels_passes_saying_so(tuned: None, tmp_path) -> None:
     check = get_check("autotune_configs")
     check = dataclasses.replace(check, devices=("cpu", "cuda"))

@@ -71,3 +71,11 @@ def test_a_batch_that_would_not_fit_the_device_is_a_skip_saying_how_much(check, 
     run = Run(build_config(device="cpu", out=tmp_path), journal=False)
     [skipped] = run_check(check, case, registry.get("torch_chunk"), CPU, {}, run)
     assert skipped.verdict == "skip" and "needs about" in skipped.reason and "GiB" in skipped.reason, skipped
+
+
+def test_a_case_too_narrow_to_reach_the_threshold_is_a_skip(check, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(offsets, "MAX_FILLER_TOKENS", 64)
+    case = Case(seq_lens=(40,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)  # 257 tokens of filler
+    run = Run(build_config(device="cpu", out=tmp_path), journal=False)
+    [skipped] = run_check(check, case, registry.get("torch_chunk"), CPU, {}, run)
+    assert skipped.verdict == "skip" and "too narrow a case" in skipped.reason, skipped
