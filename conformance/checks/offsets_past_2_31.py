@@ -49,14 +49,16 @@ def filler_tokens(case: Case) -> int:
 
 
 def planned_bytes(case: Case, filler: int) -> int:
-    """What the batch behind the filler needs: its token tensors, its output, and a chunk kernel's states."""
+    """What the batch behind the filler needs: its token tensors twice (the guarded call gets copies of its
+    inputs), its output, and a chunk kernel's states."""
     tokens = filler + case.total_tokens
     width = TORCH_DTYPES[case.dtype].itemsize
     gate = 4 if case.gate_dtype == "fp32" else width
-    per_token = (2 * case.num_heads * case.head_k_dim + 2 * case.num_v_heads * case.head_v_dim) * width
-    per_token += case.num_v_heads * case.head_k_dim * gate + case.num_v_heads * 4
+    inputs = (2 * case.num_heads * case.head_k_dim + case.num_v_heads * case.head_v_dim) * width
+    inputs += case.num_v_heads * case.head_k_dim * gate + case.num_v_heads * 4
+    output = case.num_v_heads * case.head_v_dim * width
     states = math.ceil(tokens / 64) * case.num_v_heads * case.head_k_dim * case.head_v_dim * 4
-    return tokens * per_token + states
+    return tokens * (2 * inputs + output) + states
 
 
 def prepare(case: Case, backend: Backend) -> Case:
