@@ -227,8 +227,12 @@ def test_the_findings_page_goes_under_the_output_folder_unless_given_a_path(
     assert "# Findings ready for upstream" in (store / "findings.md").read_text()
     assert main(["findings", "--store", str(store), "--out", str(tmp_path / "pages")]) == 0
     assert (tmp_path / "pages" / "findings.md").exists()
-    assert main(["findings", "--store", str(store), "--page", str(tmp_path / "one.md")]) == 0
+    assert (
+        main(["findings", "--store", str(store), "--page", str(tmp_path / "one.md"), "--issue", str(tmp_path / "i.md")])
+        == 0
+    )
     assert (tmp_path / "one.md").exists() and not (tmp_path / "docs").exists()
+    assert (tmp_path / "i.md").read_text() == "", "no new finding: an empty issue body, which CI does not post"
     # A night whose shards ran on two machines names both (the page of seed 1206 named the H100 only).
     [part] = (store / "runs").glob("*.parquet")
     run_id = pd.read_parquet(part)["run_id"].iloc[0]

@@ -11,6 +11,7 @@ import torch
 from rich.console import Console
 
 from kda_cases.devices import resolve_device
+from kda_cases.files import atomic_write_text
 from kda_conformance.cli.common import add_device, say
 from kda_conformance.judging.known import LEDGER, load_ledger
 from kda_conformance.repro.standalone_finding import issue_text
@@ -72,6 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="a triage.json of `kda-conformance triage` over this store (repeatable): the page shows each new "
         "finding's cause as triage found it, or 'not triaged'",
+    )
+    parser.add_argument(
+        "--issue",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write the body of one tracking issue for the store's new findings (each as --report gives it) "
+        "to FILE, and nothing where there is none: a nightly's merge job posts it (docs/ci.md)",
     )
     parser.add_argument(
         "--sanitize",
@@ -158,12 +167,26 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         elsewhere = f"{len(hidden)} ledger entries for {devices}, where no run of the store ran, not listed"
         findings = [f for f in findings if f.id not in {h.id for h in hidden}]
     page = write_findings_page(findings, source, page_path, precision_lines(store.records), elsewhere)
+    if args.issue is not None:
+        _write_issue(args.issue, [f for f in findings if f.status == "new"], source, page_path)
     for f in findings:
         console.print(f"{f.status:8} {f.id}: {f.backends}; {f.worst}; {f.test or ''}", highlight=False, soft_wrap=True)
     if elsewhere:
         console.print(elsewhere, highlight=False)
     console.print(f"page: {page}", highlight=False)
     return 0
+
+
+def _write_issue(path: Path, new: list[UpstreamFinding], source: str, page: Path) -> None:
+    """The tracking issue's body: every new finding as an upstream issue's text, under one heading; an empty
+    file where there is none (a CI step posts only a file that holds something)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not new:
+        atomic_write_text(path, "")
+        return
+    head = [f"{len(new)} new finding{'s' * (len(new) != 1)} in {source} (the whole page: {page.name})", ""]
+    body = "\n\n---\n\n".join(issue_text(f) for f in new)
+    atomic_write_text(path, "\n".join(head) + "\n" + body + "\n")
 
 
 def _cause(finding: UpstreamFinding, causes: dict[str, str]) -> str:
