@@ -23,6 +23,7 @@ from kda_cases.files import atomic_write
 from kda_cases.sentinels import SENTINEL_GROWTH
 from kda_reports.environment import SUITE_BASELINE
 from kda_reports.findings import TIERS, VERDICTS, stale_known_issues
+from kda_reports.history import cell_history
 from kda_reports.precision import precision_costs
 from kda_reports.reach import MISSED, backend_coverage
 from kda_reports.regressions import GROUP, find_regressions, longest, nightly_groups, record_worst, sentinel_worst
@@ -337,6 +338,14 @@ def observations(records: pd.DataFrame) -> pd.DataFrame:
     return grouped.rename("cases").reset_index()
 
 
+def _history_table(store: Store) -> pd.DataFrame:
+    """The history, red cells first (reports/history.py)."""
+    history = cell_history(store)
+    return (
+        history.assign(_red=history["tonight"] != "red").sort_values(["_red", "backend", "check"]).drop(columns="_red")
+    )
+
+
 def status_line(last: pd.DataFrame, run: pd.Series, regressions: pd.DataFrame) -> tuple[str, bool]:
     """One sentence on the last complete run, and whether it is green: no failure, no error, no flag but
     "fixed"."""
@@ -439,6 +448,12 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
             f"<p class='note'>Worst error/limit per backend, case family and tensor against the median of up to "
             f"{window} earlier complete runs; growth flagged past {growth:g} times the median.</p>",
             _table(regressions, "regressions", code_columns=("repro",)),
+            "<h2>History per cell (backend, check, GPU model)</h2>",
+            "<p class='note'>Each cell over the judged runs: its status tonight, the nights in a row at it, the "
+            "last green night, the flips (flaky at 3 or more over the last 10 nights), and for a red cell the "
+            "night its streak began, what changed since it was green and the suite commits to bisect "
+            "(kda-conformance history).</p>",
+            _table(_history_table(store), "history"),
             f"<h2>Failures by tier, {which}</h2>",
             "<p class='note'>Failing and known records per backend and tier: broken (non-finite, a crash, a wrong "
             "shape or dtype, memory written that is not the kernel's), beyond the tolerance the library's own "

@@ -63,6 +63,10 @@ COMMANDS: tuple[Command, ...] = (
         "list the registered backends: envelope, libraries, declared precision, and whether each runs here",
     ),
     Command(
+        "history",
+        "each cell's status over the store's nights: streak, last green, flips, and what changed since green",
+    ),
+    Command(
         "diff",
         "what changed between two runs, by finding: verdicts and error/limit ratios (exit 1 on a new failure)",
     ),
