@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from kda_conformance.cli import main
 from kda_reports.history import cell_history, history_lines
@@ -116,3 +117,16 @@ def test_the_history_command_reads_and_updates_the_expected_file(tmp_path: Path,
     assert pd.read_csv(expected, keep_default_na=False).loc[0, "expected"] == "green"
     expected.write_text("backend,check,expected\n")
     assert main(["history", "--store", str(store), "--expected", str(expected)]) == 2
+
+
+@pytest.mark.slow
+def test_a_night_whose_cell_left_its_expected_status_fails(tmp_path: Path) -> None:
+    expected = tmp_path / "kda-expected.csv"
+    expected.write_text("backend,check,device,expected,reason\ntorch_chunk,budget,,red,a team's reason\n")
+    argv = ["nightly", "--store", str(tmp_path / "store"), "--device", "cpu", "--profile", "smoke", "--examples", "1",
+            "--backend", "torch_chunk", "--workers", "1", "--expected", str(expected)]  # fmt: skip
+    assert main(argv) == 1, "torch_chunk's budget cell is green, the file expects it red"
+    expected.write_text("backend,check,device,expected,reason\n")
+    assert main([*argv[:-2], "--expected", str(expected), "--run-id", "second"]) == 0
+    expected.write_text("backend,check\n")
+    assert main(argv) == 2

@@ -42,8 +42,10 @@ from kda_conformance.running.option_values import DEFAULT_CASE_TIMEOUT, PURPOSE_
 from kda_conformance.running.options import OPTIONS, add_options, pytest_argv
 from kda_conformance.running.quarantine import Quarantine
 from kda_conformance.running.stages import COMPILE_VARIABLE
+from kda_reports.history import cell_history, departures, read_expected
 from kda_reports.reach import backend_coverage, missed_lines
 from kda_reports.runfile import read_run, run_file
+from kda_reports.store import load_store
 
 CONFORMANCE = Path(__file__).resolve().parent.parent
 SUITES = ("test_properties.py", "test_serving.py", "test_corpus.py")
@@ -76,6 +78,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         profile="nightly",
         case_timeout=DEFAULT_CASE_TIMEOUT,
         notes={"backend": "default: every registered backend"},
+    )
+    parser.add_argument(
+        "--expected",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a team's expected-status file (kda-conformance history --expected): after the night, a cell that "
+        "left its expected status fails the night (exit 1) and is named",
     )
     parser.add_argument(
         "--workers",
@@ -124,6 +134,30 @@ def pytest_command(args: argparse.Namespace, run_id: str, workers: int | str | N
 
 
 def execute(args: argparse.Namespace, console: Console) -> int:
+    if args.expected is not None:  # read before the night: a bad file is a usage error, not a night's end
+        try:
+            read_expected(args.expected)
+        except (OSError, ValueError) as exc:
+            say(console, f"--expected: {exc}", "error:", "red")
+            return 2
+    code = _night(args, console)
+    return code if args.expected is None else _against_expected(args, console, code)
+
+
+def _against_expected(args: argparse.Namespace, console: Console, code: int) -> int:
+    """The night's code, failed where a cell of this run left the status the team expects of it."""
+    store = load_store(args.out)
+    history = cell_history(store)
+    if not store.judged_runs.empty:  # the backends of this night only: an earlier night's others are not tonight's
+        tonight = store.records[store.records["run_id"] == store.judged_runs["run_id"].iloc[-1]]
+        history = history[history["backend"].isin(tonight["backend"])]
+    left = departures(history, read_expected(args.expected))
+    for line in left:
+        say(console, line, "left its expected status:", "red")
+    return 1 if left and code == 0 else code
+
+
+def _night(args: argparse.Namespace, console: Console) -> int:
     try:  # the options are checked here, before a night of workers starts on them
         config = build_config(
             device=args.device,
