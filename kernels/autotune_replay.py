@@ -39,7 +39,16 @@ RECORD_VARIABLE = "KDA_AUTOTUNE_RECORD"  # a folder: each process writes the cho
 
 Choices = dict[str, dict[str, dict]]  # kernel -> key id (``key_id``) -> config
 
-_state: dict = {"installed": False, "choices": {}, "source": "", "replayed": 0, "told": set(), "pinned": {}}
+# pinned: the kernel launches pin (see pinned); window: the kernels launched inside ``launches``, or None.
+_state: dict = {
+    "installed": False,
+    "choices": {},
+    "source": "",
+    "replayed": 0,
+    "told": set(),
+    "pinned": {},
+    "window": None,
+}
 _seen: weakref.WeakSet = weakref.WeakSet()  # the autotuners this process ran, for recording
 _recorded_count = [0]
 
@@ -174,7 +183,7 @@ def install(choices: Choices, source: str = "") -> None:
         if not isinstance(self.cache, ReplayCache):
             self.cache = ReplayCache(self, self.cache)
         _seen.add(self)
-        if _state.get("window") is not None:
+        if _state["window"] is not None:
             _state["window"][kernel_name(self)] = list(self.configs)
         try:
             return original(self, *args, **kwargs)
@@ -200,10 +209,10 @@ def launches() -> Iterator[dict[str, list]]:
 
 @contextlib.contextmanager
 def pinned(kernel: str, config: dict) -> Iterator[None]:
-    """Within the block every launch of ``kernel`` (a name of ``autotuners_launched``) takes ``config`` (a
-    ``config_dict`` of one of its configs), whatever autotune chose or would choose; the other kernels keep
-    their choices. Every autotuner's chosen configs are set aside for the block and put back after it, so
-    the block launches nothing autotune chose for the pinned kernel, and no choice is tuned again after."""
+    """Within the block every launch of ``kernel`` (a name ``launches`` gave) takes ``config`` (a ``config_dict``
+    of one of its configs), whatever autotune chose or would choose; the other kernels keep their choices. The
+    pinned kernel's chosen configs are set aside for the block, and every autotuner's cache is as before after
+    it, so no choice is tuned again."""
     install(_state["choices"], _state["source"])
     kept = {tuner: dict(tuner.cache) for tuner in list(_seen)}
     for tuner in kept:
@@ -224,7 +233,7 @@ def uninstall() -> None:
 
     if _state["installed"]:
         Autotuner.run = _state.pop("original")
-    _state.update(installed=False, choices={}, source="", replayed=0, told=set(), pinned={})
+    _state.update(installed=False, choices={}, source="", replayed=0, told=set(), pinned={}, window=None)
 
 
 def activate(device: torch.device) -> str:

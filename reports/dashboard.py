@@ -23,7 +23,7 @@ from kda_cases.files import atomic_write
 from kda_cases.sentinels import SENTINEL_GROWTH
 from kda_reports.environment import SUITE_BASELINE
 from kda_reports.findings import TIERS, VERDICTS, stale_known_issues
-from kda_reports.history import cell_history
+from kda_reports.history import cell_history, red_first
 from kda_reports.precision import precision_costs
 from kda_reports.reach import MISSED, backend_coverage
 from kda_reports.regressions import GROUP, find_regressions, longest, nightly_groups, record_worst, sentinel_worst
@@ -338,14 +338,6 @@ def observations(records: pd.DataFrame) -> pd.DataFrame:
     return grouped.rename("cases").reset_index()
 
 
-def _history_table(store: Store) -> pd.DataFrame:
-    """The history, red cells first (reports/history.py)."""
-    history = cell_history(store)
-    return (
-        history.assign(_red=history["tonight"] != "red").sort_values(["_red", "backend", "check"]).drop(columns="_red")
-    )
-
-
 def status_line(last: pd.DataFrame, run: pd.Series, regressions: pd.DataFrame) -> tuple[str, bool]:
     """One sentence on the last complete run, and whether it is green: no failure, no error, no flag but
     "fixed"."""
@@ -453,7 +445,7 @@ def build_dashboard(store: Store, out: Path, window: int = 5, growth: float = 1.
             "last green night, the flips (flaky at 3 or more over the last 10 nights), and for a red cell the "
             "night its streak began, what changed since it was green and the suite commits to bisect "
             "(kda-conformance history).</p>",
-            _table(_history_table(store), "history"),
+            _table(red_first(cell_history(store)), "history"),
             f"<h2>Failures by tier, {which}</h2>",
             "<p class='note'>Failing and known records per backend and tier: broken (non-finite, a crash, a wrong "
             "shape or dtype, memory written that is not the kernel's), beyond the tolerance the library's own "

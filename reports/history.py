@@ -70,11 +70,16 @@ def cell_history(store: Store, window: int = 10) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
+def red_first(history: pd.DataFrame) -> pd.DataFrame:
+    """The cells red tonight first, then by backend, check and device (the terminal's and the dashboard's order)."""
+    order = history.assign(_green=history["tonight"] != RED).sort_values(["_green", "backend", "check", "device"])
+    return order.drop(columns="_green")
+
+
 def history_lines(history: pd.DataFrame) -> list[str]:
     """The history as a terminal prints it: the red cells first, the flaky ones marked."""
     lines = []
-    ordered = history.assign(_red=history["tonight"] != RED).sort_values(["_red", "backend", "check", "device"])
-    for row in ordered.itertuples():
+    for row in red_first(history).itertuples():
         night = "night" if row.streak == 1 else "nights"
         text = f"{row.backend} / {row.check} / {row.device or '-'}: {row.tonight} for {row.streak} {night}"
         text += f"; last green {row.last_green or 'never'}; {row.flips} flips" + (" (flaky)" if row.flaky else "")

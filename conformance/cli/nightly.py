@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pandas as pd
 from rich.console import Console
 
 from kda_cases.case import Case
@@ -134,24 +135,25 @@ def pytest_command(args: argparse.Namespace, run_id: str, workers: int | str | N
 
 
 def execute(args: argparse.Namespace, console: Console) -> int:
+    expected = None
     if args.expected is not None:  # read before the night: a bad file is a usage error, not a night's end
         try:
-            read_expected(args.expected)
+            expected = read_expected(args.expected)
         except (OSError, ValueError) as exc:
             say(console, f"--expected: {exc}", "error:", "red")
             return 2
     code = _night(args, console)
-    return code if args.expected is None else _against_expected(args, console, code)
+    return code if expected is None else _against_expected(args, expected, console, code)
 
 
-def _against_expected(args: argparse.Namespace, console: Console, code: int) -> int:
+def _against_expected(args: argparse.Namespace, expected: pd.DataFrame, console: Console, code: int) -> int:
     """The night's code, failed where a cell of this run left the status the team expects of it."""
     store = load_store(args.out)
     history = cell_history(store)
     if not store.judged_runs.empty:  # the backends of this night only: an earlier night's others are not tonight's
         tonight = store.records[store.records["run_id"] == store.judged_runs["run_id"].iloc[-1]]
         history = history[history["backend"].isin(tonight["backend"])]
-    left = departures(history, read_expected(args.expected))
+    left = departures(history, expected)
     for line in left:
         say(console, line, "left its expected status:", "red")
     return 1 if left and code == 0 else code
