@@ -128,3 +128,21 @@ def test_a_costly_check_runs_its_own_number_of_examples(tmp_path) -> None:
     assert done.returncode == 0, done.stdout[-3000:]
     assert count.read_text() == "2"
     assert get_check("autotune_configs").max_examples == 1
+
+
+@pytest.mark.slow
+def test_a_draw_the_check_cannot_run_on_is_replaced_and_none_at_all_is_a_skip(tmp_path) -> None:
+    """Seen on an H100: a 2^31 batch past the device's memory, and a first draw with no boundary to move, failed
+    their tests as errors; a draw the check does not apply to is now rejected and another drawn."""
+    from suite_paths import ENV, pytest_run
+
+    count = tmp_path / "count"
+    done = pytest_run(
+        "conformance/test_properties.py", "-k", "picky_probe or never_probe", "--kda-plugin", "kda_capped_check",
+        "--kda-backend", "torch_chunk", "--kda-profile", "cpu-nightly", "--kda-seed", "1", "-rs",
+        "--kda-out", str(tmp_path / "store"), env={**ENV, "KDA_TEST_CAPPED_COUNT": str(count)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert count.read_text() == "2"  # two draws of an even number of tokens ran, the odd ones were redrawn
+    assert "1 passed, 1 skipped" in done.stdout, done.stdout[-2000:]
+    assert "no case drawn for torch_chunk could run here; the last: check never_probe does not apply" in done.stdout

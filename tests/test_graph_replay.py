@@ -48,6 +48,21 @@ def test_the_second_batch_keeps_the_shapes_and_moves_a_boundary() -> None:
         moved_boundaries(Case(seq_lens=(1, 1), packed=True))
 
 
+def test_the_check_prepares_a_case_whose_boundary_can_move() -> None:
+    """Seen on an H100: the first case Hypothesis draws (one token) left no boundary to move."""
+    check, backend = get_check("graph_replay"), registry.get("torch_chunk")
+    for lengths, packed, expected in (
+        ((1,), False, (2, 1)),
+        ((1, 1), True, (2, 1)),
+        ((0, 1), True, (0, 1)),
+        ((1, 1, 1), True, (2, 1, 1)),
+    ):
+        prepared = check.prepare(Case(seq_lens=lengths, packed=packed), backend)
+        assert prepared.seq_lens == expected and prepared.packed, (lengths, prepared.seq_lens)
+        assert check.prepare(prepared, backend) == prepared
+        moved_boundaries(prepared)  # raises where nothing can move
+
+
 def test_it_runs_on_a_gpu_only_and_backends_declare_capture(tmp_path) -> None:
     check = get_check("graph_replay")
     backend = registry.get("torch_chunk")

@@ -73,9 +73,13 @@ def test_a_batch_that_would_not_fit_the_device_is_a_skip_saying_how_much(check, 
     assert skipped.verdict == "skip" and "needs about" in skipped.reason and "GiB" in skipped.reason, skipped
 
 
-def test_a_case_too_narrow_to_reach_the_threshold_is_a_skip(check, tmp_path, monkeypatch) -> None:
+def test_a_case_too_narrow_to_reach_the_threshold_gets_more_heads(check, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(offsets, "MAX_FILLER_TOKENS", 64)
-    case = Case(seq_lens=(40,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)  # 257 tokens of filler
+    case = Case(seq_lens=(40,), num_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16)  # 257 tokens of filler
+    backend = registry.get("torch_chunk")
+    wide = check.prepare(case, backend)
+    assert (wide.num_heads, wide.num_v_heads, wide.packed) == (5, 10, True)  # 52 tokens of filler, GVA kept
+    assert check.prepare(wide, backend) == wide
     run = Run(build_config(device="cpu", out=tmp_path), journal=False)
-    [skipped] = run_check(check, case, registry.get("torch_chunk"), CPU, {}, run)
-    assert skipped.verdict == "skip" and "too narrow a case" in skipped.reason, skipped
+    found = run_check(check, case, backend, CPU, {}, run)
+    assert found and all(f.verdict == "pass" for f in found), found

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 import pytest
-from hypothesis import event, given, settings, target
+from hypothesis import event, given, reject, settings, target
 from hypothesis import strategies as st
 from hypothesis.errors import FailedHealthCheck, Unsatisfiable
 
@@ -19,7 +19,7 @@ from kda_cases.coverage import axis_values
 from kda_conformance.checks._check import Check
 from kda_conformance.checks._registry import CHECKS, REFUSALS
 from kda_conformance.judging.judge import judge_for
-from kda_conformance.running.blame import fault_finding
+from kda_conformance.running.blame import NOT_APPLICABLE, fault_finding
 from kda_conformance.running.run import NOT_LAUNCHED, Run
 from kda_kernels.guard import BackendFault
 from kda_kernels.protocol import Backend
@@ -115,6 +115,11 @@ def check_test(check: Check) -> Callable[..., None]:
         if example in failed:
             fail(request, *failed[example])
         findings = kda_checked(check, drawn, backend)
+        if findings and all(f.observed == NOT_APPLICABLE for f in findings):
+            # The check cannot run on this draw on this device (a batch past 2^31 elements that does not fit its
+            # memory): recorded as a skip, and another example drawn.
+            not_applied[backend.name] = findings[0].reason
+            reject()
         measured = [f.worst for f in findings if f.errors is not None]
         if check.targets and profile.targeted and measured:
             # Climb toward the worst inputs: the largest error/limit ratio this backend shows (Hypothesis takes
@@ -128,6 +133,7 @@ def check_test(check: Check) -> Callable[..., None]:
             fail(request, findings, report)
 
     capped = [check.max_examples is None]
+    not_applied: dict[str, str] = {}  # per backend, why the check did not apply to the last draw it rejected
 
     @functools.wraps(test)
     def refusing_plugin_said(*args, **kwargs) -> None:
@@ -139,6 +145,9 @@ def check_test(check: Check) -> Callable[..., None]:
             test(*args, **kwargs)
             return
         except (FailedHealthCheck, Unsatisfiable):
+            said = not_applied.get(backend.name) if isinstance(backend, Backend) else None
+            if said is not None:
+                pytest.skip(f"no case drawn for {backend.name} could run here; the last: {said}")
             refused = REFUSALS.get(backend.name) if isinstance(backend, Backend) else None
             if refused is None:
                 raise

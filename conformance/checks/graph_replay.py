@@ -68,11 +68,15 @@ def plan(case: Case) -> dict[str, object]:
 
 
 def prepare(case: Case, backend: Backend) -> Case:
-    """Packed (a graph is replayed with new boundaries), two sequences at least, without checkpoints."""
-    if case.packed and case.num_seqs >= 2 and not case.checkpoints:
-        return case
+    """Packed (a graph is replayed with new boundaries), two sequences at least, a boundary that can move (the
+    first sequence given a second token where every sequence but the last holds one or none), without
+    checkpoints."""
     T = case.total_tokens
-    lengths = case.seq_lens if case.num_seqs >= 2 else (max(1, T // 2), max(1, T - T // 2))
+    lengths = list(case.seq_lens if case.num_seqs >= 2 else (max(1, T // 2), max(1, T - T // 2)))
+    if lengths[1:] + lengths[:1] == lengths and all(length <= 1 for length in lengths[:-1]):
+        lengths[0] = 2
+    if case.packed and tuple(lengths) == case.seq_lens and not case.checkpoints:
+        return case
     return case.replace(seq_lens=tuple(lengths), packed=True, checkpoints=())
 
 

@@ -36,8 +36,8 @@ THRESHOLD = 2**31  # elements: past it a 32-bit signed offset wraps
 # What the batch may take of the device's memory: the kernel's own scratch (a chunk kernel keeps a state per
 # chunk, T/64 x HV x K x V in float32) comes on top of the tensors.
 MEMORY_SHARE = 0.8
-# The longest filler it builds: a case of narrow heads (one head of 32) needs 64M tokens to pass 2^31, minutes
-# of a chunk kernel's time; such a case is a skip that says so, and wider draws reach the threshold.
+# The longest filler it builds: a case of narrow heads (one head of 32) would need 64M tokens to pass 2^31, minutes
+# of a chunk kernel's time; ``prepare`` widens such a case's heads instead.
 MAX_FILLER_TOKENS = 2**23
 
 
@@ -62,8 +62,16 @@ def planned_bytes(case: Case, filler: int) -> int:
 
 
 def prepare(case: Case, backend: Backend) -> Case:
-    """Packed (the filler is a sequence of the batch), without checkpoints."""
-    return case if case.packed and not case.checkpoints else case.replace(packed=True, checkpoints=())
+    """Packed (the filler is a sequence of the batch), without checkpoints, and wide enough that at most
+    ``MAX_FILLER_TOKENS`` tokens of filler pass the threshold: the heads multiplied (their ratio kept) where the
+    drawn ones are too few or too narrow."""
+    if not case.packed or case.checkpoints:
+        case = case.replace(packed=True, checkpoints=())
+    filler = filler_tokens(case)
+    if filler > MAX_FILLER_TOKENS:
+        factor = math.ceil(filler / MAX_FILLER_TOKENS)
+        case = case.replace(num_heads=case.num_heads * factor, num_v_heads=case.num_v_heads * factor)
+    return case
 
 
 def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
@@ -75,11 +83,6 @@ def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
 def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
     case, inputs = truth.case, truth.inputs
     filler = filler_tokens(case)
-    if filler > MAX_FILLER_TOKENS:
-        raise NotApplicable(
-            f"{filler} tokens of filler would be needed at {case.num_heads} heads of {case.head_k_dim} "
-            f"(more than {MAX_FILLER_TOKENS}): too narrow a case to pass {THRESHOLD} elements"
-        )
     batch_case = case.replace(seq_lens=(filler, *case.seq_lens), packed=True, checkpoints=())
     support = backend.supports(batch_case)
     if not support:

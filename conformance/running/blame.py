@@ -60,6 +60,11 @@ def _location(case: Case, fault: BackendFault) -> Location | None:
     return None
 
 
+# How a finding says the check did not apply to its case (a NotApplicable raised by the check): a drawn example
+# the pytest test rejects (Hypothesis draws another), where a fixed case's skip is the caller's to read.
+NOT_APPLICABLE = "check does not apply"
+
+
 class NotApplicable(ValueError):
     """A check cannot run on this case (a split point outside the sequence, a two-step prefill of one-token
     sequences): a skip of the check with the reason, never anyone's error."""
@@ -91,7 +96,8 @@ def blamed(judge: Judge, device: torch.device, run: Callable[[], list[Finding]])
     try:
         findings = run()
     except NotApplicable as exc:
-        findings = [judge.outcome("skip", f"check {judge.check} does not apply: {exc}")]
+        skipped = judge.outcome("skip", f"check {judge.check} does not apply: {exc}")
+        findings = [dataclasses.replace(skipped, observed=NOT_APPLICABLE)]
     except Unsupported as exc:
         findings = [judge.outcome("skip", str(exc))]
     except InvalidTruth as exc:  # the case's fault, not the backend's: recorded under the suite

@@ -21,3 +21,31 @@ register(
         get_check("determinism"), name="capped_probe", test_name="test_capped_probe", run=_counted, max_examples=2
     )
 )
+
+
+def _picky(truth, backend, params, judge):
+    """Applies to cases of an even number of tokens only, counting the ones it ran on."""
+    from kda_conformance.running.blame import NotApplicable
+
+    if truth.case.total_tokens % 2:
+        raise NotApplicable("an odd number of tokens")
+    return _counted(truth, backend, params, judge)
+
+
+def _never(truth, backend, params, judge):
+    from kda_conformance.running.blame import NotApplicable
+
+    raise NotApplicable("this device cannot hold it")
+
+
+# A check that does not apply to some draws (another is drawn) and one that applies to none (the test skips).
+register(
+    dataclasses.replace(
+        get_check("determinism"), name="picky_probe", test_name="test_picky_probe", run=_picky, max_examples=2
+    )
+)
+register(
+    dataclasses.replace(
+        get_check("determinism"), name="never_probe", test_name="test_never_probe", run=_never, max_examples=1
+    )
+)
