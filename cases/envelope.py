@@ -46,6 +46,8 @@ class Envelope:
     # Its call can be captured in a CUDA graph and replayed with new inputs and boundaries (no device-to-host
     # sync, nothing kept on the host per call): the graph-replay check holds it to that; others are only told.
     graph_capture: bool = False
+    # It has a backward pass (``Backend.run_backward``): the gradient checks hold it to the float64 gradients.
+    backward: bool = False
     max_tokens: int | None = None  # the longest case (total tokens) it should get
     devices: tuple[str, ...] = DEVICE_TYPES  # the device types it runs on
     # The dtypes g and beta may arrive in (cases/case.py GATE_DTYPES): FlashKDA takes its tokens' only.
@@ -69,6 +71,7 @@ class Envelope:
         "checkpoints": "False: takes no case with intermediate-state checkpoints",
         "host_metadata": "the sequence metadata its API takes from the host (FLA's cu_seqlens_cpu)",
         "graph_capture": "True: its call can be captured in a CUDA graph and replayed with new inputs and boundaries",
+        "backward": "True: it has a backward pass, whose gradients the gradient check holds to the float64 ones",
         "max_tokens": "the longest case (total tokens) it should get",
         "devices": "the device types it runs on: cpu, cuda",
         "gate_dtypes": "the dtypes g and beta may arrive in: same (the tokens'), fp32",
@@ -247,7 +250,7 @@ def shown(envelope: Envelope) -> dict[str, str]:
     for field in dataclasses.fields(Envelope):
         value, default = getattr(envelope, field.name), getattr(ANY, field.name)
         if value == default:
-            cells[field.name] = "any" if field.name not in ("host_metadata", "graph_capture") else "-"
+            cells[field.name] = "any" if field.name not in ("host_metadata", "graph_capture", "backward") else "-"
         elif isinstance(value, tuple) and field.name != "in_kernel_lower_bound":
             cells[field.name] = ", ".join(map(str, value)) or "-"
         elif field.name == "in_kernel_lower_bound":

@@ -53,6 +53,25 @@ def draw(spec: Any) -> dict[str, Any]:
             "cu_seqlens": cu}  # fmt: skip
 
 
+# Upstream gradients are drawn from a stream of their own, so that a case's inputs keep their bits.
+UPSTREAM_STREAM = 0x6772616473
+
+
+def upstream(spec: Any) -> dict[str, Any]:
+    """The upstream gradients a backward pass of the case is called with, on the CPU: ``d_o`` (of the outputs,
+    ``[B, T, HV, V]`` in the tokens' dtype) and ``d_final`` (of the final states, in the state's dtype and
+    layout), unit Gaussians."""
+    gen = torch.Generator(device="cpu").manual_seed(spec.seed ^ UPSTREAM_STREAM)
+    B = 1 if spec.packed else spec.num_seqs
+    T = spec.total_tokens if spec.packed else spec.seq_lens[0]
+    HV, K, V = spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
+    d_o = torch.randn(B, T, HV, V, generator=gen)
+    d_final = torch.randn(spec.num_seqs, HV, K, V, generator=gen)
+    if spec.state_v_first:
+        d_final = d_final.transpose(-1, -2).contiguous()
+    return {"d_o": d_o.to(DTYPES[spec.dtype]), "d_final": d_final.to(DTYPES[spec.state_dtype])}
+
+
 def _zero_rows(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gen: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -52,7 +52,9 @@ from kda_conformance.running.run import Run
 from kda_kernels import api, guard, registry, triton_interpret
 from kda_kernels.api import *  # noqa: F403  (the plugin face's names, re-exported: see __all__)
 from kda_kernels.api import Backend, BackendOutput, Envelope, KDAInputs, Support, stored
+from kda_kernels.backward import autograd_backward, fresh
 from kda_kernels.envelope import CHUNK_KDA
+from kda_reference.gradients import Gradients
 from kda_reports.findings import Finding
 
 # The plugin face's names (kda_kernels.api) and this module's own.
@@ -164,7 +166,7 @@ class CallableBackend(Backend):
             "that drops them computes another function than this case's"
         )
 
-    def run(self, inputs: KDAInputs) -> BackendOutput:
+    def _keywords(self, inputs: KDAInputs) -> dict[str, Any]:
         kwargs = {**inputs.kernel_kwargs(), **(inputs.host_metadata or {})}
         state = inputs.initial_state
         kwargs["initial_state"] = None if state is None else state.float()
@@ -172,11 +174,27 @@ class CallableBackend(Backend):
             kwargs = {key: value for key, value in kwargs.items() if key in self.named}
         if "safe_gate" in self.named or not self.signature:  # where it names it: older kernels have none
             kwargs["safe_gate"] = inputs.case.safe_gate
+        return kwargs
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        kwargs = self._keywords(inputs)
         with torch.inference_mode():
             o, final = self.function(
                 inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, output_final_state=True, **kwargs
             )
         return BackendOutput(o=o, final_state=stored(inputs.case, "final_state", final))
+
+    def run_backward(self, inputs: KDAInputs, d_o: torch.Tensor, d_final: torch.Tensor | None) -> Gradients:
+        """The function's own backward, through autograd: called as :meth:`run` calls it, outside inference
+        mode, on inputs that require gradients (with ``grad=True``, its envelope declares a backward pass)."""
+
+        def forward(leaves: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            kwargs = {name: fresh(x) for name, x in self._keywords(inputs).items()}
+            kwargs.update({name: leaves.get(name) for name in ("initial_state", "A_log", "dt_bias") if name in kwargs})
+            tokens = (leaves[name] for name in ("q", "k", "v", "g", "beta"))
+            return self.function(*tokens, output_final_state=True, **kwargs)
+
+        return autograd_backward(inputs, d_o, d_final, forward)
 
 
 def as_backend(kernel: Kernel, name: str | None = None, envelope: Envelope | None = None) -> Backend:
@@ -194,6 +212,14 @@ def as_backend(kernel: Kernel, name: str | None = None, envelope: Envelope | Non
         raise TypeError(f"kernel must be a callable with chunk_kda's signature, a Backend or a backend's name, "
                         f"got {type(kernel).__name__}")  # fmt: skip
     return CallableBackend(kernel, name, envelope)
+
+
+def with_backward(backend: Backend) -> Backend:
+    """A callable's backend declared to have a backward pass (its own autograd); any other backend as it is,
+    which declares its own (a registered one without a backward is then said to have none)."""
+    if isinstance(backend, CallableBackend) and not backend.envelope.backward:
+        return CallableBackend(backend.function, backend.name, dataclasses.replace(backend.envelope, backward=True))
+    return backend
 
 
 def _cases(cases: Case | Mapping | str | Iterable[Case | Mapping | str]) -> list[Case]:
@@ -231,13 +257,19 @@ def assert_conforms(
     params: Mapping[str, object] | None = None,
     device: str | torch.device | None = None,
     strict: bool = False,
+    grad: bool = False,
 ) -> list[Finding]:
     """Check ``kernel`` on ``cases`` with the suite's ``checks`` (``budget``: within the limits of the float64
     truth; any registered check, with its parameters in ``params``, e.g. ``checks=["split_resume"],
-    params={"at": 17}``) on ``device`` (default: a GPU if torch sees one). Returns every finding; raises
-    ``AssertionError`` with the suite's report when a check fails or errs (a warning too when ``strict``),
-    and ``ValueError`` for a case outside the kernel's envelope or a check's missing parameter."""
+    params={"at": 17}``) on ``device`` (default: a GPU if torch sees one). ``grad=True`` adds the ``gradients``
+    check: the kernel's backward through autograd, each gradient within its budget against the float64
+    gradients (a callable is declared to have one). Returns every finding; raises ``AssertionError`` with the
+    suite's report when a check fails or errs (a warning too when ``strict``), and ``ValueError`` for a case
+    outside the kernel's envelope or a check's missing parameter."""
     device = _device(device)
+    if grad:
+        kernel = with_backward(as_backend(kernel))
+        checks = (*checks, *(() if "gradients" in checks else ("gradients",)))
     findings, reports = conforms(kernel, cases, _run(str(device)), checks=checks, params=params, strict=strict)
     if reports:
         raise AssertionError("\n\n".join(reports))

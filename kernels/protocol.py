@@ -11,6 +11,7 @@ import torch
 from kda_cases.case import Case
 from kda_cases.envelope import ANY, Envelope
 from kda_cases.materialize import KDAInputs
+from kda_reference.gradients import Gradients
 
 
 @dataclass(frozen=True)
@@ -277,6 +278,10 @@ class Backend(ABC):
     # (vLLM's NULL_BLOCK_ID, the null slot), or both; the serving harness hands each case one of them. The
     # gather path for backends without ``run_paged`` drops padding entries itself, as vLLM's glue does.
     pad_slot_ids: tuple[int, ...] = (-1, 0)
+    # ``run_backward(inputs, d_o, d_final) -> Gradients`` (reference/gradients.py): the gradients of
+    # ``sum(o * d_o) + sum(final_state * d_final)`` with respect to every input of the call, in the inputs' dtypes
+    # and layouts, where ``envelope.backward`` declares a backward pass (the gradient check calls it).
+    run_backward: Callable[..., Gradients] | None = None
     # ``standalone_source(case) -> str``: the source of a ``call(q, k, v, g, beta, initial_state, cu_seqlens,
     # **kwargs)`` that needs only torch and the backend's own package, for `repro --write-test`.
     standalone_source: Callable[[Case], str] | None = None

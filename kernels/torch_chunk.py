@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import torch
 
-from kda_cases.dtypes import TORCH_DTYPES, stored
+from kda_cases.dtypes import GRADIENT_TENSORS, TORCH_DTYPES, stored, stored_dtype
+from kda_cases.envelope import Envelope
 from kda_cases.materialize import KDAInputs
-from kda_kernels.protocol import Backend, BackendOutput, Support, WorkingPrecision
+from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported, WorkingPrecision
 from kda_reference.chunked import DEFAULT_CHUNK, kda_chunked
+from kda_reference.gradients import Gradients, kda_gradients
 
 
 class TorchChunk(Backend):
     name = "torch_chunk"
     description = "pure-PyTorch chunked KDA in working precision (input-dtype operands, fp32 state): the baseline"
     produces_checkpoints = True
+    envelope = Envelope(backward=True)
 
     def __init__(
         self,
@@ -69,3 +72,24 @@ class TorchChunk(Backend):
             final_state=stored(case, "final_state", result.final_state),
             checkpoint_states=stored(case, "checkpoint_states", result.checkpoint_states),
         )
+
+    def run_backward(self, inputs: KDAInputs, d_o: torch.Tensor, d_final: torch.Tensor | None) -> Gradients:
+        """The same algebra's gradients at working precision (reference/gradients.py), each returned in its
+        input's dtype: the baseline the gradients' budgets scale."""
+        if self.carried_state_dtype is not None:
+            raise Unsupported("the baseline's backward keeps its state in float32: no carried state precision")
+        case = inputs.case
+        found = kda_gradients(
+            inputs.q,
+            inputs.k,
+            inputs.v,
+            inputs.g,
+            inputs.beta,
+            inputs.options,
+            d_o,
+            d_final,
+            working_dtype=TORCH_DTYPES[case.dtype],
+            chunk_size=self.chunk_size,
+            tf32_dots=self.tf32_dots,
+        )
+        return Gradients(**{name: x.to(stored_dtype(case, GRADIENT_TENSORS[name])) for name, x in found.items()})

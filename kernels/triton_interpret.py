@@ -315,6 +315,17 @@ def _patch_builtin_aliases() -> None:
     interpreter._patch_lang = patch_lang_and_aliases
 
 
+def _patch_safe_gate_precision() -> None:
+    """FLA's safe-gate backward asks its diagonal dots for ``bf16x3`` on Triton 3.6 and later, a precision the
+    interpreter's dot refuses (it takes tf32, tf32x3 and ieee); the interpreter computes every dot in numpy's
+    float32 whatever it is asked, so ``ieee`` is what it computes anyway."""
+    import fla.ops.kda.chunk_intra as intra
+    import triton.language as tl
+
+    if getattr(intra, "SAFE_GATE_DOT_PRECISION", None) is not None:
+        intra.SAFE_GATE_DOT_PRECISION = tl.constexpr("ieee")
+
+
 # The workarounds by what they patch: Triton itself (applied by enable()) and FLA's modules (patch_fla()).
 TRITON_PATCHES = {
     "autotune": _patch_autotune,
@@ -322,4 +333,4 @@ TRITON_PATCHES = {
     "bf16_round": _patch_bf16_round,
     "builtin_alias": _patch_builtin_aliases,
 }
-FLA_PATCHES = {"loop_index": _patch_loop_index}
+FLA_PATCHES = {"loop_index": _patch_loop_index, "safe_gate_precision": _patch_safe_gate_precision}

@@ -18,6 +18,7 @@ from kda_conformance.checks import (
     checkpoint,
     cu_seqlens,
     determinism,
+    gradients,
     graph_replay,
     host_metadata,
     host_syncs,
@@ -51,5 +52,6 @@ for module in (
     offsets_past_2_31,
     graph_replay,
     padded_tail,
+    gradients,
 ):
     register(module.CHECK)

@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 
 from kda_cases.case import Case
-from kda_cases.dtypes import CHECKED_TENSORS
+from kda_cases.dtypes import CHECKED_TENSORS, PARAMETER_GRADIENTS, TOKEN_TENSORS
 from kda_reports.findings import Errors, Location
 
 CURVE_CHUNK = 64
@@ -39,8 +39,10 @@ class Measurement:
     per_index: torch.Tensor | None = None
 
 
-def measure(name: str, got: torch.Tensor | None, want: torch.Tensor) -> Measurement:
-    """Error metrics of ``got`` against the float64 ``want``; a missing or misshapen tensor is flagged."""
+def measure(name: str, got: torch.Tensor | None, want: torch.Tensor, scale_rms: float = 0.0) -> Measurement:
+    """Error metrics of ``got`` against the float64 ``want``; a missing or misshapen tensor is flagged. Rel-RMS
+    divides by the larger of ``want``'s RMS and ``scale_rms`` (a gradient whose terms cancel is measured against
+    its terms: conformance/running/gradient_truth.py)."""
     if got is None:
         return Measurement(name, Errors(math.inf, math.inf, math.inf, 0, False, "backend returned no tensor"))
     if tuple(got.shape) != tuple(want.shape):
@@ -52,16 +54,20 @@ def measure(name: str, got: torch.Tensor | None, want: torch.Tensor) -> Measurem
     finite = torch.isfinite(raw)
     # NaN must never slip through a comparison: non-finite entries count as infinite error.
     diff = torch.where(finite, raw, torch.full_like(raw, math.inf))
-    ref_rms = float(want.pow(2).mean().sqrt()) if want.numel() else 0.0
+    ref_rms = max(float(want.pow(2).mean().sqrt()) if want.numel() else 0.0, scale_rms)
     max_abs = float(diff.max()) if diff.numel() else 0.0
     err_rms = float(diff.pow(2).mean().sqrt()) if diff.numel() else 0.0
     tiny = torch.finfo(torch.float64).tiny
     # Per index, a non-finite value stays NaN so that it is "bad" against any limit, infinite ones included.
     located = torch.where(finite, raw, torch.full_like(raw, math.nan))
-    per_index = located.amax(dim=-1) if name == "o" else located.flatten(2).amax(dim=-1)
+    per_index: torch.Tensor | None = None  # a parameter's gradient is shared by every token: no place to name
+    if name == "dbeta":  # [B, T, HV] already
+        per_index = located
+    elif name not in PARAMETER_GRADIENTS:
+        per_index = located.amax(dim=-1) if name in TOKEN_TENSORS else located.flatten(2).amax(dim=-1)
     curve: tuple[float, ...] = ()
     if name == "o" and diff.numel():
-        per_token = per_index.amax(dim=-1).flatten()  # batch rows laid end to end
+        per_token = located.amax(dim=-1).amax(dim=-1).flatten()  # batch rows laid end to end
         pad = (-per_token.numel()) % CURVE_CHUNK
         padded = torch.cat([per_token, per_token.new_zeros(pad)])
         curve = tuple(padded.view(-1, CURVE_CHUNK).nan_to_num(nan=math.inf).amax(dim=-1).tolist())
@@ -73,7 +79,7 @@ def measure(name: str, got: torch.Tensor | None, want: torch.Tensor) -> Measurem
         shape_ok=True,
         curve=curve,
     )
-    return Measurement(name, errors, per_index.cpu())
+    return Measurement(name, errors, None if per_index is None else per_index.cpu())
 
 
 def measure_result(case: Case, truth: Tensors, result: Tensors) -> list[Measurement]:
@@ -100,8 +106,9 @@ def locate_largest(case: Case, measurement: Measurement) -> Location | None:
 
 
 def locate(case: Case, measurement: Measurement, limit: float) -> Location | None:
-    """Where the error first exceeds ``limit``: a token and head of a sequence (outputs) or a sequence and
-    head (states); sequences in order, then tokens in order within a sequence; None when nothing does."""
+    """Where the error first exceeds ``limit``: a token and head of a sequence (outputs, and the gradients of
+    token tensors) or a sequence and head (states, the initial state's gradient); sequences in order, then tokens
+    in order within a sequence; None when nothing does."""
     if measurement.per_index is None:
         return None
     bad = ~(measurement.per_index <= limit)  # NaN marks a non-finite value: bad whatever the limit
@@ -112,7 +119,7 @@ def locate(case: Case, measurement: Measurement, limit: float) -> Location | Non
         n = int(hits[0, 0])
         seq, position = case.checkpoints[n]
         return Location(sequence=seq, token=position, head=int(hits[0, 1]), checkpoint=n)
-    if measurement.tensor != "o":
+    if measurement.tensor not in TOKEN_TENSORS:
         hits = bad.nonzero()
         return Location(sequence=int(hits[0, 0]), head=int(hits[0, 1])) if len(hits) else None
     for seq, (row, start, end) in enumerate(case.row_spans):

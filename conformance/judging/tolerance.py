@@ -38,7 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kda_cases.case import Case
-from kda_cases.dtypes import UNIT_ROUNDOFF, stored_dtype_name
+from kda_cases.dtypes import PARAMETER_GRADIENTS, UNIT_ROUNDOFF, stored_dtype_name
 from kda_conformance.judging.metrics import Measurement, Tensors
 from kda_reports.findings import Budget, Errors, Limit
 
@@ -92,24 +92,35 @@ def derive_budget(
     rule: BudgetRule = DEFAULT_RULE,
     elements: int = 1,
     declared_roundoff: float = 0.0,
+    terms_max_abs: float = 0.0,
+    stored_share: float = 1.0,
 ) -> Budget:
     """Apply the rule to one tensor, given the baseline's errors on it, the reference's largest magnitude
     and the tensor's number of elements (the max-abs floor covers the largest of that many errors). A
     ``declared_roundoff`` (a backend's declared working precision: the unit roundoff of its state's dtype or
-    of its TF32 dots) is part of the working precision the cap is taken from."""
+    of its TF32 dots) is part of the working precision the cap is taken from.
+
+    A tensor computed as a sum of larger terms that cancel (a gradient of the gate) gives their largest
+    magnitude ``terms_max_abs``: the accumulation's share of the floor, and the cap, scale with it, while
+    storing the result costs only its own magnitude; ``stored_share`` is the tensor's RMS over the RMS its
+    rel-RMS is taken against (the terms', where larger), which the stored-dtype share of the rel-RMS floor
+    is scaled by."""
     stored = UNIT_ROUNDOFF[stored_dtype_name(case, tensor)]
     working = max(UNIT_ROUNDOFF[case.dtype], stored, declared_roundoff)
     # A state stored in float32 is computed from intermediates kept in the input dtype: no correct kernel is
     # held below a quarter of that dtype's unit roundoff.
     resolution = max(stored, rule.working_fraction * working)
-    growth = math.sqrt(max(case.seq_lens) + LARGEST_CHUNK) * UNIT_ROUNDOFF["fp32"]
-    floor_rel_rms = rule.floor_ulps * resolution + rule.floor_lambda * growth
+    # A parameter's gradient (A_log, dt_bias) sums over every token of every sequence, not one sequence's.
+    steps = case.total_tokens if tensor in PARAMETER_GRADIENTS else max(case.seq_lens)
+    growth = math.sqrt(steps + LARGEST_CHUNK) * UNIT_ROUNDOFF["fp32"]
+    floor_rel_rms = rule.floor_ulps * resolution * stored_share + rule.floor_lambda * growth
     lambda_max = math.sqrt(rule.floor_lambda**2 + 2 * math.log(max(elements, 1)))
-    floor_max_abs = (rule.floor_ulps * resolution + lambda_max * growth) * reference_max_abs
+    magnitude = max(reference_max_abs, terms_max_abs)
+    floor_max_abs = rule.floor_ulps * resolution * reference_max_abs + lambda_max * growth * magnitude
     cap = math.sqrt(working)
     return Budget(
         tensor,
-        _limit("max_abs", rule.max_abs_factor, baseline.max_abs, floor_max_abs, cap * reference_max_abs),
+        _limit("max_abs", rule.max_abs_factor, baseline.max_abs, floor_max_abs, cap * magnitude),
         _limit("rel_rms", rule.rel_rms_factor, baseline.rel_rms, floor_rel_rms, cap),
     )
 

@@ -20,9 +20,11 @@ from kda_cases.dtypes import stored
 from kda_cases.envelope import Envelope
 from kda_cases.materialize import KDAInputs
 from kda_kernels import triton_interpret
+from kda_kernels.backward import autograd_backward, fresh
 from kda_kernels.envelope import CHUNK_KDA, MAX_HEAD_K_DIM
 from kda_kernels.libraries import FLA
 from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported, WorkingPrecision
+from kda_reference.gradients import Gradients
 
 # What importing and calling FLA sets in the environment (Backend.sets_environment): the suite's switch to
 # its Triton path, the interpreter on a CPU, and the fp32 dot precision fla/utils/hardware.py sets at import
@@ -94,7 +96,7 @@ def call(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs):
 class FlaChunk(Backend):
     name = "fla_chunk"
     description = "fla.ops.kda.chunk_kda, the Triton chunk pipeline (dispatch to FlashKDA disabled)"
-    envelope = CHUNK_KDA.narrowed(host_metadata=("cu_seqlens_cpu",))
+    envelope = CHUNK_KDA.narrowed(host_metadata=("cu_seqlens_cpu",), backward=True)
     libraries = (FLA,)
     sets_environment = FLA_ENVIRONMENT
     working_precision = TF32_DOTS
@@ -144,6 +146,23 @@ class FlaChunk(Backend):
                 **kwargs,
             )
         return BackendOutput(o=o, final_state=stored(inputs.case, "final_state", final))
+
+    def run_backward(self, inputs: KDAInputs, d_o: torch.Tensor, d_final: torch.Tensor | None) -> Gradients:
+        """chunk_kda's own backward (``ChunkKDAFunction.backward``), through autograd."""
+        support = self.supports(inputs.case)
+        if not support:
+            raise Unsupported(support.reason)
+        kda = _import_fla_kda(inputs.device)
+
+        def forward(leaves: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            kwargs = {name: fresh(x) for name, x in {**inputs.kernel_kwargs(), **(inputs.host_metadata or {})}.items()}
+            kwargs.update({name: leaves.get(name) for name in ("initial_state", "A_log", "dt_bias")})
+            tokens = (leaves[name] for name in ("q", "k", "v", "g", "beta"))
+            return kda.chunk_kda(
+                *tokens, output_final_state=True, safe_gate=inputs.case.safe_gate, chunk_size=self.chunk_size, **kwargs
+            )
+
+        return autograd_backward(inputs, d_o, d_final, forward)
 
 
 class FlaRecurrent(Backend):

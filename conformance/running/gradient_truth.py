@@ -1,0 +1,173 @@
+"""What a backward pass on a case is measured against: the upstream gradients it is called with, the float64
+gradients, and the budgets of each gradient from the working-precision baseline's backward (docs/tolerance.md,
+"Gradients")."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from kda_cases import seeded
+from kda_cases.case import Case
+from kda_cases.dtypes import GRADIENT_TENSORS
+from kda_cases.materialize import KDAInputs
+from kda_conformance.judging.metrics import Measurement, measure
+from kda_conformance.judging.tolerance import DEFAULT_RULE, BudgetRule, InvalidTruth, derive_budget
+from kda_conformance.running.stages import CLOCK
+from kda_kernels.protocol import WorkingPrecision
+from kda_kernels.torch_chunk import TorchChunk
+from kda_reference.gradients import Gradients, kda_gradients
+from kda_reports.findings import Budget
+
+# The chunk sizes the baseline's backward runs at; a gradient's budget scales the largest error among them. A
+# gradient is a long sum of terms that cancel (dg, and dA_log and dt_bias its sums over tokens, most of all with
+# strong gates and correlated keys): the baseline at one chunk size understates what a correct kernel that
+# chunks otherwise costs (in the ci profile's case T65 fp32 H2/6 K60V32 sp strong, correlated keys 0.99, the
+# baseline's algebra at chunk 128 was 3.7 times chunk 64's dg limit and 38 times its dA_log limit).
+BASELINE_CHUNKS = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class GradientTruth:
+    """The upstream gradients of one case, its float64 gradients by tensor name (``dq``, ``dh0``...) and
+    their budgets."""
+
+    case: Case
+    d_o: torch.Tensor  # [B, T, HV, V], the tokens' dtype
+    d_final: torch.Tensor  # the final states' shape, layout and dtype
+    reference: dict[str, torch.Tensor]
+    budgets: dict[str, Budget]
+    seconds: float
+    precision: WorkingPrecision | None = None
+    # Per gradient, the (max-abs, RMS) magnitude of the terms it sums, where those are larger than itself
+    # (:func:`term_scales`): what its budgets and its rel-RMS are taken relative to.
+    scales: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+
+    def measure(self, name: str, got: torch.Tensor | None) -> Measurement:
+        """``got`` against the float64 gradient ``name``, its rel-RMS relative to its scale."""
+        return measure(name, got, self.reference[name], self.scales.get(name, (0.0, 0.0))[1])
+
+
+def upstream_gradients(inputs: KDAInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The case's upstream gradients ``d_o`` and ``d_final`` (cases/seeded.py ``upstream``) on its device."""
+    drawn = seeded.upstream(inputs.case)
+    return drawn["d_o"].to(inputs.device), drawn["d_final"].to(inputs.device)
+
+
+def by_tensor(gradients: Gradients) -> dict[str, torch.Tensor]:
+    """``{"dq": ..., "dh0": ...}``: each gradient under the name reports give it."""
+    return {GRADIENT_TENSORS[name]: grad for name, grad in gradients.items()}
+
+
+def gradient_truth(
+    inputs: KDAInputs, rule: BudgetRule = DEFAULT_RULE, precision: WorkingPrecision | None = None
+) -> GradientTruth:
+    """The float64 gradients of ``inputs`` and each gradient's budgets by the forward's rule, the baseline being
+    the working-precision backward at each of ``BASELINE_CHUNKS`` (at ``precision`` where a backend declares one,
+    with the strict budget kept beside it)."""
+    case, device = inputs.case, inputs.device
+    d_o, d_final = upstream_gradients(inputs)
+    args = (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.options, d_o, d_final)
+    with CLOCK.stage("reference", device) as lap:
+        reference = by_tensor(kda_gradients(*args))
+    with CLOCK.stage("baseline", device):
+        strict = [by_tensor(TorchChunk(chunk).run_backward(inputs, d_o, d_final)) for chunk in BASELINE_CHUNKS]
+        declared = []
+        if precision is not None:
+            for chunk in BASELINE_CHUNKS:
+                baseline = TorchChunk(chunk, tf32_dots=TorchChunk.at_precision(precision).tf32_dots)
+                declared.append(by_tensor(baseline.run_backward(inputs, d_o, d_final)))
+    with CLOCK.stage("compare", device):
+        scales = term_scales(inputs, reference)
+        budgets = _budgets(case, reference, strict, scales, rule)
+        if declared and precision is not None:
+            at = _budgets(case, reference, declared, scales, rule, precision.unit_roundoff)
+            budgets = {
+                name: dataclasses.replace(at[name], precision=precision.label, strict=budgets[name]) for name in at
+            }
+    return GradientTruth(case, d_o, d_final, reference, budgets, lap.seconds, precision, scales)
+
+
+def term_scales(inputs: KDAInputs, reference: dict[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
+    """The (max-abs, RMS) magnitude of the terms the gate's gradients sum, for dg, dA_log and ddt_bias.
+
+    A chunk kernel forms the gradient of the cumulative log decay as ``q * dq - k * dk`` plus the delta rule's
+    terms and sums it back over the chunk (FLA's and GLA's backward): where a gate has little effect the terms
+    cancel and the gradient is far smaller than they are (exactly zero for the gate of a sequence's first token
+    from a zero state), and a correct kernel's error is the terms' rounding, not a fraction of the small
+    result. So these gradients are measured against their terms, ``max(|q * dq|, |k * dk|)`` times the gate's
+    own derivative (with respect to its input, A_log or dt_bias), token by token, where those are the larger."""
+    q, k = inputs.q.double(), inputs.k.double()
+    terms = torch.maximum((q * reference["dq"]).abs(), (k * reference["dk"]).abs())
+    group = inputs.v.shape[2] // q.shape[2]
+    terms = terms.repeat_interleave(group, dim=2)  # per value head, as the gate is
+    scales = {}
+    for name, factor in _gate_derivatives(inputs).items():
+        if name in reference:
+            product = terms * factor.abs()  # each term of the gradient, elementwise
+            scales[name] = (float(product.max()), float(product.pow(2).mean().sqrt())) if product.numel() else (0, 0)
+    return scales
+
+
+def _gate_derivatives(inputs: KDAInputs) -> dict[str, torch.Tensor]:
+    """Per token, the derivative of the log decay with respect to the gate's input (dg), and where the gate is
+    computed in the kernel to A_log and dt_bias, in float64 (reference/preprocess.py's forms)."""
+    case = inputs.case
+    x = inputs.g.double()
+    if not case.gate_in_kernel:
+        return {"dg": torch.ones_like(x)}
+    HV, K = x.shape[-2], x.shape[-1]
+    if inputs.dt_bias is not None:
+        x = x + inputs.dt_bias.double().reshape(HV, K)
+    rate = None if inputs.A_log is None else torch.exp(inputs.A_log.double()).reshape(HV, 1)
+    if case.lower_bound is None:  # -rate * softplus(x)
+        assert rate is not None
+        by_input = -rate * torch.sigmoid(x)
+        by_A_log = -rate * torch.nn.functional.softplus(x)
+    else:  # lb * sigmoid(rate * x)
+        z = x if rate is None else rate * x
+        slope = case.lower_bound * torch.sigmoid(z) * (1 - torch.sigmoid(z))
+        by_input = slope if rate is None else slope * rate
+        by_A_log = slope * z
+    return {"dg": by_input, "ddt_bias": by_input, "dA_log": by_A_log}
+
+
+def _budgets(
+    case: Case,
+    reference: dict[str, torch.Tensor],
+    baselines: list[dict[str, torch.Tensor]],
+    scales: dict[str, tuple[float, float]],
+    rule: BudgetRule,
+    declared_roundoff: float = 0.0,
+) -> dict[str, Budget]:
+    """Each gradient's budget from the larger of the baselines' errors (one per chunk size), relative to the
+    larger of its own magnitude and its terms' (``scales``)."""
+    budgets = {}
+    for name, want in reference.items():
+        if not bool(want.isfinite().all()):
+            raise InvalidTruth(f"case {case.id}: the float64 gradient {name} holds non-finite values")
+        scale_max, scale_rms = scales.get(name, (0.0, 0.0))
+        measured = [measure(name, baseline[name], want, scale_rms).errors for baseline in baselines]
+        if any(errors.nonfinite for errors in measured):
+            raise InvalidTruth(f"case {case.id}: the baseline's gradient {name} is not finite: no budget from it")
+        errors = dataclasses.replace(
+            measured[0],
+            max_abs=max(e.max_abs for e in measured),
+            rel_rms=max(e.rel_rms for e in measured),
+        )
+        ref_max = float(want.abs().max()) if want.numel() else 0.0
+        ref_rms = float(want.pow(2).mean().sqrt()) if want.numel() else 0.0
+        budgets[name] = derive_budget(
+            case,
+            name,
+            errors,
+            ref_max,
+            rule,
+            elements=want.numel(),
+            declared_roundoff=declared_roundoff,
+            terms_max_abs=scale_max,
+            stored_share=ref_rms / max(ref_rms, scale_rms) if ref_rms > 0 else 0.0,
+        )
+    return budgets

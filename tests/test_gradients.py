@@ -1,0 +1,203 @@
+"""Gradients against float64 (reference/gradients.py, the gradients check, ``assert_conforms(grad=True)``).
+
+The float64 gradients are held to finite differences of the forward reference (a separate piece of code), the
+two float64 forms to each other within 1e-10, and segmenting to no change; a planted backward bug per gradient
+is caught by the gradients check and named, and the correct backward (the baseline, and the baseline at other
+chunk sizes) passes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from suite_paths import import_plugin
+
+from kda_cases.case import Case
+from kda_cases.dtypes import GRADIENT_TENSORS, stored_dtype
+from kda_cases.materialize import KDAOptions, materialize
+from kda_conformance.checks import get_check, run_check
+from kda_conformance.running.config import RunConfig
+from kda_conformance.running.gradient_truth import gradient_truth, upstream_gradients
+from kda_conformance.running.run import Run
+from kda_conformance.testing import assert_conforms
+from kda_kernels import registry
+from kda_reference.chunked import kda_chunked
+from kda_reference.gradients import differentiable_forward, kda_gradients
+
+CPU = torch.device("cpu")
+SMALL = dict(head_k_dim=16, head_v_dim=8)
+# One case per axis a gradient depends on: packed with an empty member, initial states, GVA, each gate form,
+# no l2norm or sigmoid in the kernel, a V-first state, a scale, fp16 tokens with fp32 gates.
+CASES = [
+    Case(seq_lens=(37,), dtype="fp32", **SMALL),
+    Case(seq_lens=(20, 0, 45), packed=True, initial_state="random", gate="log", lower_bound=None, safe_gate=False,
+         **SMALL),
+    Case(seq_lens=(70,), gate="softplus", lower_bound=None, safe_gate=False, l2norm_in_kernel=False,
+         beta_sigmoid_in_kernel=False, num_heads=1, num_v_heads=2, state_layout="v_first", initial_state="large",
+         dtype="fp16", gate_dtype="fp32", scale=0.3, **SMALL),
+    Case(seq_lens=(33, 33), gate_regime="strong", initial_state="random", **SMALL),
+]  # fmt: skip
+
+
+def arguments(case: Case) -> tuple:
+    x = materialize(case)
+    d_o, d_final = upstream_gradients(x)
+    return (x.q, x.k, x.v, x.g, x.beta, x.options, d_o, d_final)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
+def test_the_two_float64_forms_agree_and_segments_change_nothing(case: Case) -> None:
+    args = arguments(case)
+    loop = kda_gradients(*args, form="loop")
+    chunked = kda_gradients(*args)
+    segmented = kda_gradients(*args, chunk_size=16, segment_tokens=24)
+    names = [name for name, _ in loop.items()]
+    assert names == [name for name, _ in chunked.items()]
+    assert ("initial_state" in names) == case.has_initial_state and ("A_log" in names) == case.gate_in_kernel
+    for name, want in loop.items():
+        scale = float(want.abs().max())
+        for other in (chunked, segmented):
+            got = getattr(other, name)
+            assert got.dtype == torch.float64 and got.shape == want.shape
+            assert float((got - want).abs().max()) <= 1e-10 * max(scale, 1.0), name
+
+
+@pytest.mark.parametrize("case", CASES[1:3], ids=lambda c: c.label)
+def test_the_gradients_are_the_forward_references_finite_differences(case: Case) -> None:
+    """Directional derivatives of the forward reference (reference/chunked.py, no autograd) by central
+    differences in float64, against the gradients' inner product with the same direction."""
+    q, k, v, g, beta, options, d_o, d_final = arguments(case)
+    grads = kda_gradients(q, k, v, g, beta, options, d_o, d_final)
+    f64 = {name: x.double() for name, x in dict(q=q, k=k, v=v, g=g, beta=beta).items()}
+    extras = {name: getattr(options, name) for name in ("initial_state", "A_log", "dt_bias")}
+    f64.update({name: x.double() for name, x in extras.items() if x is not None})
+    gen = torch.Generator().manual_seed(7)
+    for name, grad in grads.items():
+        direction = torch.randn(grad.shape, generator=gen, dtype=torch.float64)
+
+        def loss(step: float, name: str = name, direction: torch.Tensor = direction) -> float:
+            moved = {**f64, name: f64[name] + step * direction}
+            given = {key: moved[key] for key in extras if extras[key] is not None}
+            result = kda_chunked(
+                moved["q"], moved["k"], moved["v"], moved["g"], moved["beta"], dataclasses.replace(options, **given)
+            )
+            return float((result.o * d_o.double()).sum() + (result.final_state * d_final.double()).sum())
+
+        h = 1e-6
+        numeric = (loss(h) - loss(-h)) / (2 * h)
+        analytic = float((grad * direction).sum())
+        assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), (name, numeric, analytic)
+
+
+def test_the_baseline_backward_rounds_where_a_kernel_stores_and_sets_budgets() -> None:
+    case = Case(seq_lens=(70, 30), packed=True, initial_state="random", dtype="bf16", **SMALL)
+    x = materialize(case)
+    truth = gradient_truth(x)
+    assert set(truth.reference) == {GRADIENT_TENSORS[n] for n in ("q", "k", "v", "g", "beta", "initial_state",
+                                                                  "A_log", "dt_bias")}  # fmt: skip
+    baseline = registry.get("torch_chunk").run_backward(x, truth.d_o, truth.d_final)
+    for name, grad in baseline.items():
+        tensor = GRADIENT_TENSORS[name]
+        assert grad.dtype == stored_dtype(case, tensor), name
+        error = float((grad.double() - truth.reference[tensor]).abs().max())
+        assert 0 < error <= truth.budgets[tensor].max_abs.value, name  # it rounds, and within its own limits
+    assert truth.budgets["dh0"].max_abs.value < truth.budgets["dq"].max_abs.value * 100
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    import_plugin("kda_planted_backward")
+    return Run(RunConfig(device=CPU, backends=(), out=tmp_path_factory.mktemp("grad")), journal=False)
+
+
+# A case that reaches every planted backward bug: two chunks, two sequences, initial states, the gate and
+# beta's sigmoid in the kernel.
+REACHES_ALL = Case(seq_lens=(70, 30), packed=True, initial_state="random", gate="softplus", lower_bound=None,
+                   safe_gate=False, **SMALL)  # fmt: skip
+
+
+def test_a_planted_backward_bug_per_gradient_is_caught_and_named(run: Run) -> None:
+    zoo = import_plugin("kda_planted_backward").BACKWARD_ZOO
+    assert sorted(gradient for _, gradient in zoo.values()) == sorted(GRADIENT_TENSORS.values())
+    check = get_check("gradients")
+    for name, (_, gradient) in zoo.items():
+        findings = run_check(check, REACHES_ALL, registry.get(name), CPU, {}, run)
+        failed = {f.tensor for f in findings if f.failed}
+        assert failed and gradient in failed, (name, failed)
+        first = next(f for f in findings if f.tensor == gradient)
+        if gradient not in ("dA_log", "ddt_bias", "dh0"):  # per token: a (sequence, token, head) is named
+            assert first.first_bad is not None and first.first_bad.token is not None, (name, first.first_bad)
+
+
+@pytest.mark.parametrize("backend", ["torch_chunk", "correct_chunk16", "correct_chunk32", "correct_chunk128"])
+def test_the_correct_backward_and_other_chunk_sizes_pass(run: Run, backend: str) -> None:
+    import_plugin("kda_correct_variants")
+    findings = run_check(get_check("gradients"), REACHES_ALL, registry.get(backend), CPU, {}, run)
+    assert {f.tensor for f in findings if f.tensor} == set(GRADIENT_TENSORS.values())
+    assert all(f.verdict == "pass" for f in findings), [f for f in findings if f.verdict != "pass"]
+    [repeated] = [f for f in findings if not f.tensor]
+    assert repeated.observed == "equal" and "poisoned scratch" in repeated.subject
+    subjects = {f.subject for f in findings}
+    assert {"sequence 0 dq alone", "sequence 1 dh0 alone"} <= subjects, subjects
+    resumed = run_check(get_check("gradients"), REACHES_ALL.replace(seq_lens=(70, 70), packed=False),
+                        registry.get(backend), CPU, {}, run)  # fmt: skip
+    assert {f.subject for f in resumed} >= {"dq resumed at token 35", "dh0 resumed at token 35",
+                                            "ddt_bias resumed at token 35"}  # fmt: skip
+    assert all(f.verdict == "pass" for f in resumed), [f for f in resumed if f.verdict != "pass"]
+
+
+def test_a_backward_that_varies_warns_and_one_that_reads_scratch_fails(run: Run) -> None:
+    check = get_check("gradients")
+    fp32 = REACHES_ALL.replace(dtype="fp32")  # its noise is below a bf16 gradient's last bit
+    varies = run_check(check, fp32, registry.get("planted_bwd_varies"), CPU, {}, run)
+    [warned] = [f for f in varies if f.verdict == "warn"]
+    assert warned.observed == "nondeterministic" and "dq by max-abs" in warned.reason, warned
+    reads = run_check(check, REACHES_ALL, registry.get("planted_bwd_reads_scratch"), CPU, {}, run)
+    [failed] = [f for f in reads if f.failed]
+    assert failed.subject == "backward with poisoned scratch" and "moved dv" in failed.problems[0], failed
+
+
+def test_a_backend_without_a_backward_is_not_checked_and_says_why() -> None:
+    check = get_check("gradients")
+    assert check.applies(registry.get("fla_recurrent"), "cpu") == (
+        "fla_recurrent declares no backward pass (its envelope's backward is False)"
+    )
+    assert check.applies(registry.get("fla_chunk"), "cpu") is None
+    assert check.applies(registry.get("torch_chunk"), "cpu") is None
+
+
+def test_assert_conforms_with_grad_checks_a_differentiable_callable() -> None:
+    """A kernel written in PyTorch, differentiable through autograd (the float32 chunked algebra): grad=True
+    runs the gradients check on it, and a callable whose backward drops a term fails naming the gradient."""
+
+    def kernel(q, k, v, g, beta, output_final_state=True, **kwargs):
+        options = KDAOptions(**{key: value for key, value in kwargs.items() if key in KDAOptions.__dataclass_fields__})
+        return differentiable_forward(q, k, v, g, beta, options)
+
+    case = Case(seq_lens=(40,), dtype="fp32", initial_state="random", **SMALL)
+    findings = assert_conforms(kernel, case, grad=True, device="cpu")
+    assert {f.tensor for f in findings if f.check == "gradients" and f.tensor} == set(GRADIENT_TENSORS.values())
+
+    def detached_gate(q, k, v, g, beta, **kwargs):
+        return kernel(q, k, v, g.detach(), beta, **kwargs)  # no gradient flows to g, A_log or dt_bias
+
+    with pytest.raises(AssertionError, match=r"(?s)tensor dg: .*first bad: seq 0 token \d+ head \d+"):
+        assert_conforms(detached_gate, case, grad=True, device="cpu")
+
+
+def test_a_gate_gradient_that_cancels_to_zero_is_held_to_its_terms(run: Run) -> None:
+    """Seen on an H100 (FLA's chunk backward, T64seq/64 bf16 H4/8 K128V128): one-token sequences from a zero state
+    have a gate gradient of exactly zero, and every correct backward leaves its terms' rounding there; held to a
+    fraction of zero, the baseline itself 'broke down' and FLA went red at 14 times it."""
+    import_plugin("kda_correct_variants")
+    case = Case(seq_lens=(1,) * 16, packed=True, dtype="bf16", **SMALL)
+    truth = gradient_truth(materialize(case))
+    assert float(truth.reference["dg"].abs().max()) < 1e-12 < truth.scales["dg"][0]
+    assert truth.budgets["dg"].max_abs.binding != "breakdown"
+    for backend in ("correct_chunk16", "correct_chunk128"):
+        findings = run_check(get_check("gradients"), case, registry.get(backend), CPU, {}, run)
+        assert all(f.verdict == "pass" for f in findings), [f for f in findings if f.verdict != "pass"]
+    caught = run_check(get_check("gradients"), case, registry.get("planted_bwd_dg_no_reverse_cumsum"), CPU, {}, run)
+    assert not any(f.failed and f.tensor == "dg" for f in caught)  # one token per sequence: nothing to sum back
