@@ -94,10 +94,16 @@ def _verdict(
     subject: str,
     want: torch.Tensor | None = None,
 ) -> Finding:
-    """``got`` held to gradient ``name``'s budget: against the float64 gradient, or ``want`` (the backend's own
-    gradient computed another way), its rel-RMS relative to the gradient's scale."""
+    """``got`` held to gradient ``name``'s budget against the float64 gradient (``want``: the rows of it that
+    ``got`` covers), its rel-RMS relative to the gradient's scale; for rows, to the whole gradient's RMS where
+    larger, as the budget was set (one sequence's dh0, decayed through its tokens, may be a hundredth of an
+    empty sequence's, which is its final-state gradient itself)."""
     scale = grads.scales.get(name, (0.0, 0.0))[1]
-    measured = grads.measure(name, got) if want is None else measure(name, got, want, scale)
+    if want is None:
+        measured = grads.measure(name, got)
+    else:
+        whole = grads.reference[name]
+        measured = measure(name, got, want, max(scale, float(whole.pow(2).mean().sqrt()) if whole.numel() else 0.0))
     return judge.verdict(measured, grads.budgets[name], None if got is None else got.dtype, subject)
 
 

@@ -125,10 +125,19 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     return PASSED
 
 
+# Envelope fields that declare what a backend can do besides taking cases: never part of "takes".
+CAPABILITIES = ("graph_capture", "backward")
+
+
 def _entry(backend: Backend, available: Support, envelope: Envelope) -> dict[str, Any]:
     """One backend as data: what ``backends`` prints, and ``--json`` gives whole."""
     shown_envelope = shown(envelope)
-    narrowed = {field: value for field, value in shown_envelope.items() if value not in ("any", "-")}
+    # What it takes: a capability it declares besides (a backward pass) narrows nothing.
+    narrowed = {
+        field: value
+        for field, value in shown_envelope.items()
+        if value not in ("any", "-") and field not in CAPABILITIES
+    }
     return {
         "name": backend.name,
         "description": getattr(backend, "description", ""),
