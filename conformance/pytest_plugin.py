@@ -21,7 +21,7 @@ import torch
 from kda_cases.case import Case
 from kda_cases.grids import FIRST_SWEEP_DTYPES
 from kda_conformance.checks import Check
-from kda_conformance.pytest_summary import RUN, WRITTEN, empty_selection, not_checked
+from kda_conformance.pytest_summary import DEPARTED, EXPECTED, RUN, WRITTEN, empty_selection, not_checked
 from kda_conformance.pytest_summary import pytest_terminal_summary as pytest_terminal_summary
 from kda_conformance.running.config import Grid, baseline_warning, build_config
 from kda_conformance.running.faults import DEVICE_LOST_EXIT, DeviceLost
@@ -46,7 +46,9 @@ from kda_kernels.left_work import exit_past_left_work, flush_and_exit
 from kda_kernels.protocol import Backend
 from kda_reports.console import RECORD_LINE_HEADER, record_line
 from kda_reports.findings import Finding, stale_known_issues
+from kda_reports.history import read_expected, tonight_departures
 from kda_reports.runfile import release_claims
+from kda_reports.store import load_store
 
 # Whether this process writes the run (not a pytest-xdist worker): pytest_runtest_logreport has no config.
 _WRITES_RUN = [True]
@@ -56,8 +58,17 @@ SIGTERM_BEFORE = pytest.StashKey[object]()  # the SIGTERM handler this session r
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    """The run's options as ``--kda-NAME``, from the one table the command line shares (running/options.py)."""
-    add_pytest_options(parser.getgroup("kda", "KDA conformance"))
+    """The run's options as ``--kda-NAME``, from the one table the command line shares (running/options.py),
+    and ``--kda-expected``, which is pytest's side of ``nightly --expected``."""
+    group = parser.getgroup("kda", "KDA conformance")
+    add_pytest_options(group)
+    group.addoption(
+        "--kda-expected",
+        default=None,
+        metavar="FILE",
+        help="a team's expected-status file (kda-conformance history --expected; docs/ci.md): after the session, "
+        "a cell of this run that left its expected status fails the session and is named",
+    )
 
 
 def _run_config(config: pytest.Config):
@@ -145,6 +156,12 @@ def pytest_configure(config: pytest.Config) -> None:
     problem = None if worker is not None else run.config.output_problem()
     if problem:
         raise pytest.UsageError(f"--kda-out: {problem}")
+    expected = config.getoption("--kda-expected")
+    if expected is not None and worker is None:  # read before anything runs: a bad file is a usage error
+        try:
+            config.stash[EXPECTED] = read_expected(Path(expected))
+        except (OSError, ValueError) as exc:
+            raise pytest.UsageError(f"--kda-expected: {exc}") from None
     run.config.export()
     config.stash[RUN] = run
     assert run.config.profile is not None
@@ -410,6 +427,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not hasattr(config, "workerinput") and run.config.strict and run.frame is not None:
         if not stale_known_issues(run.frame).empty and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED  # --kda-strict: a retired issue must leave the ledger
+    if EXPECTED in config.stash and config.stash.get(WRITTEN, None):  # the controller, once the run is in the store
+        config.stash[DEPARTED] = tonight_departures(load_store(run.config.out), config.stash[EXPECTED])
+        if config.stash[DEPARTED] and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if not hasattr(config, "workerinput") and not_checked(run) and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = NOT_CHECKED_EXIT  # a case never judged is no pass (as kda-conformance's exit 4)
     _EXIT_STATUS[0] = int(session.exitstatus)

@@ -25,6 +25,9 @@ from kda_reports.precision import precision_lines
 
 RUN = pytest.StashKey[Run]()
 WRITTEN = pytest.StashKey[dict[str, Path]]()
+# --kda-expected: the team's expected statuses, and the cells of this run that left theirs.
+EXPECTED = pytest.StashKey[pd.DataFrame]()
+DEPARTED = pytest.StashKey[list[str]]()
 
 
 def _unavailable(run: Run) -> dict[str, str]:
@@ -96,6 +99,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         for name, reason in unavailable.items():
             tr.write_line(f"{name}: {reason}")
         tr.write_line("every test of theirs skipped; --kda-strict (KDA_STRICT=1) makes that a failure")
+    departed = config.stash.get(DEPARTED, [])
+    if departed:
+        tr.section("KDA conformance: left its expected status (--kda-expected)")
+        for line in departed:
+            tr.write_line(line)
     unjudged = not_checked(run)
     if unjudged:
         tr.section("KDA conformance: not checked")

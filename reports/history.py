@@ -123,6 +123,16 @@ def departures(history: pd.DataFrame, expected: pd.DataFrame) -> list[str]:
     return said
 
 
+def tonight_departures(store: Store, expected: pd.DataFrame) -> list[str]:
+    """:func:`departures` of the store's newest judged run, over that run's backends only (an earlier night's
+    others are not tonight's): what ``nightly --expected`` and ``pytest --kda-expected`` fail on."""
+    history = cell_history(store)
+    if not store.judged_runs.empty:
+        tonight = store.records[store.records["run_id"] == store.judged_runs["run_id"].iloc[-1]]
+        history = history[history["backend"].isin(tonight["backend"])]
+    return departures(history, expected)
+
+
 def expected_from(history: pd.DataFrame, reasons: dict[tuple[str, str], str]) -> pd.DataFrame:
     """The expected-status file tonight's statuses make (``--update-expected``), red cells with the ledger entry
     their records name where there is one (``reasons``, by backend and check)."""

@@ -131,3 +131,23 @@ def test_a_night_whose_cell_left_its_expected_status_fails(tmp_path: Path) -> No
     assert main(["history", "--store", str(tmp_path / "store"), "--expected", str(expected)]) == 0
     expected.write_text("backend,check\n")
     assert main(argv) == 2, "a file without its columns is a usage error before the night"
+
+
+@pytest.mark.slow
+def test_pytest_with_an_expected_file_fails_a_cell_that_left_its_status(tmp_path: Path) -> None:
+    """pytest's side of nightly --expected: the session's cells against the team's file, named in the summary."""
+    from suite_paths import ENV, pytest_run
+
+    expected = tmp_path / "kda-expected.csv"
+    expected.write_text("backend,check,device,expected,reason\ntorch_chunk,budget,,red,a team's reason\n")
+    argv = ("conformance/test_properties.py", "-k", "test_within_budget", "--kda-device", "cpu", "--kda-backend",
+            "torch_chunk", "--kda-profile", "smoke", "--kda-examples", "1",
+            "--kda-out", str(tmp_path / "store"))  # fmt: skip
+    done = pytest_run(*argv, "--kda-expected", str(expected), env=ENV)
+    assert done.returncode == 1, done.stdout[-2000:]
+    assert "left its expected status (--kda-expected)" in done.stdout and "a team's reason" in done.stdout
+    expected.write_text("backend,check,device,expected,reason\n")
+    assert pytest_run(*argv, "--kda-expected", str(expected), env=ENV).returncode == 0
+    expected.write_text("backend,check\n")
+    bad = pytest_run(*argv, "--kda-expected", str(expected), env=ENV)
+    assert bad.returncode == pytest.ExitCode.USAGE_ERROR and "--kda-expected" in bad.stdout + bad.stderr

@@ -43,7 +43,7 @@ from kda_conformance.running.option_values import DEFAULT_CASE_TIMEOUT, PURPOSE_
 from kda_conformance.running.options import OPTIONS, add_options, pytest_argv
 from kda_conformance.running.quarantine import Quarantine
 from kda_conformance.running.stages import COMPILE_VARIABLE
-from kda_reports.history import cell_history, departures, read_expected
+from kda_reports.history import read_expected, tonight_departures
 from kda_reports.reach import backend_coverage, missed_lines
 from kda_reports.runfile import read_run, run_file
 from kda_reports.store import load_store
@@ -148,12 +148,7 @@ def execute(args: argparse.Namespace, console: Console) -> int:
 
 def _against_expected(args: argparse.Namespace, expected: pd.DataFrame, console: Console, code: int) -> int:
     """The night's code, failed where a cell of this run left the status the team expects of it."""
-    store = load_store(args.out)
-    history = cell_history(store)
-    if not store.judged_runs.empty:  # the backends of this night only: an earlier night's others are not tonight's
-        tonight = store.records[store.records["run_id"] == store.judged_runs["run_id"].iloc[-1]]
-        history = history[history["backend"].isin(tonight["backend"])]
-    left = departures(history, expected)
+    left = tonight_departures(load_store(args.out), expected)
     for line in left:
         say(console, line, "left its expected status:", "red")
     return 1 if left and code == 0 else code
