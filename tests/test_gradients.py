@@ -201,3 +201,24 @@ def test_a_gate_gradient_that_cancels_to_zero_is_held_to_its_terms(run: Run) -> 
         assert all(f.verdict == "pass" for f in findings), [f for f in findings if f.verdict != "pass"]
     caught = run_check(get_check("gradients"), case, registry.get("planted_bwd_dg_no_reverse_cumsum"), CPU, {}, run)
     assert not any(f.failed and f.tensor == "dg" for f in caught)  # one token per sequence: nothing to sum back
+
+
+def test_gradient_records_reach_the_store_the_dashboard_and_the_findings_page(tmp_path) -> None:
+    """Each gradient is a tensor of its own in the records, the dashboard and the findings page."""
+    from kda_conformance.cli import main
+    from kda_reports.store import load_store
+
+    import_plugin("kda_planted_backward")
+    store = tmp_path / "store"
+    run = Run(RunConfig(device=CPU, backends=("planted_bwd_dh0_unwritten",), out=store), journal=False)
+    run.record(run_check(get_check("gradients"), REACHES_ALL, registry.get("planted_bwd_dh0_unwritten"), CPU, {}, run))
+    run.finish()
+    records = load_store(store).records
+    assert set(GRADIENT_TENSORS.values()) <= set(records["tensor"])
+    failed = records[(records["verdict"] == "fail") & (records["tensor"] == "dh0")]
+    assert len(failed) and failed["first_bad"].iloc[0], failed
+    page = tmp_path / "findings.md"
+    assert main(["findings", "--store", str(store), "--page", str(page), "--plugin", "kda_planted_backward"]) in (0, 1)
+    assert "planted_bwd_dh0_unwritten" in page.read_text() and "gradients" in page.read_text()
+    assert main(["dashboard", "--store", str(store)]) == 0
+    assert "dh0" in (store / "dashboard.html").read_text()
