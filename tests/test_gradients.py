@@ -222,3 +222,15 @@ def test_gradient_records_reach_the_store_the_dashboard_and_the_findings_page(tm
     assert "planted_bwd_dh0_unwritten" in page.read_text() and "gradients" in page.read_text()
     assert main(["dashboard", "--store", str(store)]) == 0
     assert "dh0" in (store / "dashboard.html").read_text()
+
+
+def test_flas_bf16_backward_is_not_judged_in_the_cpu_interpreter() -> None:
+    """Triton's interpreter computes FLA's bf16 dg far off where fp32 and fp16 pass: a case the check redraws on a
+    CPU (NotApplicable), said with its reason, never a red against FLA."""
+    from kda_kernels.protocol import Unsupported
+
+    case = Case(seq_lens=(20,), dtype="bf16", **SMALL)
+    x = materialize(case)
+    d_o, d_final = upstream_gradients(x)
+    with pytest.raises(Unsupported, match="CPU interpreter"):
+        registry.get("fla_chunk").run_backward(x, d_o, d_final)

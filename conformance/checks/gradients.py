@@ -30,7 +30,7 @@ from kda_conformance.checks._registry import draw_case, supported
 from kda_conformance.checks.determinism import largest_change
 from kda_conformance.judging.judge import Judge
 from kda_conformance.judging.metrics import measure
-from kda_conformance.running.blame import call_backend, raised_at
+from kda_conformance.running.blame import NotApplicable, call_backend, raised_at
 from kda_conformance.running.faults import is_out_of_memory, memory_report
 from kda_conformance.running.gradient_truth import GradientTruth, by_tensor, gradient_truth
 from kda_conformance.running.runnable import Drawn
@@ -74,8 +74,8 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge:
     try:
         with CLOCK.stage("backend", inputs.device) as lap:
             got = by_tensor(backend.run_backward(inputs, grads.d_o, grads.d_final))
-    except Unsupported as exc:
-        return [judge.outcome("skip", str(exc))]
+    except Unsupported as exc:  # a case its backward does not take: another is drawn (a fixed one is a skip)
+        raise NotApplicable(str(exc)) from None
     except Exception as exc:  # a backward that fails is a result to record, not a crash of the sweep
         if is_out_of_memory(exc, inputs.device):
             return [judge.outcome("resource", memory_report(exc, inputs.device), lap.seconds)]
