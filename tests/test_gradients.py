@@ -234,3 +234,29 @@ def test_flas_bf16_backward_is_not_judged_in_the_cpu_interpreter() -> None:
     d_o, d_final = upstream_gradients(x)
     with pytest.raises(Unsupported, match="CPU interpreter"):
         registry.get("fla_chunk").run_backward(x, d_o, d_final)
+
+
+@pytest.mark.parametrize(
+    "gate", [dict(gate="softplus", lower_bound=None, safe_gate=False), dict(gate="lower_bound"), dict(gate="log")]
+)
+def test_the_gate_derivatives_the_scales_use_are_the_gates(gate: dict) -> None:
+    """term_scales' per-token derivatives of the log decay (to its input, dt_bias and A_log) against central
+    differences of reference/preprocess.py's gate itself."""
+    from kda_conformance.running.gradient_truth import _gate_derivatives
+    from kda_reference.preprocess import gate_activation
+
+    case = Case(seq_lens=(9,), num_heads=1, num_v_heads=2, dtype="fp32", **gate, **SMALL)
+    x = materialize(case)
+    found = _gate_derivatives(x)
+    g = x.g.double()
+    A = None if x.A_log is None else x.A_log.double()
+    b = None if x.dt_bias is None else x.dt_bias.double()
+
+    def act(g=g, A=A, b=b):
+        return gate_activation(g, in_kernel=case.gate_in_kernel, A_log=A, dt_bias=b, lower_bound=case.lower_bound)
+
+    h = 1e-6
+    assert torch.allclose(found["dg"], (act(g=g + h) - act(g=g - h)) / (2 * h), rtol=1e-6, atol=1e-9)
+    if case.gate_in_kernel:
+        assert torch.allclose(found["ddt_bias"], (act(b=b + h) - act(b=b - h)) / (2 * h), rtol=1e-6, atol=1e-9)
+        assert torch.allclose(found["dA_log"], (act(A=A + h) - act(A=A - h)) / (2 * h), rtol=1e-6, atol=1e-9)
