@@ -52,7 +52,7 @@ from kda_conformance.running.run import Run
 from kda_kernels import api, guard, registry, triton_interpret
 from kda_kernels.api import *  # noqa: F403  (the plugin face's names, re-exported: see __all__)
 from kda_kernels.api import Backend, BackendOutput, Envelope, KDAInputs, Support, stored
-from kda_kernels.backward import autograd_backward, fresh
+from kda_kernels.backward import autograd_backward
 from kda_kernels.envelope import CHUNK_KDA
 from kda_reference.gradients import Gradients
 from kda_reports.findings import Finding
@@ -188,13 +188,8 @@ class CallableBackend(Backend):
         """The function's own backward, through autograd: called as :meth:`run` calls it, outside inference
         mode, on inputs that require gradients (with ``grad=True``, its envelope declares a backward pass)."""
 
-        def forward(leaves: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-            kwargs = {name: fresh(x) for name, x in self._keywords(inputs).items()}
-            kwargs.update({name: leaves.get(name) for name in ("initial_state", "A_log", "dt_bias") if name in kwargs})
-            tokens = (leaves[name] for name in ("q", "k", "v", "g", "beta"))
-            return self.function(*tokens, output_final_state=True, **kwargs)
-
-        return autograd_backward(inputs, d_o, d_final, forward)
+        call = functools.partial(self.function, output_final_state=True)
+        return autograd_backward(inputs, d_o, d_final, call, self._keywords(inputs))
 
 
 def as_backend(kernel: Kernel, name: str | None = None, envelope: Envelope | None = None) -> Backend:

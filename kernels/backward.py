@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -12,16 +12,25 @@ from kda_cases.dtypes import stored
 from kda_cases.materialize import KDAInputs
 from kda_reference.gradients import Gradients
 
-# ``call(leaves) -> (o, final_state)``: the kernel's forward on the inputs in ``leaves`` (by chunk_kda's
-# argument names), the initial state among them widened to float32 as the adapters hand it.
+# ``call(q, k, v, g, beta, **keywords) -> (o, final_state)``: the kernel's forward as its adapter calls it.
 T = TypeVar("T")
-Forward = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# The keywords that carry an input a gradient is taken of: where a call passes them, they become leaves.
+LEAF_KEYWORDS = ("initial_state", "A_log", "dt_bias")
 
 
-def autograd_backward(inputs: KDAInputs, d_o: torch.Tensor, d_final: torch.Tensor | None, call: Forward) -> Gradients:
-    """The gradients of ``sum(o * d_o) + sum(final_state * d_final)`` through the kernel's own autograd: every
-    input a gradient is taken of (reference/gradients.py) made a leaf that requires one, in its own dtype and
-    strides; the initial state's gradient returned in the state's dtype."""
+def autograd_backward(
+    inputs: KDAInputs,
+    d_o: torch.Tensor,
+    d_final: torch.Tensor | None,
+    call: Forward,
+    keywords: dict[str, Any],
+) -> Gradients:
+    """The gradients of ``sum(o * d_o) + sum(final_state * d_final)`` through the kernel's own autograd:
+    ``call(q, k, v, g, beta, **keywords)`` with every input a gradient is taken of (reference/gradients.py) made
+    a leaf that requires one, in its own dtype and strides (the initial state widened to float32, as the
+    adapters hand it; its gradient returned in the state's dtype), and the other keywords' tensors copied
+    (:func:`fresh`)."""
     given = {
         "q": inputs.q,
         "k": inputs.k,
@@ -35,7 +44,9 @@ def autograd_backward(inputs: KDAInputs, d_o: torch.Tensor, d_final: torch.Tenso
     # A run computes under inference mode, where nothing is recorded for a backward pass: out of it here.
     with torch.inference_mode(False), torch.enable_grad():
         leaves = {name: _leaf(x) for name, x in given.items() if x is not None}
-        o, final = call(leaves)
+        kwargs = {name: fresh(x) for name, x in keywords.items()}
+        kwargs.update({name: leaves.get(name) for name in LEAF_KEYWORDS if name in kwargs})
+        o, final = call(*(leaves[name] for name in ("q", "k", "v", "g", "beta")), **kwargs)
         if not (o.requires_grad or final.requires_grad):
             raise RuntimeError(
                 "the kernel's outputs carry no autograd graph: it has no backward pass here (a forward run under "
@@ -44,9 +55,8 @@ def autograd_backward(inputs: KDAInputs, d_o: torch.Tensor, d_final: torch.Tenso
         outputs = [x for x in (o, final) if x.requires_grad]
         upstream = {id(o): d_o.to(o.dtype), id(final): None if d_final is None else d_final.to(final.dtype)}
         cotangents = [torch.zeros_like(x) if upstream[id(x)] is None else upstream[id(x)] for x in outputs]
-        found = torch.autograd.grad(outputs, list(leaves.values()), cotangents, allow_unused=True)
-    pairs = zip(leaves.items(), found, strict=True)
-    grads = {name: torch.zeros_like(leaf) if grad is None else grad for (name, leaf), grad in pairs}
+        found = torch.autograd.grad(outputs, list(leaves.values()), cotangents, materialize_grads=True)
+    grads = dict(zip(leaves, found, strict=True))
     if "initial_state" in grads:
         grads["initial_state"] = stored(inputs.case, "dh0", grads["initial_state"])
     return Gradients(**grads)

@@ -135,10 +135,8 @@ def kda_gradients(
         loss = (o * d_o_).sum()
         if d_final_ is not None:
             loss = loss + (final * d_final_).sum()
-        grads = torch.autograd.grad(loss, list(wanted.values()), allow_unused=True)
-    pairs = zip(wanted.items(), grads, strict=True)
-    found = {name: torch.zeros_like(leaf) if grad is None else grad for (name, leaf), grad in pairs}
-    return Gradients(**found)
+        grads = torch.autograd.grad(loss, list(wanted.values()), materialize_grads=True)
+    return Gradients(**dict(zip(wanted, grads, strict=True)))
 
 
 def differentiable_forward(

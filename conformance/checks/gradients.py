@@ -98,12 +98,11 @@ def _verdict(
     ``got`` covers), its rel-RMS relative to the gradient's scale; for rows, to the whole gradient's RMS where
     larger, as the budget was set (one sequence's dh0, decayed through its tokens, may be a hundredth of an
     empty sequence's, which is its final-state gradient itself)."""
+    whole = grads.reference[name]
     scale = grads.scales.get(name, (0.0, 0.0))[1]
-    if want is None:
-        measured = grads.measure(name, got)
-    else:
-        whole = grads.reference[name]
-        measured = measure(name, got, want, max(scale, float(whole.pow(2).mean().sqrt()) if whole.numel() else 0.0))
+    if want is not None and whole.numel():
+        scale = max(scale, float(whole.pow(2).mean().sqrt()))
+    measured = measure(name, got, whole if want is None else want, scale)
     return judge.verdict(measured, grads.budgets[name], None if got is None else got.dtype, subject)
 
 
@@ -121,7 +120,8 @@ def _packed_against_alone(backend: Backend, inputs: KDAInputs, grads: GradientTr
         return []
     assert backend.run_backward is not None
     findings = []
-    for n, (row, start, end) in [*spans[: MOST_ALONE - 1], spans[-1]]:
+    chosen = spans if len(spans) <= MOST_ALONE else [*spans[: MOST_ALONE - 1], spans[-1]]
+    for n, (row, start, end) in chosen:
         d_final = grads.d_final[n : n + 1]
         alone = by_tensor(backend.run_backward(alone_inputs(inputs, n), grads.d_o[row : row + 1, start:end], d_final))
         truth = _token_rows(grads.reference, row, start, end)

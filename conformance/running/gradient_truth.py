@@ -13,7 +13,7 @@ from kda_cases import seeded
 from kda_cases.case import Case
 from kda_cases.dtypes import GRADIENT_TENSORS
 from kda_cases.materialize import KDAInputs
-from kda_conformance.judging.metrics import Measurement, measure
+from kda_conformance.judging.metrics import measure
 from kda_conformance.judging.tolerance import DEFAULT_RULE, BudgetRule, InvalidTruth, derive_budget
 from kda_conformance.running.stages import CLOCK
 from kda_kernels.protocol import WorkingPrecision
@@ -45,10 +45,6 @@ class GradientTruth:
     # (:func:`term_scales`): what its budgets and its rel-RMS are taken relative to.
     scales: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
-    def measure(self, name: str, got: torch.Tensor | None) -> Measurement:
-        """``got`` against the float64 gradient ``name``, its rel-RMS relative to its scale."""
-        return measure(name, got, self.reference[name], self.scales.get(name, (0.0, 0.0))[1])
-
 
 def upstream_gradients(inputs: KDAInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """The case's upstream gradients ``d_o`` and ``d_final`` (cases/seeded.py ``upstream``) on its device."""
@@ -72,17 +68,20 @@ def gradient_truth(
     args = (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.options, d_o, d_final)
     with CLOCK.stage("reference", device) as lap:
         reference = by_tensor(kda_gradients(*args))
+
+    def baselines(tf32_dots: str | None) -> list[dict[str, torch.Tensor]]:
+        return [
+            by_tensor(TorchChunk(chunk, tf32_dots=tf32_dots).run_backward(inputs, d_o, d_final))
+            for chunk in BASELINE_CHUNKS
+        ]
+
     with CLOCK.stage("baseline", device):
-        strict = [by_tensor(TorchChunk(chunk).run_backward(inputs, d_o, d_final)) for chunk in BASELINE_CHUNKS]
-        declared = []
-        if precision is not None:
-            for chunk in BASELINE_CHUNKS:
-                baseline = TorchChunk(chunk, tf32_dots=TorchChunk.at_precision(precision).tf32_dots)
-                declared.append(by_tensor(baseline.run_backward(inputs, d_o, d_final)))
+        strict = baselines(None)
+        declared = None if precision is None else baselines(TorchChunk.at_precision(precision).tf32_dots)
     with CLOCK.stage("compare", device):
         scales = term_scales(inputs, reference)
         budgets = _budgets(case, reference, strict, scales, rule)
-        if declared and precision is not None:
+        if declared is not None and precision is not None:
             at = _budgets(case, reference, declared, scales, rule, precision.unit_roundoff)
             budgets = {
                 name: dataclasses.replace(at[name], precision=precision.label, strict=budgets[name]) for name in at

@@ -8,6 +8,7 @@ kernels run in Triton's interpreter (``kernels/triton_interpret.py``).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import os
@@ -20,7 +21,7 @@ from kda_cases.dtypes import stored
 from kda_cases.envelope import Envelope
 from kda_cases.materialize import KDAInputs
 from kda_kernels import triton_interpret
-from kda_kernels.backward import autograd_backward, fresh
+from kda_kernels.backward import autograd_backward
 from kda_kernels.envelope import CHUNK_KDA, MAX_HEAD_K_DIM
 from kda_kernels.libraries import FLA
 from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported, WorkingPrecision
@@ -164,16 +165,10 @@ class FlaChunk(Backend):
         if inputs.device.type == "cpu" and inputs.case.dtype == "bf16":
             raise Unsupported(INTERPRETED_BF16_BACKWARD)
         kda = _import_fla_kda(inputs.device)
-
-        def forward(leaves: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-            kwargs = {name: fresh(x) for name, x in {**inputs.kernel_kwargs(), **(inputs.host_metadata or {})}.items()}
-            kwargs.update({name: leaves.get(name) for name in ("initial_state", "A_log", "dt_bias")})
-            tokens = (leaves[name] for name in ("q", "k", "v", "g", "beta"))
-            return kda.chunk_kda(
-                *tokens, output_final_state=True, safe_gate=inputs.case.safe_gate, chunk_size=self.chunk_size, **kwargs
-            )
-
-        return autograd_backward(inputs, d_o, d_final, forward)
+        call = functools.partial(
+            kda.chunk_kda, output_final_state=True, safe_gate=inputs.case.safe_gate, chunk_size=self.chunk_size
+        )
+        return autograd_backward(inputs, d_o, d_final, call, {**inputs.kernel_kwargs(), **(inputs.host_metadata or {})})
 
 
 class FlaRecurrent(Backend):
