@@ -10,6 +10,7 @@ from kda_cases.case import Case
 from kda_cases.dtypes import stored
 from kda_cases.envelope import Envelope
 from kda_cases.materialize import KDAInputs
+from kda_kernels.backward import autograd_backward
 from kda_kernels.protocol import (
     Backend,
     BackendOutput,
@@ -21,18 +22,21 @@ from kda_kernels.protocol import (
     relayout,
 )
 from kda_kernels.registry import register
+from kda_reference.gradients import Gradients
 
 __all__ = [
     "Backend",
     "BackendOutput",
     "Case",
     "Envelope",
+    "Gradients",
     "KDAInputs",
     "Library",
     "LibraryTolerance",
     "Support",
     "Unsupported",
     "WorkingPrecision",
+    "autograd_backward",
     "register",
     "relayout",
     "stored",

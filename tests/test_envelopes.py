@@ -158,12 +158,12 @@ def test_a_plugin_imports_everything_it_needs_from_one_module() -> None:
     import kda_kernels.api as api
 
     assert sorted(api.__all__) == [
-        "Backend", "BackendOutput", "Case", "Envelope", "KDAInputs", "Library", "LibraryTolerance", "Support",
-        "Unsupported", "WorkingPrecision", "register", "relayout", "stored",
+        "Backend", "BackendOutput", "Case", "Envelope", "Gradients", "KDAInputs", "Library", "LibraryTolerance",
+        "Support", "Unsupported", "WorkingPrecision", "autograd_backward", "register", "relayout", "stored",
     ]  # fmt: skip
     assert all(hasattr(api, name) for name in api.__all__)
     # The example plugin and the narrow one are written against it alone.
-    for plugin in ("kda_example_plugin.py", "kda_narrow.py", "kda_declared.py"):
+    for plugin in ("kda_example_plugin.py", "kda_narrow.py", "kda_declared.py", "kda_fake_library.py"):
         source = (PLUGINS / plugin).read_text()
         assert "from kda_kernels.api import" in source and "kda_kernels.protocol" not in source, plugin
 

@@ -5,6 +5,8 @@ where it is missing. ``findings --report ID`` prints the upstream issue's text."
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import os
 import subprocess
 import sys
@@ -16,8 +18,10 @@ import torch
 from kda_cases.case import Case
 from kda_cases.materialize import materialize
 from kda_conformance.repro.standalone_finding import case_spec_source, embedded_source, imports_of_the_suite
+from kda_conformance.repro.upstream import upstream_findings, write_finding_test
 from kda_reference.plain import kda_token_loop
 from kda_reference.run import run_reference
+from kda_reports.store import load_store
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS, DOUBLES = ROOT / "tests" / "plugins", ROOT / "tests" / "doubles"
@@ -161,3 +165,64 @@ def test_flashkdas_standalone_call_hands_it_what_its_readme_says(layout: str, mo
     for got, want in ((o, want_o), (final, want_final)):
         assert got.shape == want.shape
         assert float((got.double() - want).norm() / want.norm()) < 1e-2
+
+
+@pytest.mark.slow
+def test_a_gradient_findings_file_takes_the_kernels_backward_alone_and_gives_the_suites_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finding of the gradients check (fake_kda's backward drops dbeta at each sequence's last token) becomes a
+    file that takes the kernel's own backward and float64 gradients through the plain token loop, nothing of the
+    suite: it fails naming dbeta's first bad token, measures what the suite measured, passes once the library is
+    fixed and skips without it. A finding whose whole backward was within its limits gets no file."""
+
+    path = os.pathsep.join([str(PLUGINS), str(DOUBLES), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    case = Case(seq_lens=(20, 17), packed=True, initial_state="random", num_heads=1, num_v_heads=2, head_k_dim=16,
+                head_v_dim=16)  # fmt: skip
+    store, written = tmp_path / "store", tmp_path / "findings"
+    cli = [sys.executable, "-c", "import sys; from kda_conformance.cli import main; sys.exit(main(sys.argv[1:]))"]
+    repro = [*cli, "repro", "--device", "cpu", "--plugin", "kda_fake_library", "--backend", "fake_kda_chunk"]
+    done = subprocess.run([*repro, "--check", "gradients", "--case", case.to_json(), "--out", str(store)], env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 1 and "tensor dbeta" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    findings = [*cli, "findings", "--store", str(store), "--plugin", "kda_fake_library", "--device", "cpu"]
+    done = subprocess.run([*findings, "--write-tests", str(written)], env=env, capture_output=True, text=True)
+    assert "fails today on cpu; the suite's gradients check fails here" in done.stdout, done.stdout[-3000:]
+    [file] = written.glob("test_*.py")
+    text = file.read_text()
+    assert imports_of_the_suite(text) == [] and "TERM_RMS = {'dg':" in text and "sum(o * d_o)" in text
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / file.name).write_text(text)
+    bare = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    pytest_file = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:randomly", "-s",
+                   file.name]  # fmt: skip
+    fails = subprocess.run(pytest_file, cwd=alone, env={**bare, "PYTHONPATH": str(DOUBLES)}, capture_output=True,
+                           text=True)  # fmt: skip
+    assert fails.returncode == 1 and "dbeta: max_abs" in fails.stdout, fails.stdout[-3000:]
+    assert "first at (row, token, head) (0, 19, 0)" in fails.stdout  # the first sequence's last token
+    # Every gradient measured as the suite measured it: the numbers now and when written agree to the digits shown.
+    lines = [line for line in fails.stdout.splitlines() if line.startswith(("dq:", "dg:", "dbeta:", "dh0:", "dA_log:"))]
+    assert len(lines) == 5
+    for line in lines:
+        now = line.split("max-abs ")[1].split(" ")[0]
+        assert f"when written {now}," in line, line
+    fixed = subprocess.run(pytest_file, cwd=alone, env={**bare, "PYTHONPATH": str(DOUBLES), "FAKE_KDA_FIXED": "1"},
+                           capture_output=True, text=True)  # fmt: skip
+    assert fixed.returncode == 0 and "1 passed" in fixed.stdout, fixed.stdout[-3000:]
+    skips = subprocess.run(pytest_file, cwd=alone, env=bare, capture_output=True, text=True)
+    assert skips.returncode == 0 and "needs fake-kda" in skips.stdout, skips.stdout[-3000:]
+
+    report = subprocess.run([*findings, "--report", file.stem.removeprefix("test_").replace("_", "-")], env=env,
+                            capture_output=True, text=True)  # fmt: skip
+    assert "| fake_kda_chunk | gradients | dbeta | 8.995e-01 |" in report.stdout, report.stdout[-3000:]
+    assert "dbeta alone) | dbeta |" in report.stdout  # the worst of its sequences alone, apart
+
+    monkeypatch.syspath_prepend(str(DOUBLES))
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    importlib.import_module("kda_fake_library")  # registers fake_kda_chunk here
+    [finding] = [f for f in upstream_findings(load_store(store).records, ()) if f.status == "new"]
+    calm = tuple(dataclasses.replace(m, max_abs=0.0, rel_rms=0.0) for m in finding.measured)
+    said = write_finding_test(dataclasses.replace(finding, measured=calm), torch.device("cpu"), tmp_path / "none")
+    assert said.test.startswith("not written: its whole backward was within every limit"), said.test

@@ -165,3 +165,20 @@ def test_a_failure_of_the_rel_rms_limit_alone_names_where_the_error_is_largest()
     got[0, 1, 0, 0], got[0, 3, 0, 0] = 1.2, 1.5
     finding = judge(got, want, fixed_budget(0.1, rel_rms=1e-3), torch.bfloat16)
     assert str(finding.first_bad) == "seq 0 token 1 head 0" and "first bad: seq 0 token 1 head 0" in finding.message()
+
+
+def test_a_sequence_run_alone_is_located_in_that_sequence_of_the_case() -> None:
+    """A packed case's second sequence run by itself (packing and gradients checks): its first bad point is that
+    sequence's token, not the first sequence's (it was named "seq 0 token 16" for sequence 1's token 16)."""
+    case = Case(seq_lens=(20, 17), packed=True, num_heads=1, num_v_heads=1, head_k_dim=4, head_v_dim=2)
+    judge = Judge("packing", case, "my_kernel", "cpu", "kda-conformance run --case X")
+    want = torch.zeros(1, 17, 1, 2, dtype=F64)
+    got = want.clone()
+    got[0, 16, 0, 1] = 1.0
+    for check in (lambda: judge.verdict(measure("o", got, want), fixed_budget(1e-3), None, alone=1),
+                  lambda: judge.tensor("o", got, want, fixed_budget(1e-3), alone=1)):  # fmt: skip
+        where = check().first_bad
+        assert where is not None and (where.sequence, where.token, where.head) == (1, 16, 0)
+    state = torch.zeros(1, 1, 4, 2, dtype=F64)
+    where = judge.tensor("final_state", state + 1.0, state, fixed_budget(1e-3), alone=1).first_bad
+    assert where is not None and (where.sequence, where.head) == (1, 0)

@@ -44,6 +44,8 @@ NAME = "gradients"
 # The sequences of a packed case whose backward alone is compared: the first ones and the last.
 MOST_ALONE = 3
 TOKEN_GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta")
+# The subject of the records of the whole case's backward (the others: its sequences alone, its halves).
+WHOLE_BACKWARD = "backward"
 # What fills the backward's uninitialised scratch in the poisoned run.
 SCRATCH_POISON = "nan"
 
@@ -80,7 +82,7 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge:
         if is_out_of_memory(exc, inputs.device):
             return [judge.outcome("resource", memory_report(exc, inputs.device), lap.seconds)]
         return [judge.outcome("error", raised_at(exc), lap.seconds)]
-    findings = [_verdict(judge, grads, name, got.get(name), "backward") for name in grads.reference]
+    findings = [_verdict(judge, grads, name, got.get(name), WHOLE_BACKWARD) for name in grads.reference]
     findings += _packed_against_alone(backend, inputs, grads, judge)
     findings += _resumed_against_whole(backend, inputs, grads, judge)
     return findings + _repeated(backend, inputs, grads, got, judge)
@@ -93,17 +95,19 @@ def _verdict(
     got: torch.Tensor | None,
     subject: str,
     want: torch.Tensor | None = None,
+    alone: int | None = None,
 ) -> Finding:
     """``got`` held to gradient ``name``'s budget against the float64 gradient (``want``: the rows of it that
-    ``got`` covers), its rel-RMS relative to the gradient's scale; for rows, to the whole gradient's RMS where
-    larger, as the budget was set (one sequence's dh0, decayed through its tokens, may be a hundredth of an
-    empty sequence's, which is its final-state gradient itself)."""
+    ``got`` covers; ``alone``: the sequence they are, run by itself), its rel-RMS relative to the gradient's
+    scale; for rows, to the whole gradient's RMS where larger, as the budget was set (one sequence's dh0,
+    decayed through its tokens, may be a hundredth of an empty sequence's, which is its final-state gradient
+    itself)."""
     whole = grads.reference[name]
     scale = grads.scales.get(name, (0.0, 0.0))[1]
     if want is not None and whole.numel():
         scale = max(scale, float(whole.pow(2).mean().sqrt()))
     measured = measure(name, got, whole if want is None else want, scale)
-    return judge.verdict(measured, grads.budgets[name], None if got is None else got.dtype, subject)
+    return judge.verdict(measured, grads.budgets[name], None if got is None else got.dtype, subject, alone)
 
 
 def _token_rows(gradients: dict[str, torch.Tensor], row: int, start: int, end: int) -> dict[str, torch.Tensor]:
@@ -128,7 +132,7 @@ def _packed_against_alone(backend: Backend, inputs: KDAInputs, grads: GradientTr
         if "dh0" in alone:
             truth["dh0"] = grads.reference["dh0"][n : n + 1]
         for name, want in truth.items():
-            findings.append(_verdict(judge, grads, name, alone[name], f"sequence {n} {name} alone", want))
+            findings.append(_verdict(judge, grads, name, alone[name], f"sequence {n} {name} alone", want, n))
     return findings
 
 

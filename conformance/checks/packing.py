@@ -59,7 +59,8 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge:
             packed_state = None if alone.final_state is None else _rows(packed.final_state, n)
             pairs = [("o", packed.o[row : row + 1, start:end], alone.o), ("final_state", packed_state, alone_state)]
         for name, got, want in pairs:
-            findings.append(judge.tensor(name, got, want, truth.budgets[name], f"sequence {n} {name} packed vs alone"))
+            subject = f"sequence {n} {name} packed vs alone"
+            findings.append(judge.tensor(name, got, want, truth.budgets[name], subject, alone=n))
     return findings
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -53,13 +54,26 @@ class Judge:
     repro: str
 
     def verdict(
-        self, measurement: Measurement, budget: Budget, dtype: torch.dtype | None, subject: str = "", **extra: object
+        self,
+        measurement: Measurement,
+        budget: Budget,
+        dtype: torch.dtype | None,
+        subject: str = "",
+        alone: int | None = None,
+        **extra: Any,
     ) -> Finding:
-        """The finding on one measured tensor held to ``budget``; ``extra`` fills the finding's other fields."""
+        """The finding on one measured tensor held to ``budget``; ``extra`` fills the finding's other fields.
+        ``alone``: the tensor is that sequence's of the case, run by itself, where its first bad point lies."""
         problems = problems_of(self.case, measurement, budget, dtype)
-        where = locate(self.case, measurement, budget.max_abs.value)
+        laid_out = self.case
+        if alone is not None and self.case.row_spans[alone][1] < self.case.row_spans[alone][2]:
+            _, start, end = self.case.row_spans[alone]
+            laid_out = self.case.replace(seq_lens=(end - start,), packed=True, checkpoints=())  # one row
+        where = locate(laid_out, measurement, budget.max_abs.value)
         if where is None and problems:  # the rel-RMS limit alone: where the error is largest
-            where = locate_largest(self.case, measurement)
+            where = locate_largest(laid_out, measurement)
+        if where is not None and alone is not None:
+            where = dataclasses.replace(where, sequence=alone)
         return self._finding(
             "fail" if problems else "pass",
             tensor=measurement.tensor,
@@ -72,14 +86,21 @@ class Judge:
         )
 
     def tensor(
-        self, name: str, got: torch.Tensor | None, want: torch.Tensor, budget: Budget, subject: str = ""
+        self,
+        name: str,
+        got: torch.Tensor | None,
+        want: torch.Tensor,
+        budget: Budget,
+        subject: str = "",
+        alone: int | None = None,
     ) -> Finding:
-        """``got`` against ``want`` (the truth, or another run) with the case's budget for ``name``."""
+        """``got`` against ``want`` (the truth, or another run) with the case's budget for ``name`` (``alone``:
+        see :meth:`verdict`)."""
         measured = measure(name, got, want.to(torch.float64))
-        return self.verdict(measured, budget, None if got is None else got.dtype, subject)
+        return self.verdict(measured, budget, None if got is None else got.dtype, subject, alone)
 
     def result(
-        self, truth: Tensors, result: Tensors, budgets: dict[str, Budget], subject: str = "", **extra: object
+        self, truth: Tensors, result: Tensors, budgets: dict[str, Budget], subject: str = "", **extra: Any
     ) -> list[Finding]:
         """A finding on every tensor ``result`` holds, against the truth and the case's budgets."""
         return [

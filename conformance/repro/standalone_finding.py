@@ -23,8 +23,12 @@ from types import ModuleType
 from kda_cases import seeded
 from kda_cases.case import Case
 from kda_cases.files import atomic_write_text
+from kda_cases.materialize import materialize
+from kda_conformance.checks.gradients import WHOLE_BACKWARD
+from kda_conformance.running.gradient_truth import by_tensor, term_scales, upstream_gradients
 from kda_kernels.protocol import Backend
 from kda_reference import plain, preprocess
+from kda_reference.gradients import kda_gradients
 
 # The suite's own modules a file carries, in order: each imports nothing of the suite but the ones before it.
 EMBEDDED: tuple[ModuleType, ...] = (seeded, preprocess, plain)
@@ -126,18 +130,165 @@ def _limits_comment(finding_measured: tuple) -> list[str]:
 
 
 def called_measurements(finding: object, backend: Backend) -> tuple:
-    """The budget check's measurements of the finding's smallest case on ``backend`` that a direct call returns
-    (its output and final states): what the file holds the call to."""
-    return tuple(
-        m for m in finding.measured if m.tensor in CALLED and m.backend == backend.name and m.check == "budget"
+    """What the file holds a direct call on the finding's smallest case to: the budget check's measurements of
+    its output and final states on ``backend``, else the gradients check's of its whole backward (each
+    gradient)."""
+    mine = [m for m in finding.measured if m.backend == backend.name]
+    forward = tuple(m for m in mine if m.tensor in CALLED and m.check == "budget")
+    return forward or tuple(m for m in mine if m.check == "gradients" and m.subject == WHOLE_BACKWARD)
+
+
+def takes_gradients(measured: tuple) -> bool:
+    """Whether ``measured`` (:func:`called_measurements`) are a backward's: the file takes gradients."""
+    return any(m.check == "gradients" for m in measured)
+
+
+def _term_rms(case: Case) -> dict[str, float]:
+    """The RMS of the terms each gate gradient sums, on the case's inputs: what its rel-RMS is taken against."""
+    inputs = materialize(case)
+    d_o, d_final = upstream_gradients(inputs)
+    args = (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.options, d_o, d_final)
+    return {name: rms for name, (_, rms) in term_scales(inputs, by_tensor(kda_gradients(*args))).items()}
+
+
+# Both tests' judging: each tensor against the float64 truth and its limits.
+_JUDGING = """
+# Limits: limit = min(cap, max(factor x baseline, floor)), the baseline the same case through a plain PyTorch
+# chunked KDA at working precision; see kda-conformance docs/tolerance.md.
+{limits_comment}
+LIMITS = {limits!r}
+LIBRARY_TOLERANCE = {library!r}  # rel-RMS, from the library's own tests
+MEASURED = {seen!r}  # when written, on {where}
+TINY = torch.finfo(torch.float64).tiny
+TOKENS = ("q", "k", "v", "g", "beta")
+
+
+def first_bad(name, bad):
+    at = bad.nonzero()[0].tolist()
+    if name in ("final_state", "dh0"):
+        return f"(sequence, head) {{tuple(at[:2])}}"
+    if name in ("dA_log", "ddt_bias"):
+        return f"index {{tuple(at)}}"
+    return f"(row, token, head) {{tuple(at[:3])}}"
+
+
+def held(name, got, want, problems, lines, scale=0.0):
+    # got against the float64 want: a line of its errors, and a problem for each limit it passes. Rel-RMS is
+    # over the RMS of want, or over scale where larger.
+    if got is None or tuple(got.shape) != tuple(want.shape):
+        shape = None if got is None else list(got.shape)
+        problems.append(f"{{name}}: shape {{shape}} != {{list(want.shape)}}")
+        return
+    want = want.detach()
+    err = (got.detach().double().cpu() - want).abs()
+    nonfinite = int((~got.isfinite()).sum())
+    ref = max(float(want.pow(2).mean().sqrt()) if want.numel() else 0.0, scale, TINY)
+    max_abs = math.inf if nonfinite else (float(err.max()) if err.numel() else 0.0)
+    rel_rms = math.inf if nonfinite else (float(err.pow(2).mean().sqrt()) / ref if err.numel() else 0.0)
+    if name not in LIMITS:  # a crash's finding: the call runs, and its result is whole and finite
+        problems += [f"{{name}}: {{nonfinite}} non-finite values"] if nonfinite else []
+        lines.append(f"{{name}}: max-abs {{max_abs:.3e}}, rel-RMS {{rel_rms:.3e}} (no limits recorded)")
+        return
+    limit, then = LIMITS[name], MEASURED[name]
+    line = f"{{name}}: max-abs {{max_abs:.3e}} (limit {{limit['max_abs']:.3e}}), rel-RMS {{rel_rms:.3e}}"
+    line += f" (limit {{limit['rel_rms']:.3e}}); when written {{then['max_abs']:.3e}}, {{then['rel_rms']:.3e}}"
+    if name in LIBRARY_TOLERANCE:
+        own = LIBRARY_TOLERANCE[name]
+        line += f"; the library's own tolerance {{own:g}}: {{rel_rms / own:.3g}}x"
+    lines.append(line)
+    if nonfinite:
+        problems.append(f"{{name}}: {{nonfinite}} non-finite values")
+    for metric, value in (("max_abs", max_abs), ("rel_rms", rel_rms)):
+        if not value <= limit[metric]:
+            problem = f"{{name}}: {{metric}} {{value:.3e}} > limit {{limit[metric]:.3e}}"
+            if metric == "max_abs":
+                problem += ", first at " + first_bad(name, (err > limit["max_abs"]) | ~got.detach().cpu().isfinite())
+            problems.append(problem)
+"""
+
+# The kernel's forward, held to the float64 token loop.
+_FORWARD_TEST = """
+def test_{name}():
+    device = where_it_runs()
+    x = draw(CASE)  # the suite's inputs, bit for bit, on the CPU
+    kwargs = {call_kwargs}
+    o_true, final_true = kda_token_loop(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"],
+        **kwargs,
     )
+    moved = {{name: None if t is None else t.to(device) for name, t in x.items()}}
+    q, k, v, g, beta = laid_out(CASE.input_layout, *(moved[n] for n in TOKENS))
+    kwargs.update(A_log=moved["A_log"], dt_bias=moved["dt_bias"])
+    h0 = None if moved["initial_state"] is None else moved["initial_state"].float()  # a pool's state, widened
+    o, final = call(q, k, v, g, beta, h0, moved["cu_seqlens"], **kwargs)
+    problems, lines = [], []
+    held("o", o, o_true, problems, lines)
+    held("final_state", final, final_true, problems, lines)
+    print("\\n".join(lines))
+    assert not problems, "\\n".join(problems + lines)
+"""
+
+# The kernel's backward, held to float64 gradients: autograd through the token loop.
+_BACKWARD_TEST = """
+# The gradient of each input, by the name reports give it.
+GRADIENT_OF = {{"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "initial_state": "dh0", "A_log": "dA_log",
+               "dt_bias": "ddt_bias"}}
+# The gate's gradients sum terms that cancel: their rel-RMS is taken against the RMS of those terms (|q dq| and
+# |k dk| times the gate's derivative, token by token) where larger than their own, computed by kda-conformance on
+# these very inputs (its docs/tolerance.md, "Gradients").
+TERM_RMS = {term_rms!r}
+
+
+def leaf(x):
+    # A copy with x's strides that requires a gradient.
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x).requires_grad_()
+
+
+def test_{name}():
+    device = where_it_runs()
+    x = draw(CASE)  # the suite's inputs, bit for bit, on the CPU
+    up = upstream(CASE)  # the gradients of the loss sum(o * d_o) + sum(final_state * d_final)
+    kwargs = {call_kwargs}
+    wrt = [n for n in GRADIENT_OF if x.get(n) is not None and (CASE.gate_in_kernel or n not in ("A_log", "dt_bias"))]
+    # The float64 truth: autograd through the plain token loop.
+    exact = {{n: x[n].double().requires_grad_() for n in wrt}}
+    o64, final64 = kda_token_loop(
+        *(exact[n] for n in TOKENS), initial_state=exact.get("initial_state"), cu_seqlens=x["cu_seqlens"],
+        **dict(kwargs, A_log=exact.get("A_log", x["A_log"]), dt_bias=exact.get("dt_bias", x["dt_bias"])),
+    )
+    loss = (o64 * up["d_o"].double()).sum() + (final64 * up["d_final"].double()).sum()
+    want = dict(zip(wrt, torch.autograd.grad(loss, [exact[n] for n in wrt])))
+    # The kernel's own backward, on its inputs as the suite hands them (laid out; the state widened to fp32).
+    moved = {{name: None if t is None else t.to(device) for name, t in x.items()}}
+    given = dict(zip(TOKENS, laid_out(CASE.input_layout, *(moved[n] for n in TOKENS))))
+    given.update(initial_state=None if moved["initial_state"] is None else moved["initial_state"].float())
+    given.update(A_log=moved["A_log"], dt_bias=moved["dt_bias"])
+    given.update({{n: leaf(given[n]) for n in wrt}})
+    kwargs.update(A_log=given["A_log"], dt_bias=given["dt_bias"])
+    o, final = call(*(given[n] for n in TOKENS), given["initial_state"], moved["cu_seqlens"], **kwargs)
+    pairs = [(t, d.to(device=device, dtype=t.dtype)) for t, d in ((o, up["d_o"]), (final, up["d_final"]))]
+    pairs = [(t, d) for t, d in pairs if t.requires_grad]
+    assert pairs, "the kernel's outputs carry no autograd graph"
+    got = torch.autograd.grad(
+        [t for t, _ in pairs], [given[n] for n in wrt], [d for _, d in pairs], materialize_grads=True
+    )
+    problems, lines = [], []
+    for n, grad in zip(wrt, got):
+        if n == "initial_state":  # in the state's own dtype, as its pool holds it
+            grad = grad.to(x["initial_state"].dtype)
+        held(GRADIENT_OF[n], grad, want[n], problems, lines, TERM_RMS.get(GRADIENT_OF[n], 0.0))
+    print("\\n".join(lines))
+    assert not problems, "\\n".join(problems + lines)
+"""
 
 
 def standalone_file_text(finding: object, case: Case, backend: Backend, file_name: str) -> str:
     """The whole file for ``finding`` (a kda_conformance.repro.upstream UpstreamFinding) on ``case`` and
-    ``backend`` (its ``standalone_source`` gives the call), to be saved as ``file_name``."""
+    ``backend`` (its ``standalone_source`` gives the call), to be saved as ``file_name``: the kernel's forward
+    held to the truth, or its backward where the finding's measurements are gradients."""
     assert backend.standalone_source is not None
     measured = called_measurements(finding, backend)
+    backward = takes_gradients(measured)
     device_type = "cpu" if finding.environment.startswith("cpu") else "cuda"
     where = finding.environment or "the device it was written on"
     limits = {m.tensor: {"max_abs": m.max_abs_limit, "rel_rms": m.rel_rms_limit} for m in measured}
@@ -159,6 +310,13 @@ def standalone_file_text(finding: object, case: Case, backend: Backend, file_nam
             f"; the library's own tests allow rel-RMS {tolerance.rel_rms:g} ({tolerance.source})." if tolerance else "."
         ),
     ]
+    if backward:
+        said = (
+            "The gradients are those of sum(o * d_o) + sum(final_state * d_final) with respect to each input, d_o "
+            "and d_final drawn from the case's seed, through the kernel's own autograd; the float64 truth is "
+            "autograd through the token loop below."
+        )
+        doc += ["", textwrap.fill(said, 110)]
     if finding.links:
         doc += ["", "Upstream:", *(f"- {link}" for link in finding.links)]
     doc += [
@@ -169,72 +327,14 @@ def standalone_file_text(finding: object, case: Case, backend: Backend, file_nam
         f"Case (kda-conformance --case): {case.to_json()}",
     ]
     header = '"""' + "\n".join(doc).replace('"""', "'''").replace("\\", "\\\\") + '\n"""\n'
-    body = textwrap.dedent(
-        f"""
-        # Limits: limit = min(cap, max(factor x baseline, floor)), the baseline the same case through a plain PyTorch
-        # chunked KDA at working precision; see kda-conformance docs/tolerance.md.
-        {{limits_comment}}
-        LIMITS = {limits!r}
-        LIBRARY_TOLERANCE = {library!r}  # rel-RMS, from the library's own tests
-        MEASURED = {seen!r}  # when written, on {where}
-        TINY = torch.finfo(torch.float64).tiny
-
-
-        def errors(got, want):
-            err = (got.double().cpu() - want).abs()
-            finite = bool(err.isfinite().all())
-            rms = float(err.pow(2).mean().sqrt() / want.pow(2).mean().sqrt().clamp_min(TINY)) if finite else math.inf
-            return err, (float(err.max()) if finite else math.inf), rms, int((~got.isfinite()).sum())
-
-
-        def test_{finding.id.replace("-", "_")}():
-            device = where_it_runs()
-            x = draw(CASE)  # the suite's inputs, bit for bit, on the CPU
-            kwargs = {{call_kwargs}}
-            o_true, final_true = kda_token_loop(
-                x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"],
-                **kwargs,
-            )
-            moved = {{name: None if t is None else t.to(device) for name, t in x.items()}}
-            q, k, v, g, beta = laid_out(CASE.input_layout, *(moved[n] for n in ("q", "k", "v", "g", "beta")))
-            kwargs.update(A_log=moved["A_log"], dt_bias=moved["dt_bias"])
-            h0 = None if moved["initial_state"] is None else moved["initial_state"].float()  # a pool's state, widened
-            o, final = call(q, k, v, g, beta, h0, moved["cu_seqlens"], **kwargs)
-            problems, lines = [], []
-            for name, got, want in (("o", o, o_true), ("final_state", final, final_true)):
-                if got is None or tuple(got.shape) != tuple(want.shape):
-                    shape = None if got is None else list(got.shape)
-                    problems.append(f"{{name}}: shape {{shape}} != {{list(want.shape)}}")
-                    continue
-                err, max_abs, rel_rms, nonfinite = errors(got, want)
-                if name not in LIMITS:  # a crash's finding: the call runs, and its result is whole and finite
-                    problems += [f"{{name}}: {{nonfinite}} non-finite values"] if nonfinite else []
-                    lines.append(f"{{name}}: max-abs {{max_abs:.3e}}, rel-RMS {{rel_rms:.3e}} (no limits recorded)")
-                    continue
-                limit = LIMITS[name]
-                then = MEASURED[name]
-                line = f"{{name}}: max-abs {{max_abs:.3e}} (limit {{limit['max_abs']:.3e}}), rel-RMS {{rel_rms:.3e}}"
-                line += f" (limit {{limit['rel_rms']:.3e}}); when written {{then['max_abs']:.3e}},"
-                line += f" {{then['rel_rms']:.3e}}"
-                if name in LIBRARY_TOLERANCE:
-                    own = LIBRARY_TOLERANCE[name]
-                    line += f"; the library's own tolerance {{own:g}}: {{rel_rms / own:.3g}}x"
-                lines.append(line)
-                if nonfinite:
-                    problems.append(f"{{name}}: {{nonfinite}} non-finite values")
-                for metric, value in (("max_abs", max_abs), ("rel_rms", rel_rms)):
-                    if not value <= limit[metric]:
-                        problem = f"{{name}}: {{metric}} {{value:.3e}} > limit {{limit[metric]:.3e}}"
-                        if metric == "max_abs":
-                            bad = (err > limit["max_abs"]) | ~err.isfinite()
-                            problem += f", first at (row, token, head) {{tuple(bad.nonzero()[0].tolist()[:3])}}"
-                        problems.append(problem)
-            print("\\n".join(lines))
-            assert not problems, "\\n".join(problems + lines)
-        """
+    judging = _JUDGING.format(
+        limits_comment="\n".join(_limits_comment(measured)), limits=limits, library=library, seen=seen, where=where
     )
-    body = body.replace("{limits_comment}", "\n".join(_limits_comment(measured)))
-    body = body.replace("{call_kwargs}", textwrap.indent(_call_kwargs(case), "    ").lstrip())
+    test = (_BACKWARD_TEST if backward else _FORWARD_TEST).format(
+        name=finding.id.replace("-", "_"),
+        call_kwargs=textwrap.indent(_call_kwargs(case), "    ").lstrip(),
+        term_rms=_term_rms(case) if backward else {},
+    )
     imports = "\n".join(f"import {name}" for name in ("importlib", "itertools", "math", "os", "sys"))
     imports += "\nfrom types import SimpleNamespace\nfrom typing import Any\n\nimport pytest\nimport torch\n"
     imports += "import torch.nn.functional as F\n"
@@ -248,7 +348,8 @@ def standalone_file_text(finding: object, case: Case, backend: Backend, file_nam
             _needs_source(backend),
             backend.standalone_source(case),
             _where_it_runs_source(device_type, where),
-            body,
+            judging,
+            test,
         ]
     )
 
@@ -302,9 +403,10 @@ def issue_text(finding: object) -> str:
         lines += ["|---|---|---|---|---|---|---|---|"]
         for m in finding.measured:
             own = "-" if math.isnan(m.library_tolerance) else f"{m.library_tolerance:g}"
+            part = f" ({m.subject})" if m.subject and m.subject != WHOLE_BACKWARD else ""  # a sequence alone...
             lines.append(
-                f"| {m.backend} | {m.check} | {m.tensor} | {m.max_abs:.3e} | {m.max_abs_limit:.3e} | {m.rel_rms:.3e} "
-                f"| {m.rel_rms_limit:.3e} | {own} |"
+                f"| {m.backend} | {m.check}{part} | {m.tensor} | {m.max_abs:.3e} | {m.max_abs_limit:.3e} "
+                f"| {m.rel_rms:.3e} | {m.rel_rms_limit:.3e} | {own} |"
             )
         lines += ["", "Expected: within the limits, which kda-conformance derives from a plain PyTorch port of the "
                   "same chunked algebra at the same precision (docs/tolerance.md); actual: the measured errors "

@@ -34,8 +34,9 @@ import torch
 from kda_cases.case import Case
 from kda_cases.files import atomic_write_text
 from kda_conformance.checks import CHECKS, run_check
+from kda_conformance.checks.gradients import WHOLE_BACKWARD
 from kda_conformance.judging.known import KnownIssue
-from kda_conformance.repro.standalone_finding import called_measurements, write_standalone_finding
+from kda_conformance.repro.standalone_finding import called_measurements, takes_gradients, write_standalone_finding
 from kda_conformance.running.blame import CONTRACT
 from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.run import NOT_LAUNCHED, Run
@@ -71,10 +72,13 @@ class Measured:
     nonfinite: int
     first_bad: str
     precision: str
+    subject: str = ""  # what the record measured: the whole call, or a part of a check's (a sequence alone...)
 
 
 def _measured(rows: pd.DataFrame) -> tuple[Measured, ...]:
-    """The judged tensors among ``rows`` (one case's records), one per (backend, check, tensor), worst first."""
+    """The judged tensors among ``rows`` (one case's records), one per (backend, check, tensor), worst first; the
+    gradients check's whole backward apart from its sequences alone and halves (a standalone file calls the
+    whole)."""
 
     def number(row: pd.Series, name: str) -> float:
         value = pd.to_numeric(pd.Series([row.get(name)]), errors="coerce").iloc[0]
@@ -84,10 +88,11 @@ def _measured(rows: pd.DataFrame) -> tuple[Measured, ...]:
     judged = rows[rows["tensor"].fillna("").astype(str) != ""] if "tensor" in rows else rows.iloc[0:0]
     judged = judged[pd.to_numeric(judged.get("budget", pd.Series(dtype=float)), errors="coerce").notna()]
     for _, row in judged.assign(worst=worst_ratios(judged)).sort_values("worst", ascending=False).iterrows():
+        subject = str(row.get("subject") or "") if pd.notna(row.get("subject")) else ""
         key = (str(row["backend"]), str(row["check"]), str(row["tensor"]))
-        if key in out:
+        if (*key, subject == WHOLE_BACKWARD) in out:
             continue
-        out[key] = Measured(
+        out[(*key, subject == WHOLE_BACKWARD)] = Measured(
             *key,
             max_abs=number(row, "max_abs"),
             rel_rms=number(row, "rel_rms"),
@@ -103,6 +108,7 @@ def _measured(rows: pd.DataFrame) -> tuple[Measured, ...]:
             nonfinite=int(number(row, "nonfinite")) if not math.isnan(number(row, "nonfinite")) else 0,
             first_bad=str(row.get("first_bad") or ""),
             precision=str(row.get("precision") or "") if pd.notna(row.get("precision")) else "",
+            subject=subject,
         )
     return tuple(out.values())
 
@@ -451,8 +457,16 @@ def write_finding_test(
     if backend is None:
         return replace(
             finding,
-            test=f"not written: the budget check judged no output or final state of its smallest case; the "
-            f"{finding.check} check's finding reruns with its repro line",
+            test=f"not written: the budget check judged no output or final state of its smallest case, nor the "
+            f"gradients check a whole backward; the {finding.check} check's finding reruns with its repro line",
+        )
+    measured = called_measurements(finding, backend)
+    within = all(m.max_abs <= m.max_abs_limit and m.rel_rms <= m.rel_rms_limit for m in measured)
+    if takes_gradients(measured) and within:
+        return replace(
+            finding,
+            test="not written: its whole backward was within every limit; what failed (a sequence alone, a resumed "
+            "half, a repeat or poisoned scratch) reruns with its repro line",
         )
     if finding.environment.startswith("cpu") and backend.interpreted(torch.device("cpu")):
         return replace(
@@ -480,7 +494,8 @@ def write_finding_test(
     if done.returncode == 0 and " skipped" in done.stdout:
         state = "skips here"
     try:
-        rerun = run_check(CHECKS["budget"], case, backend, device, run=run)
+        check = "gradients" if takes_gradients(measured) else "budget"
+        rerun = run_check(CHECKS[check], case, backend, device, run=run)
     except DeviceLost as lost:
         if run is not None:
             run.record(lost.findings)
@@ -489,7 +504,7 @@ def write_finding_test(
     if run is not None:
         run.record(rerun)
     seen = "fails" if any(f.failed or f.verdict == "known" for f in rerun) else "passes"
-    return replace(finding, test=f"{path.name} ({state} on {device}; the suite's budget check {seen} here)")
+    return replace(finding, test=f"{path.name} ({state} on {device}; the suite's {check} check {seen} here)")
 
 
 class FindingLostDevice(DeviceLost):

@@ -1,7 +1,7 @@
 """A backend over a small installed KDA library (tests/doubles/fake_kda, on PYTHONPATH), for the tests of the
 standalone repros that ``kda-conformance findings --write-tests`` writes (tests/test_standalone_findings.py):
-its library is declared, with a tolerance of its own tests, and it gives the standalone call a repro file
-makes with that library alone."""
+its library is declared, with a tolerance of its own tests, it gives the standalone call a repro file makes
+with that library alone, and it declares the library's backward pass (autograd through its loop)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,13 @@ from kda_kernels.api import (
     Backend,
     BackendOutput,
     Case,
+    Envelope,
+    Gradients,
     KDAInputs,
     Library,
     LibraryTolerance,
     Support,
+    autograd_backward,
     register,
     stored,
 )
@@ -42,6 +45,7 @@ class FakeKdaChunk(Backend):
     description = "fake_kda.chunk_kda, a float32 token loop whose zero-length members shift later states"
     libraries = (FAKE_KDA,)
     family = "fake-kda loop"
+    envelope = Envelope(backward=True)
 
     def availability(self, device: torch.device) -> Support:
         if importlib.util.find_spec("fake_kda") is None:
@@ -60,6 +64,11 @@ class FakeKdaChunk(Backend):
         o, final = fake_kda.chunk_kda(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, **kwargs)
         case = inputs.case
         return BackendOutput(o=stored(case, "o", o), final_state=stored(case, "final_state", final))
+
+    def run_backward(self, inputs: KDAInputs, d_o: torch.Tensor, d_final: torch.Tensor | None) -> Gradients:
+        import fake_kda
+
+        return autograd_backward(inputs, d_o, d_final, fake_kda.chunk_kda, inputs.kernel_kwargs())
 
 
 class FakeKdaSticky(FakeKdaChunk):
