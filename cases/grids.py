@@ -60,6 +60,9 @@ def calibration_cases(
 # value heads, two packed halves, an initial state), at K = V = 128 and the safe gate: configurations the
 # sentinels and the guaranteed cases have (cases/sentinels.json, cases/guarantee.py) or the corpus
 # (8 heads, packed halves from a state), so that a night's long cases compile nothing of their own.
+# The long backward cases' seed is the run's with these bits flipped: inputs of their own.
+LONG_BACKWARD_STREAM = 0x6261636B
+
 LONG_SHAPES = {
     "bf16": ((4, 8, False, False), (8, 8, True, True)),
     "fp16": ((4, 8, False, True),),
@@ -96,3 +99,23 @@ def long_cases(dtypes: Sequence[str], tokens: int, seed: int | None) -> list[Cas
             )
         )
     return [c if c.key_regime == "correlated" else c.replace(key_rho=0.0) for c in cases]
+
+
+def long_backward_cases(dtypes: Sequence[str], tokens: int, seed: int | None) -> list[Case]:
+    """A run's long backward cases: one of ``tokens`` tokens per entry of ``dtypes``, two packed halves with
+    initial states (so that dh0 and the sequences' boundaries are measured), K = V = 128 and 8 heads (the
+    kernel configuration of the second bf16 long case: no compile of its own in a night; the drawn cases of
+    the gradients check take grouped value heads), their other axes drawn from ``seed`` (a stream apart from
+    the long cases')."""
+    drawn = long_cases(dtypes, tokens, None if seed is None else seed ^ LONG_BACKWARD_STREAM)
+    return [
+        case.replace(
+            seq_lens=(tokens // 2, tokens - tokens // 2),
+            packed=True,
+            num_heads=8,
+            num_v_heads=8,
+            initial_state=case.initial_state if case.initial_state != "none" else "random",
+            tags=("long", "backward"),
+        )
+        for case in drawn
+    ]

@@ -63,6 +63,12 @@ class Profile:
     # dtype, whatever Hypothesis draws.
     long_dtypes: tuple[str, ...] = ()
     long_tokens: int = 131072
+    # The dtypes of the run's long backward cases (``long_backward_tokens`` tokens each, two packed halves with
+    # initial states, drawn from the run's seed; conformance/test_corpus.py::test_long_backward runs the
+    # gradients check on each with every backend that declares a backward): the lengths a training step takes,
+    # whatever Hypothesis draws.
+    long_backward_dtypes: tuple[str, ...] = ()
+    long_backward_tokens: int = 32768
     # Value heads, up to this (0: ``max_heads``): grouped value heads (GVA) with two query heads or more, where
     # a wrong value-to-query head mapping shows (with one query head it changes nothing).
     max_v_heads: int = 0
@@ -181,6 +187,7 @@ PROFILES: dict[str, Profile] = {
             server_batch_seqs=64,
             kernel_configs=9,  # the guaranteed cases' configurations (cases/guarantee.py CONFIGS)
             long_dtypes=("bf16", "fp16", "fp32", "bf16"),
+            long_backward_dtypes=("bf16",),
             sentinels=True,
             guaranteed=True,
             # 39, new each night, until the guaranteed, long and sentinel cases were re-pinned; 25 with the
@@ -201,6 +208,7 @@ PROFILES: dict[str, Profile] = {
             max_work=2**35,
             kernel_configs=2,
             long_dtypes=DTYPES,
+            long_backward_dtypes=("bf16", "fp32"),
             sentinels=True,
         ),
     )

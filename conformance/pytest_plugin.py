@@ -20,7 +20,8 @@ import torch
 
 from kda_cases.case import Case
 from kda_cases.grids import FIRST_SWEEP_DTYPES
-from kda_conformance.checks import Check
+from kda_conformance.checks import CHECKS, Check
+from kda_conformance.checks.gradients import NAME as GRADIENTS
 from kda_conformance.pytest_summary import DEPARTED, EXPECTED, RUN, WRITTEN, empty_selection, not_checked
 from kda_conformance.pytest_summary import pytest_terminal_summary as pytest_terminal_summary
 from kda_conformance.running.config import Grid, baseline_warning, build_config
@@ -218,11 +219,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     sources = {
         "first_sweep_case": (run.config.grid.cases, True),
         "long_case": (run.config.long_cases, True),
+        "long_backward_case": (run.config.long_backward_cases, True),
         "sentinel": (run.config.sentinel_cases, False),
         "guaranteed_case": (run.config.guaranteed_cases, True),
     }
     fixture = next((name for name in sources if name in metafunc.fixturenames), None)
     chosen = sources[fixture][0]() if fixture else []
+    if fixture == "long_backward_case":  # the backends with a backward pass only: no skip line for the others
+        backends = [b for b in backends if CHECKS[GRADIENTS].applies(registry.get(b), run.config.device.type) is None]
     if fixture and per_backend and sources[fixture][1]:
         # The id names the case that runs, the one moved into the backend's envelope (what its records and
         # repro line name), the backend first as everywhere (shards read it there).
@@ -319,6 +323,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     assert profile is not None
     # Profiles without long cases or sentinels: no "empty parameter set" skip lines.
     empty = {"test_long_case"} if not run.config.long_cases() else set()
+    empty |= {"test_long_backward"} if not run.config.long_backward_cases() else set()
     empty |= {"test_sentinel"} if not run.config.sentinel_cases() else set()
     empty |= {"test_guaranteed_case"} if not run.config.guaranteed_cases() else set()
     if empty:
@@ -359,11 +364,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     _corpus_cases_outermost(items)
 
 
+# The fixtures that hand a test one of the run's planned cases.
+CASE_FIXTURES = ("long_case", "long_backward_case", "sentinel", "guaranteed_case")
+
+
 def _case_of(item: pytest.Item) -> str | None:
     params = getattr(getattr(item, "callspec", None), "params", {})
     if "entry" in params:
         return params["entry"].case.id
-    case = params.get("long_case", params.get("sentinel", params.get("guaranteed_case")))
+    case = next((params[name] for name in CASE_FIXTURES if name in params), None)
     return case.id if isinstance(case, Case) else None
 
 

@@ -1,7 +1,8 @@
 """The committed corpus (cases/corpus/*.json) against every selected backend, in every profile; the run's
 long cases (the nightly and long profiles: 128K tokens in each dtype, new each night), its guaranteed cases
 (the nightly profile: every required axis value, new each night) and the sentinels (the same every night):
-the budget check on each."""
+the budget check on each. The run's long backward cases (32K tokens, new each night): the gradients check on
+each, with the backends that declare a backward pass."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kda_cases.case import Case
 from kda_cases.corpus import CorpusEntry, load_corpus
 from kda_conformance.checks import CHECKS, Drawn
 from kda_conformance.checks._tests import fail, unanswered
+from kda_conformance.checks.gradients import NAME as GRADIENTS
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running.run import Run
@@ -59,10 +61,35 @@ def test_long_case(
     request: pytest.FixtureRequest,
 ) -> None:
     """A long case of the run (moved into the backend's envelope), within its budgets."""
-    fitted, fault = fit_or_fault(kda_backend, long_case)
-    if fault is not None:
-        unanswered(BUDGET_CHECK, kda_backend, kda_run, kda_record, fault)
+    fitted = _fitted(long_case, kda_backend, kda_run, kda_record, BUDGET_CHECK)
     _within_budget(fitted, kda_backend, kda_run, kda_checked, "long case of the run", request, kda_record)
+
+
+@pytest.mark.kda_device_dependent
+def test_long_backward(
+    long_backward_case: Case,
+    kda_backend: Backend,
+    kda_run: Run,
+    kda_checked: Callable,
+    kda_record: Callable,
+    request: pytest.FixtureRequest,
+) -> None:
+    """A long backward case of the run (moved into the backend's envelope) through the gradients check: each
+    gradient within its budget, the sequences alone, the same bits again and with poisoned scratch. Only
+    backends that declare a backward pass are given one."""
+    fitted = _fitted(long_backward_case, kda_backend, kda_run, kda_record, GRADIENTS)
+    prepared = CHECKS[GRADIENTS].prepare(fitted, kda_backend)
+    what = "long backward case of the run"
+    _within_budget(prepared, kda_backend, kda_run, kda_checked, what, request, kda_record, GRADIENTS)
+
+
+def _fitted(case: Case, backend: Backend, kda_run: Run, kda_record: Callable, check: str) -> Case:
+    """``case`` moved into the backend's envelope; a backend whose ``fit`` raised has its error recorded under
+    ``check`` and the test failed."""
+    fitted, fault = fit_or_fault(backend, case)
+    if fault is not None:
+        unanswered(check, backend, kda_run, kda_record, fault)
+    return fitted
 
 
 @pytest.mark.kda_device_dependent
@@ -114,15 +141,18 @@ def _within_budget(
     what: str,
     request: pytest.FixtureRequest,
     kda_record: Callable,
+    check: str = BUDGET_CHECK,
 ) -> None:
+    """``check`` (the budget check unless named) on ``case``: a failure fails the test, a case the backend does
+    not take is recorded as such and skipped."""
     try:
         supported = guard.supports(backend, case)
-    except BackendFault:  # the budget check asks again, and records the backend's error
+    except BackendFault:  # the check asks again, and records the backend's error
         supported = Support.yes()
     if not supported:
-        _skip_record(case, backend, kda_run, kda_record)
+        _skip_record(case, backend, kda_run, kda_record, check)
         pytest.skip(f"{backend.name}: {supported.reason}")
-    findings = kda_checked(CHECKS[BUDGET_CHECK], Drawn(case), backend)
+    findings = kda_checked(CHECKS[check], Drawn(case), backend)
     skipped = [f for f in findings if f.verdict in ("skip", "resource")]
     if skipped and len(skipped) == len(findings):  # (a skip of one tensor beside judged ones is recorded)
         pytest.skip(f"{backend.name}: {skipped[0].verdict}: {skipped[0].reason}")
@@ -131,8 +161,8 @@ def _within_budget(
         fail(request, findings, report)
 
 
-def _skip_record(case: Case, backend: Backend, kda_run: Run, kda_record: Callable) -> None:
+def _skip_record(case: Case, backend: Backend, kda_run: Run, kda_record: Callable, check: str = BUDGET_CHECK) -> None:
     """The case recorded as outside the backend's envelope, without computing its truth: the night's coverage
     per backend tells a value outside the envelope from one the night missed (reports/reach.py)."""
     reason = guard.supports(backend, case).reason
-    kda_record([judge_for(BUDGET_CHECK, case, backend.name, kda_run.config.device).outcome("skip", reason)])
+    kda_record([judge_for(check, case, backend.name, kda_run.config.device).outcome("skip", reason)])

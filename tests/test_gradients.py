@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from suite_paths import import_plugin
+from suite_paths import import_plugin, pytest_run
 
 from kda_cases.case import Case
 from kda_cases.dtypes import GRADIENT_TENSORS, stored_dtype
@@ -260,3 +260,20 @@ def test_the_gate_derivatives_the_scales_use_are_the_gates(gate: dict) -> None:
     if case.gate_in_kernel:
         assert torch.allclose(found["ddt_bias"], (act(b=b + h) - act(b=b - h)) / (2 * h), rtol=1e-6, atol=1e-9)
         assert torch.allclose(found["dA_log"], (act(A=A + h) - act(A=A - h)) / (2 * h), rtol=1e-6, atol=1e-9)
+
+
+def test_a_nights_long_backward_case_runs_the_gradients_check_on_the_backends_with_a_backward(tmp_path) -> None:
+    """conformance/test_corpus.py::test_long_backward, in a profile with long backward cases (the nightly's 32K
+    tokens; here the smoke profile given two halves of 24 tokens by a test plugin): the baseline passes, a
+    planted backward bug fails naming its gradient, and a backend without a backward is given none (no skip
+    line)."""
+    done = pytest_run(
+        "-rfs", "conformance/test_corpus.py", "-k", "long_backward", "--kda-plugin", "kda_short_long_backward",
+        "--kda-plugin", "kda_planted_backward", "--kda-plugin", "kda_narrow", "--kda-profile", "smoke",
+        "--kda-out", str(tmp_path / "store"), "--kda-backend", "torch_chunk", "--kda-backend",
+        "planted_bwd_dq_unscaled", "--kda-backend", "narrow_correct",
+    )  # fmt: skip
+    out = done.stdout
+    assert done.returncode == 1 and "1 failed, 1 passed" in out, out[-3000:] + done.stderr[-2000:]
+    assert "FAILED conformance/test_corpus.py::test_long_backward[planted_bwd_dq_unscaled-" in out
+    assert "tensor dq" in out and "T24+24 fp32 H8/8 K128V128" in out and "narrow_correct" not in out.split("report:")[0]

@@ -22,7 +22,13 @@ from kda_cases.case import Case, did_you_mean
 from kda_cases.corpus import load_corpus
 from kda_cases.devices import resolve_device
 from kda_cases.files import unwritable
-from kda_cases.grids import FIRST_SWEEP_DTYPES, FIRST_SWEEP_LENGTHS, first_sweep_cases, long_cases
+from kda_cases.grids import (
+    FIRST_SWEEP_DTYPES,
+    FIRST_SWEEP_LENGTHS,
+    first_sweep_cases,
+    long_backward_cases,
+    long_cases,
+)
 from kda_cases.guarantee import guaranteed_cases
 from kda_cases.kernel_configs import KernelConfig, distinct_configs
 from kda_cases.profiles import Profile, get_profile
@@ -170,6 +176,12 @@ class RunConfig:
             return []
         return long_cases(self.profile.long_dtypes, self.profile.long_tokens, self.seed)
 
+    def long_backward_cases(self) -> list[Case]:
+        """The run's long backward cases (the profile's ``long_backward_dtypes``), drawn from its seed."""
+        if self.profile is None or not self.profile.long_backward_dtypes:
+            return []
+        return long_backward_cases(self.profile.long_backward_dtypes, self.profile.long_backward_tokens, self.seed)
+
     def sentinel_cases(self) -> list[Case]:
         """The sentinels (cases/sentinels.json) where the profile runs them."""
         return load_sentinels() if self.profile is not None and self.profile.sentinels else []
@@ -188,6 +200,7 @@ class RunConfig:
             "corpus": corpus,
             "sentinels": self.sentinel_cases(),
             "long": self.long_cases(),
+            "long backward": self.long_backward_cases(),
         }
 
     def kernel_configs(self, planned: Sequence[Case] | None = None) -> dict[KernelConfig, Case]:
