@@ -78,8 +78,25 @@ def test_a_case_too_narrow_to_reach_the_threshold_gets_more_heads(check, tmp_pat
     case = Case(seq_lens=(40,), num_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16)  # 257 tokens of filler
     backend = registry.get("torch_chunk")
     wide = check.prepare(case, backend)
-    assert (wide.num_heads, wide.num_v_heads, wide.packed) == (5, 10, True)  # 52 tokens of filler, GVA kept
+    assert (wide.num_heads, wide.num_v_heads, wide.packed) == (6, 6, True)  # 43 tokens of filler, equal heads
     assert check.prepare(wide, backend) == wide
     run = Run(build_config(device="cpu", out=tmp_path), journal=False)
     found = run_check(check, case, backend, CPU, {}, run)
     assert found and all(f.verdict == "pass" for f in found), found
+
+
+def test_grouped_value_heads_become_equal_heads_that_fit_an_h100_in_bf16() -> None:
+    """On the H100 every 2^31 draw of FLA's chunk kernel was skipped: at H4/8 K = V = 128 the batch planned
+    88.3 GiB, past 80 % of the card's 79.2 GiB. Prepared, the same draw has 8 query heads and half the filler,
+    and plans 52.1 GiB in bf16 (fp32 still needs an H200: its draws are skipped there and others drawn)."""
+    h100 = 79.2 * 2**30
+    drawn = Case(seq_lens=(64,), num_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128, dtype="bf16")
+    assert offsets.planned_bytes(drawn.replace(packed=True), offsets.filler_tokens(drawn)) / 2**30 == pytest.approx(
+        88.3, abs=0.1
+    )
+    ready = offsets.prepare(drawn, registry.get("torch_chunk"))
+    assert (ready.num_heads, ready.num_v_heads) == (8, 8)
+    assert offsets.filler_tokens(ready) == 2097153  # half of the drawn case's 4194305
+    assert offsets.planned_bytes(ready, offsets.filler_tokens(ready)) < offsets.MEMORY_SHARE * h100
+    fp32 = ready.replace(dtype="fp32")
+    assert offsets.planned_bytes(fp32, offsets.filler_tokens(fp32)) > offsets.MEMORY_SHARE * h100
