@@ -7,11 +7,12 @@ every replay while the graph's buffers stay. A kernel that bakes a bound into th
 host, gives the first batch's answer on the second. The plan (:func:`plan`): warm the call up on the static
 buffers (Triton compiles and tunes outside the capture), capture one call, then for the case's own batch and a
 second batch (the same number of sequences and tokens, the boundaries moved, new inputs) copy its tensors into
-the static buffers, ``cu_seqlens`` in place, replay, and compare. A capture that raises (a host sync, an
-allocation the graph cannot hold) is the backend's failure where its envelope says it can be captured
-(``graph_capture``), and is recorded as "not graph-safe" with what raised otherwise. What the adapter itself
-computes on the host from the case (not from ``cu_seqlens``) is baked into the capture as a server's layer code
-would be. On a GPU only.
+the static buffers, ``cu_seqlens`` in place, and the sequence tables a server builds on the host for the
+device (SGLang's graph prefill's chunk tables, :func:`device_tables`) in place too, replay, and compare. A
+capture that raises (a host sync, an allocation the graph cannot hold) is the backend's failure where its
+envelope says it can be captured (``graph_capture``), and is recorded as "not graph-safe" with what raised
+otherwise. What the adapter itself computes on the host from the case (not from ``cu_seqlens``) is baked into
+the capture as a server's layer code would be. On a GPU only.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def plan(case: Case) -> dict[str, object]:
     return {
         "captured": f"one call on static buffers shaped as {case.id} ({case.num_seqs} sequences, "
         f"{case.total_tokens} tokens), after a warm-up call on them",
-        "rewritten": [*STATIC[:-1], "cu_seqlens (in place)"],
+        "rewritten": [*STATIC[:-1], "cu_seqlens (in place)", "the backend's device tables (in place)"],
         "replays": [case.seq_lens, second.seq_lens],
         "compared": "each replay bit for bit with the eager call on the same inputs, and with its own truth's budgets",
     }
@@ -86,11 +87,25 @@ def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
     return Drawn(case)
 
 
-def _copy_into(static: KDAInputs, inputs: KDAInputs) -> None:
+def device_tables(backend: Backend, inputs: KDAInputs) -> dict[str, torch.Tensor]:
+    """The sequence tables a server builds on the host for ``inputs``' batch and hands the kernel on the device
+    (``Backend.host_metadata``: SGLang's graph prefill's chunk tables, sized by the batch's tokens and sequences,
+    so a second batch of the same shapes fills the same buffers). Tables that stay on the host (FLA's
+    ``cu_seqlens_cpu``) are not: a graph replays device work only, and what host code made of them at capture
+    would be baked in."""
+    if not backend.envelope.host_metadata:
+        return {}
+    made = backend.host_metadata(inputs.device, torch.tensor(inputs.case.offsets))
+    return {name: table for name, table in made.items() if table.device == inputs.device}
+
+
+def _copy_into(static: KDAInputs, inputs: KDAInputs, backend: Backend) -> None:
     for name in STATIC:
         target, source = getattr(static, name), getattr(inputs, name)
         if target is not None and source is not None:
             target.copy_(source)
+    for name, table in device_tables(backend, inputs).items():  # the tables refilled before the replay
+        static.host_metadata[name].copy_(table)  # type: ignore[index]
 
 
 def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
@@ -101,7 +116,8 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge:
     second = materialize(second_case, inputs.device)
     batches = [(truth.case, inputs, truth, judge), (second_case, second, None, None)]
     clones = {name: getattr(inputs, name).clone() for name in STATIC if getattr(inputs, name) is not None}
-    static = dataclasses.replace(inputs, host_metadata=None, **clones)
+    tables = {name: table.clone() for name, table in device_tables(backend, inputs).items()}
+    static = dataclasses.replace(inputs, host_metadata=tables or None, **clones)
     declared = backend.envelope.graph_capture
     stream = torch.cuda.Stream(inputs.device)
     stream.wait_stream(torch.cuda.current_stream(inputs.device))
@@ -124,7 +140,7 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge:
     for n, (case, batch, batch_truth, batch_judge) in enumerate(batches):
         batch_truth = batch_truth or inputs_truth(batch, precision=truth.precision)
         batch_judge = batch_judge or Judge(NAME, case, backend.name, judge.device, judge.repro)
-        _copy_into(static, batch)
+        _copy_into(static, batch, backend)
         graph.replay()
         torch.cuda.synchronize(inputs.device)
         replayed = BackendOutput(

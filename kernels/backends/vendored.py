@@ -392,7 +392,10 @@ class SglangChunk(VendoredBackend):
     @property
     def envelope(self) -> Envelope:  # type: ignore[override]
         envelope = super().envelope
-        return envelope.narrowed(host_metadata=GRAPH_CHUNK_METADATA) if self._takes_graph_tables() else envelope
+        if not self._takes_graph_tables():
+            return envelope
+        # SGLang captures this call in its prefill CUDA graph (kda_prefill_graph.py), handing it these tables.
+        return envelope.narrowed(host_metadata=GRAPH_CHUNK_METADATA, graph_capture=True)
 
     def host_metadata(self, device: torch.device, cu_seqlens_cpu: torch.Tensor) -> dict[str, torch.Tensor]:
         return graph_chunk_tables(cu_seqlens_cpu, device) if self._takes_graph_tables() else {}
