@@ -1,7 +1,7 @@
 """Workarounds that let FLA's Triton kernels, and servers' copies of them, run on a CPU (``TRITON_INTERPRET=1``).
 
 The Triton interpreter executes kernels with NumPy. For the KDA kernels it has
-five gaps, each patched here and each covered by a test in
+six gaps, each patched here and each covered by a test in
 ``tests/test_triton_interpret.py`` that fails both when the workaround stops
 working and when the interpreter no longer needs it:
 
@@ -13,8 +13,11 @@ working and when the interpreter no longer needs it:
 3. ``bf16_arith``: bf16 values are stored as raw ``uint16``; elementwise ops and
    ``tl.dot`` then compute on the bit patterns. We decode to fp32, compute, and
    round back.
-4. ``bf16_round``: fp32 -> bf16 casts truncate; a GPU rounds to nearest even.
-5. ``builtin_alias``: the interpreter patches Triton's builtins on ``tl`` only,
+4. ``bf16_reduce``: reductions and scans (``tl.sum``, ``tl.cumsum``...) run numpy on
+   the same raw bits (FLA's bf16 backward then read dg off by more than its size
+   from an initial state's gradient). We decode, reduce, and round back.
+5. ``bf16_round``: fp32 -> bf16 casts truncate; a GPU rounds to nearest even.
+6. ``builtin_alias``: the interpreter patches Triton's builtins on ``tl`` only,
    so a kernel calling one through a module-level alias fails ("Did you forget
    to add @triton.jit ?"): FLA's ``gather = tl.gather`` (safe-gate path),
    vLLM's and SGLang's ``exp2 = tl.exp2``. We patch such aliases in the
@@ -46,7 +49,7 @@ from collections.abc import Callable, Collection, Iterator
 
 PINNED_TRITON = "3.9.0"
 VARIABLE = "TRITON_INTERPRET"  # set by enable(): a backend that may enable the interpreter declares it
-WORKAROUNDS = ("autotune", "loop_index", "bf16_arith", "bf16_round", "builtin_alias")
+WORKAROUNDS = ("autotune", "loop_index", "bf16_arith", "bf16_reduce", "bf16_round", "builtin_alias")
 
 _enabled = False
 _fla_pending: tuple[str, ...] = ()  # the FLA workarounds enable() left for patch_fla()
@@ -195,23 +198,39 @@ def _to_bf16(data):
     return np.where(np.isnan(f32), np.uint32(0x7FC0), rounded).astype(np.uint16)
 
 
-def _patch_bf16_arith() -> None:
+def _is_bf16(handle: object) -> bool:
+    """Whether an interpreter tensor handle holds bf16 values as their raw bits (numpy has no bf16)."""
+    import numpy as np
+    import triton.language as tl
+
+    return handle.dtype.scalar == tl.bfloat16 and handle.data.dtype == np.uint16  # type: ignore[attr-defined]
+
+
+def _decoded(handle):
+    """A bf16 handle as float32 values; any other as it is."""
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    return interp.TensorHandle(_to_f32(handle.data), tl.float32) if _is_bf16(handle) else handle
+
+
+def _encoded(result):
+    """A float32 handle rounded to bf16 bits; any other as it is."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter as interp
 
+    if result.dtype.scalar == tl.float32 and result.data.dtype == np.float32:
+        return interp.TensorHandle(_to_bf16(result.data), tl.bfloat16)
+    return result
+
+
+def _patch_bf16_arith() -> None:
+    import numpy as np
+    from triton.runtime import interpreter as interp
+
     builder = interp.InterpreterBuilder
-
-    def is_bf16(handle: interp.TensorHandle) -> bool:
-        return handle.dtype.scalar == tl.bfloat16 and handle.data.dtype == np.uint16
-
-    def decoded(handle: interp.TensorHandle) -> interp.TensorHandle:
-        return interp.TensorHandle(_to_f32(handle.data), tl.float32) if is_bf16(handle) else handle
-
-    def encoded(result: interp.TensorHandle) -> interp.TensorHandle:
-        if result.dtype.scalar == tl.float32 and result.data.dtype == np.float32:
-            return interp.TensorHandle(_to_bf16(result.data), tl.bfloat16)
-        return result
+    is_bf16, decoded, encoded = _is_bf16, _decoded, _encoded
 
     original_binary = builder.binary_op
     original_unary = builder.unary_op
@@ -249,6 +268,33 @@ def _patch_bf16_arith() -> None:
     builder.ternary_op = ternary_op
     builder.create_fma = create_fma
     builder.create_dot = create_dot
+
+
+def _patch_bf16_reduce() -> None:
+    """Reductions and scans (``tl.sum``, ``tl.max``, ``tl.cumsum`` and their generic forms) run numpy on the
+    handles' data: on bf16 they summed the bit patterns. They compute on the decoded values and round back."""
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    def retyped(x: tl.core.tensor, handle: interp.TensorHandle) -> tl.core.tensor:
+        kind = handle.dtype.scalar
+        return tl.core.tensor(handle, tl.block_type(kind, list(x.shape)) if x.type.is_block() else kind)
+
+    original_apply = interp.ReduceScanOpInterface.apply
+
+    def apply(self, input):
+        if not isinstance(input, tuple):
+            return apply(self, (input,))[0]
+        wide = [_is_bf16(x.handle) for x in input]
+        if not any(wide):
+            return original_apply(self, input)
+        done = original_apply(
+            self, tuple(retyped(x, _decoded(x.handle)) if w else x for x, w in zip(input, wide, strict=True))
+        )
+        # Output n is input n's reduction (an index beside a value is int32, left alone).
+        return tuple(retyped(y, _encoded(y.handle)) if n < len(wide) and wide[n] else y for n, y in enumerate(done))
+
+    interp.ReduceScanOpInterface.apply = apply
 
 
 def _patch_bf16_round() -> None:
@@ -330,6 +376,7 @@ def _patch_safe_gate_precision() -> None:
 TRITON_PATCHES = {
     "autotune": _patch_autotune,
     "bf16_arith": _patch_bf16_arith,
+    "bf16_reduce": _patch_bf16_reduce,
     "bf16_round": _patch_bf16_round,
     "builtin_alias": _patch_builtin_aliases,
 }

@@ -34,6 +34,13 @@ def main() -> None:
         offs = tl.arange(0, n)
         tl.store(y + offs, tl.load(a + offs) * tl.load(b + offs) + tl.load(a + offs))
 
+    @triton.jit
+    def reduce_kernel(x, total, prefix, n: tl.constexpr):
+        offs = tl.arange(0, n)
+        values = tl.load(x + offs)
+        tl.store(total, tl.sum(values, axis=0))
+        tl.store(prefix + offs, tl.cumsum(values, axis=0))
+
     # A Triton builtin called through a module-level alias, as vLLM's and SGLang's kernel copies do.
     globals()["exp2_alias"] = tl.exp2
 
@@ -57,6 +64,17 @@ def main() -> None:
             # A GPU rounds after each bf16 operation: the product, then the sum.
             want = ((a.float() * b.float()).bfloat16().float() + a.float()).bfloat16()
             result = {"mismatches": int((y.view(torch.int16) != want.view(torch.int16)).sum())}
+        elif probe == "reduce":
+            x = torch.randn(64, generator=gen).bfloat16()
+            total, prefix = torch.empty(1, dtype=torch.bfloat16), torch.empty(64, dtype=torch.bfloat16)
+            reduce_kernel[(1,)](x, total, prefix, n=64)
+            # Summed in float32 and rounded once; a GPU's bf16 reduction tree rounds its partial sums too, so
+            # its result may differ from this by a bf16 unit or two, not by the garbage of summed bit patterns.
+            want_total, want_prefix = x.float().sum(), x.float().cumsum(0)
+            result = {
+                "total_error": float((total.float() - want_total).abs().max()),
+                "prefix_error": float((prefix.float() - want_prefix).abs().max()),
+            }
         elif probe == "alias":
             x = torch.randn(64, generator=gen)
             y = torch.empty(64)

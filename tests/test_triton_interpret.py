@@ -56,6 +56,16 @@ def test_bf16_arithmetic_runs_on_raw_bits_without_the_workaround() -> None:
     assert probe("arith", "bf16_arith").get("mismatches", 0) > 100
 
 
+def test_bf16_reductions_and_scans_match_torch() -> None:
+    said = probe("reduce")
+    assert said["total_error"] <= 0.05 and said["prefix_error"] <= 0.05, said  # a bf16 unit at the sums' size
+
+
+def test_bf16_reductions_run_on_raw_bits_without_the_workaround() -> None:
+    said = probe("reduce", "bf16_reduce")
+    assert "exception" in said or said["total_error"] > 1 or said["prefix_error"] > 1, said
+
+
 @pytest.mark.slow
 def test_fp32_chunk_kda_matches_fp64() -> None:
     assert probe("chunk_fp32")["max_abs"] < 1e-6

@@ -46,15 +46,6 @@ TF32_DOTS = WorkingPrecision.tf32_on_nvidia(
 )
 
 
-# Triton's CPU interpreter (with the suite's workarounds) computes FLA 0.6.0's bf16 backward with dg far off, where
-# fp32 and fp16 pass: T20 bf16 with a log gate 6.7e26 times its limit at token 0, T37 bf16 lb-5 73 times at token
-# 24 (docs/testing.md). No GPU run has shown it; on a CPU the bf16 backward is not judged.
-INTERPRETED_BF16_BACKWARD = (
-    "FLA's bf16 backward is not judged in Triton's CPU interpreter, which computes its dg far off (fp32 and fp16 "
-    "pass; docs/testing.md): run it on a GPU"
-)
-
-
 def _import_fla_kda(device: torch.device) -> ModuleType:
     """Import ``fla.ops.kda`` set up for ``device``: interpreter on a CPU, compiled on a GPU."""
     if device.type == "cpu":
@@ -162,8 +153,6 @@ class FlaChunk(Backend):
         support = self.supports(inputs.case)
         if not support:
             raise Unsupported(support.reason)
-        if inputs.device.type == "cpu" and inputs.case.dtype == "bf16":
-            raise Unsupported(INTERPRETED_BF16_BACKWARD)
         kda = _import_fla_kda(inputs.device)
         call = functools.partial(
             kda.chunk_kda, output_final_state=True, safe_gate=inputs.case.safe_gate, chunk_size=self.chunk_size
