@@ -63,6 +63,9 @@ CONFIGS: tuple[dict[str, Any], ...] = (
     # with 24 value heads in groups of 3 (96 heads over tensor-parallel 4): past 16, the most value heads a
     # drawn case of the nightly has.
     dict(head_k_dim=192, head_v_dim=128, dtype="bf16", num_heads=8, num_v_heads=24, packing="one", h0=True),
+    # 20 value heads in groups of 4 (5 query heads): past a multiple of 8 or 16 by 4, the remainder a kernel that
+    # tiles heads by 8 or 16 leaves (6 and 24 leave 2 and 8); a packed batch from states.
+    dict(head_k_dim=64, head_v_dim=64, dtype="bf16", num_heads=5, num_v_heads=20, packing="packed", h0=True),
 )  # fmt: skip
 EDGES = ("64m - 1", "64m", "64m + 1", "2047", "2048", "2049")
 # A server-sized batch on the packed configuration above (so no compile of its own): 48 to 64 requests,
