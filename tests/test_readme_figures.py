@@ -79,4 +79,42 @@ def test_the_default_sweeps_errors_on_this_cpu_are_the_readmes(tmp_path: Path) -
         f"(worst {worst('fla_recurrent', 'fp32')})",
     ]
     for figure in expected:
-        assert figure in README, figure
+        assert quoted_within_a_digit(figure), figure
+
+
+NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[-+]\d+)?")
+
+
+def quoted_within_a_digit(figure: str) -> bool:
+    """Whether the pages quote ``figure`` with each number within one unit of its last printed digit of the
+    measured one: float32 sums on another CPU (numpy's vector width) move a worst ratio of 0.585 across a
+    rounding boundary (0.58 in the journal, 0.59 on a later 2-core machine), which is not a change."""
+    pattern = f"({NUMBER.pattern})".join(re.escape(text) for text in NUMBER.split(figure))
+    measured = [float(x) for x in NUMBER.findall(figure)]
+    for quoted in re.finditer(pattern, README):
+        numbers = quoted.groups()
+        units = [float("1e" + str(_last_digit_exponent(text))) for text in numbers]
+        if all(abs(float(q) - m) <= 1.001 * u for q, m, u in zip(numbers, measured, units, strict=True)):
+            return True
+    return False
+
+
+def _last_digit_exponent(text: str) -> int:
+    """The power of ten of a printed number's last digit: 0.58 -> -2, 1.2e-07 -> -8, 17 -> 0."""
+    mantissa, _, exponent = text.partition("e")
+    decimals = len(mantissa.partition(".")[2])
+    return int(exponent or 0) - decimals
+
+
+def test_a_quoted_figure_may_differ_by_one_in_its_last_digit_only() -> None:
+    global README
+    saved = README
+    try:
+        README = "fp32 output 1.2e-07 to 4.2e-07 (worst 0.58)"
+        assert quoted_within_a_digit("fp32 output 1.2e-07 to 4.2e-07 (worst 0.59)")
+        assert quoted_within_a_digit("fp32 output 1.3e-07 to 4.2e-07 (worst 0.57)")
+        assert not quoted_within_a_digit("fp32 output 1.2e-07 to 4.2e-07 (worst 0.60)")
+        assert not quoted_within_a_digit("fp32 output 1.2e-06 to 4.2e-07 (worst 0.58)")
+        assert not quoted_within_a_digit("bf16 output 1.2e-07 to 4.2e-07 (worst 0.58)")
+    finally:
+        README = saved
