@@ -226,7 +226,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     fixture = next((name for name in sources if name in metafunc.fixturenames), None)
     chosen = sources[fixture][0]() if fixture else []
     if fixture == "long_backward_case":  # the backends with a backward pass only: no skip line for the others
-        backends = [b for b in backends if CHECKS[GRADIENTS].applies(registry.get(b), run.config.device.type) is None]
+        backends = _with_a_backward(run)
     if fixture and per_backend and sources[fixture][1]:
         # The id names the case that runs, the one moved into the backend's envelope (what its records and
         # repro line name), the backend first as everywhere (shards read it there).
@@ -316,6 +316,12 @@ def _end(config: pytest.Config, message: str) -> NoReturn:
     pytest.exit(f"{message}\n  run with pytest-xdist (-n N) so that a fresh worker takes the rest", DEVICE_LOST_EXIT)
 
 
+def _with_a_backward(run: Run) -> list[str]:
+    """The run's backends the gradients check applies to (they declare a backward pass)."""
+    device_type = run.config.device.type
+    return [b for b in run.config.backends if CHECKS[GRADIENTS].applies(registry.get(b), device_type) is None]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     run = config.stash[RUN]
     device = run.config.device
@@ -323,7 +329,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     assert profile is not None
     # Profiles without long cases or sentinels: no "empty parameter set" skip lines.
     empty = {"test_long_case"} if not run.config.long_cases() else set()
-    empty |= {"test_long_backward"} if not run.config.long_backward_cases() else set()
+    empty |= {"test_long_backward"} if not (run.config.long_backward_cases() and _with_a_backward(run)) else set()
     empty |= {"test_sentinel"} if not run.config.sentinel_cases() else set()
     empty |= {"test_guaranteed_case"} if not run.config.guaranteed_cases() else set()
     if empty:

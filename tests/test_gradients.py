@@ -287,3 +287,10 @@ def test_a_nights_long_backward_case_runs_the_gradients_check_on_the_backends_wi
     assert done.returncode == 1 and "1 failed, 1 passed" in out, out[-3000:] + done.stderr[-2000:]
     assert "FAILED conformance/test_corpus.py::test_long_backward[planted_bwd_dq_unscaled-" in out
     assert "tensor dq" in out and "T24+24 fp32 H8/8 K128V128" in out and "narrow_correct" not in out.split("report:")[0]
+    # With no backend that has a backward, the test is deselected (it was an INTERNALERROR: an empty parameter set).
+    alone = pytest_run(
+        "conformance/test_corpus.py", "-k", "long_backward", "--kda-plugin", "kda_short_long_backward",
+        "--kda-plugin", "kda_narrow", "--kda-profile", "smoke", "--kda-out", str(tmp_path / "other"),
+        "--kda-backend", "narrow_correct",
+    )  # fmt: skip
+    assert alone.returncode == 5 and "INTERNALERROR" not in alone.stdout + alone.stderr, alone.stdout[-2000:]
