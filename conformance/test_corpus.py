@@ -13,7 +13,7 @@ import pytest
 from kda_cases.case import Case
 from kda_cases.corpus import CorpusEntry, load_corpus
 from kda_conformance.checks import CHECKS, Drawn
-from kda_conformance.checks._tests import fail, unanswered
+from kda_conformance.checks._tests import fail, fitted_or_unanswered, unanswered
 from kda_conformance.checks.gradients import NAME as GRADIENTS
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.judging.repro import BUDGET_CHECK
@@ -61,7 +61,7 @@ def test_long_case(
     request: pytest.FixtureRequest,
 ) -> None:
     """A long case of the run (moved into the backend's envelope), within its budgets."""
-    fitted = _fitted(long_case, kda_backend, kda_run, kda_record, BUDGET_CHECK)
+    fitted = fitted_or_unanswered(BUDGET_CHECK, long_case, kda_backend, kda_run, kda_record)
     _within_budget(fitted, kda_backend, kda_run, kda_checked, "long case of the run", request, kda_record)
 
 
@@ -77,19 +77,10 @@ def test_long_backward(
     """A long backward case of the run (moved into the backend's envelope) through the gradients check: each
     gradient within its budget, the sequences alone, the same bits again and with poisoned scratch. Only
     backends that declare a backward pass are given one."""
-    fitted = _fitted(long_backward_case, kda_backend, kda_run, kda_record, GRADIENTS)
+    fitted = fitted_or_unanswered(GRADIENTS, long_backward_case, kda_backend, kda_run, kda_record)
     prepared = CHECKS[GRADIENTS].prepare(fitted, kda_backend)
     what = "long backward case of the run"
     _within_budget(prepared, kda_backend, kda_run, kda_checked, what, request, kda_record, GRADIENTS)
-
-
-def _fitted(case: Case, backend: Backend, kda_run: Run, kda_record: Callable, check: str) -> Case:
-    """``case`` moved into the backend's envelope; a backend whose ``fit`` raised has its error recorded under
-    ``check`` and the test failed."""
-    fitted, fault = fit_or_fault(backend, case)
-    if fault is not None:
-        unanswered(check, backend, kda_run, kda_record, fault)
-    return fitted
 
 
 @pytest.mark.kda_device_dependent

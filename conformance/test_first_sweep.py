@@ -8,7 +8,7 @@ import pytest
 
 from kda_cases.case import Case
 from kda_conformance.checks import CHECKS, Drawn
-from kda_conformance.checks._tests import fail, unanswered
+from kda_conformance.checks._tests import fail, fitted_or_unanswered
 from kda_conformance.judging.repro import BUDGET_CHECK
 from kda_conformance.running.run import Run
 from kda_conformance.running.sweep import fit_or_fault
@@ -30,9 +30,7 @@ def test_first_sweep(
     case of the grid already became is not run twice."""
     backend = kda_backend
     grid = kda_run.config.grid.cases()
-    fitted, fault = fit_or_fault(backend, first_sweep_case)
-    if fault is not None:
-        unanswered(BUDGET_CHECK, backend, kda_run, kda_record, fault)
+    fitted = fitted_or_unanswered(BUDGET_CHECK, first_sweep_case, backend, kda_run, kda_record)
     earlier = {fit_or_fault(backend, c)[0].id for c in grid[: grid.index(first_sweep_case)]}
     if fitted.id in earlier:
         pytest.skip(f"{backend.name}: moved into its envelope, this is {fitted.id}, which an earlier case runs")

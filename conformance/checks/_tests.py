@@ -15,12 +15,14 @@ from hypothesis import event, given, reject, settings, target
 from hypothesis import strategies as st
 from hypothesis.errors import FailedHealthCheck, Unsatisfiable
 
+from kda_cases.case import Case
 from kda_cases.coverage import axis_values
 from kda_conformance.checks._check import Check
 from kda_conformance.checks._registry import CHECKS, REFUSALS
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.running.blame import NOT_APPLICABLE, fault_finding
 from kda_conformance.running.run import NOT_LAUNCHED, Run
+from kda_conformance.running.sweep import fit_or_fault
 from kda_kernels.guard import BackendFault
 from kda_kernels.protocol import Backend
 from kda_reports.findings import Finding, failure_report
@@ -55,6 +57,15 @@ def unanswered(check: str, backend: Backend, run: Run, record: Callable, fault: 
     findings = [fault_finding(judge_for(check, case, backend.name, run.config.device), fault)]
     record(findings)
     pytest.fail(failure_report(findings) or "", pytrace=False)
+
+
+def fitted_or_unanswered(check: str, case: Case, backend: Backend, run: Run, record: Callable) -> Case:
+    """``case`` moved into the backend's envelope; a backend whose ``fit`` raised has its error recorded under
+    ``check`` and the test failed (:func:`unanswered`)."""
+    fitted, fault = fit_or_fault(backend, case)
+    if fault is not None:
+        unanswered(check, backend, run, record, fault)
+    return fitted
 
 
 def fail(request: pytest.FixtureRequest, findings: list[Finding], report: str) -> NoReturn:

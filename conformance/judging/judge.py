@@ -66,9 +66,10 @@ class Judge:
         ``alone``: the tensor is that sequence's of the case, run by itself, where its first bad point lies."""
         problems = problems_of(self.case, measurement, budget, dtype)
         laid_out = self.case
-        if alone is not None and self.case.row_spans[alone][1] < self.case.row_spans[alone][2]:
+        if alone is not None:
             _, start, end = self.case.row_spans[alone]
-            laid_out = self.case.replace(seq_lens=(end - start,), packed=True, checkpoints=())  # one row
+            if end > start:  # its tokens in one row; an empty sequence has a state only
+                laid_out = self.case.replace(seq_lens=(end - start,), packed=True, checkpoints=())
         where = locate(laid_out, measurement, budget.max_abs.value)
         if where is None and problems:  # the rel-RMS limit alone: where the error is largest
             where = locate_largest(laid_out, measurement)

@@ -22,6 +22,7 @@ from types import ModuleType
 
 from kda_cases import seeded
 from kda_cases.case import Case
+from kda_cases.dtypes import GRADIENT_TENSORS
 from kda_cases.files import atomic_write_text
 from kda_cases.materialize import materialize
 from kda_conformance.checks.gradients import WHOLE_BACKWARD
@@ -231,8 +232,7 @@ def test_{name}():
 # The kernel's backward, held to float64 gradients: autograd through the token loop.
 _BACKWARD_TEST = """
 # The gradient of each input, by the name reports give it.
-GRADIENT_OF = {{"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "initial_state": "dh0", "A_log": "dA_log",
-               "dt_bias": "ddt_bias"}}
+GRADIENT_OF = {gradient_of!r}
 # The gate's gradients sum terms that cancel: their rel-RMS is taken against the RMS of those terms (|q dq| and
 # |k dk| times the gate's derivative, token by token) where larger than their own, computed by kda-conformance on
 # these very inputs (its docs/tolerance.md, "Gradients").
@@ -334,6 +334,7 @@ def standalone_file_text(finding: object, case: Case, backend: Backend, file_nam
         name=finding.id.replace("-", "_"),
         call_kwargs=textwrap.indent(_call_kwargs(case), "    ").lstrip(),
         term_rms=_term_rms(case) if backward else {},
+        gradient_of=GRADIENT_TENSORS,
     )
     imports = "\n".join(f"import {name}" for name in ("importlib", "itertools", "math", "os", "sys"))
     imports += "\nfrom types import SimpleNamespace\nfrom typing import Any\n\nimport pytest\nimport torch\n"

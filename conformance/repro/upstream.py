@@ -90,9 +90,10 @@ def _measured(rows: pd.DataFrame) -> tuple[Measured, ...]:
     for _, row in judged.assign(worst=worst_ratios(judged)).sort_values("worst", ascending=False).iterrows():
         subject = str(row.get("subject") or "") if pd.notna(row.get("subject")) else ""
         key = (str(row["backend"]), str(row["check"]), str(row["tensor"]))
-        if (*key, subject == WHOLE_BACKWARD) in out:
+        kept = (*key, subject == WHOLE_BACKWARD)
+        if kept in out:
             continue
-        out[(*key, subject == WHOLE_BACKWARD)] = Measured(
+        out[kept] = Measured(
             *key,
             max_abs=number(row, "max_abs"),
             rel_rms=number(row, "rel_rms"),
