@@ -167,6 +167,73 @@ def test_flashkdas_standalone_call_hands_it_what_its_readme_says(layout: str, mo
         assert float((got.double() - want).norm() / want.norm()) < 1e-2
 
 
+@pytest.fixture
+def aiter_tree(monkeypatch: pytest.MonkeyPatch):
+    """AITER's source checkout as its test double (tests/doubles/aiter_tree), named by KDA_AITER_SRC; the bare
+    packages a call registers, and the tree on the path, are gone afterwards."""
+    monkeypatch.setenv("KDA_AITER_SRC", str(DOUBLES / "aiter_tree"))
+    monkeypatch.delenv("CHUNK_DELTA_ATTN_FLASH_KDA_SEG", raising=False)
+    before, path = set(sys.modules), list(sys.path)
+    yield
+    sys.path[:] = path  # the call puts the tree on the path
+    for name in set(sys.modules) - before:
+        if name == "aiter" or name.startswith("aiter."):
+            del sys.modules[name]
+
+
+@pytest.mark.parametrize(
+    ("backend", "flash_kda", "segment"),
+    [("aiter_flashkda", True, None), ("aiter_flashkda_seg16", True, "16"), ("aiter_flashkda_unsegmented", True, "0"),
+     ("aiter_default", False, None)],
+)  # fmt: skip
+def test_aiters_standalone_call_takes_the_backends_path_from_its_source_tree(
+    backend: str, flash_kda: bool, segment: str | None, aiter_tree: None
+) -> None:
+    """chunk_kimi_delta_attn as the repro file calls it, from a source checkout (KDA_AITER_SRC) without running
+    aiter/__init__.py (the HIP build; the double raises there): FlashKDA on or off and the segment length as
+    the backend pins them, the state in fp32, the result the float64 truth's."""
+    from kda_conformance.repro.standalone_finding import _needs_source
+    from kda_kernels import registry
+
+    case = Case(seq_lens=(20, 33), packed=True, initial_state="random", num_heads=2, num_v_heads=2, head_k_dim=32,
+                head_v_dim=32, seed=5)  # fmt: skip
+    chosen = registry.get(backend)
+    namespace = embedded(case)
+    exec("import importlib, os, sys\nimport pytest\n" + _needs_source(chosen) + chosen.standalone_source(case),
+         namespace)  # fmt: skip
+    x = namespace["draw"](namespace["CASE"])
+    kwargs = {k: v for k, v in materialize(case).kernel_kwargs().items() if k not in ("initial_state", "cu_seqlens")}
+    o, final = namespace["call"](x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], x["cu_seqlens"],
+                                 **kwargs)  # fmt: skip
+    [called] = sys.modules["aiter.ops.triton.kimi_delta_attn"].CALLS
+    assert called == {"flash_kda": flash_kda, "segment": segment, "safe_gate": case.safe_gate, "chunk_size": None,
+                      "state_dtype": torch.float32}  # fmt: skip
+    want_o, want_final = kda_token_loop(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                                        cu_seqlens=x["cu_seqlens"], **kwargs)  # fmt: skip
+    for got, want in ((o, want_o), (final, want_final)):
+        assert got.shape == want.shape
+        assert float((got.double() - want).norm() / want.norm()) < 1e-2
+
+
+def test_aiters_standalone_call_skips_naming_aiter_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kda_conformance.repro.standalone_finding import _needs_source
+    from kda_kernels import registry
+
+    monkeypatch.delenv("KDA_AITER_SRC", raising=False)
+    for name in [n for n in sys.modules if n == "aiter" or n.startswith("aiter.")]:  # bare packages of a tree
+        monkeypatch.delitem(sys.modules, name)
+    if importlib.util.find_spec("aiter") is not None:
+        pytest.skip("AITER is installed here")
+    case = Case(seq_lens=(9,), head_k_dim=16, head_v_dim=16)
+    chosen = registry.get("aiter_flashkda")
+    namespace = embedded(case)
+    exec("import importlib, os, sys\nimport pytest\n" + _needs_source(chosen) + chosen.standalone_source(case),
+         namespace)  # fmt: skip
+    with pytest.raises(pytest.skip.Exception, match="needs AITER"):
+        namespace["call"](*(None,) * 7)
+    assert registry.get("aiter_paged").standalone_source is None  # its findings are the paged API's
+
+
 @pytest.mark.slow
 def test_a_gradient_findings_file_takes_the_kernels_backward_alone_and_gives_the_suites_numbers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -2,8 +2,9 @@
 
 The standalone test holds the inputs, the poisoned pool and output buffer, the
 float64 truth and the limits in ``FILE`` with a ``.pt`` suffix beside it, and checks what the serving
-checks check. For a backend that gives ``standalone_source()`` (FLA's kernels) it needs only torch and the
-backend's package, to attach to an upstream report; for any other it imports this suite to run it.
+checks check. For a backend that gives ``standalone_source()`` (FLA's, FlashKDA's and AITER's kernels) it
+needs only torch and the backend's package, to attach to an upstream report; for any other it imports this
+suite to run it.
 """
 
 from __future__ import annotations

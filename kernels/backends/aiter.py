@@ -121,6 +121,37 @@ def _flash_kda_predicate() -> Callable | None:
     return None
 
 
+# The ``call`` of a standalone repro file (``kda-conformance findings --write-tests``): AITER's entry point with
+# only torch, AITER (or its source checkout, named by KDA_AITER_SRC) and pytest, on the path the backend runs.
+_STANDALONE = """
+
+def call(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs):
+    import types
+
+    os.environ.setdefault("AITER_TRITON_ONLY", "1")
+    tree = os.environ.get("KDA_AITER_SRC")
+    if tree and "aiter" not in sys.modules:
+        # AITER's Triton source without its HIP build: aiter and aiter.ops as bare packages, their __init__
+        # (a JIT build of the HIP kernels) never run.
+        for name, folder in (("aiter", ("aiter",)), ("aiter.ops", ("aiter", "ops"))):
+            package = types.ModuleType(name)
+            package.__path__ = [os.path.join(tree, *folder)]
+            sys.modules[name] = package
+    entry = needs("aiter.ops.triton.kimi_delta_attn").chunk_kimi_delta_attn
+    # The path: FlashKDA {path}, through the module constants AITER reads from the environment at import.
+    for module in [m for n, m in list(sys.modules.items()) if n.startswith("aiter.") and m is not None]:
+        for switch in {switches!r}:
+            if hasattr(module, switch):
+                setattr(module, switch, {flash_kda!r})
+    {segment}
+    h0 = None if initial_state is None else initial_state.float()
+    return entry(
+        q, k, v, g, beta, initial_state=h0, cu_seqlens=cu_seqlens, output_final_state=True,
+        safe_gate={safe_gate!r}, chunk_size=None, {extra}**kwargs
+    )
+"""
+
+
 class AiterBackend(Backend):
     """Common ground: availability, the envelope, the call with the case's arguments."""
 
@@ -158,6 +189,23 @@ class AiterBackend(Backend):
 
     def markers(self, device: torch.device) -> tuple[str, ...]:
         return ("gfx950",) if gpu_arch(device) == "gfx950" else ()
+
+    def standalone_source(self, case: Case) -> str:
+        """A ``call`` that needs only torch and AITER (or its source, ``KDA_AITER_SRC``), for standalone repro
+        files: this backend's path and segment length pinned as ``run`` pins them."""
+        if self.segment is None:
+            segment = f"os.environ.pop({SEGMENT_VARIABLE!r}, None)  # AITER's default segment length"
+        else:
+            segment = f"os.environ[{SEGMENT_VARIABLE!r}] = {str(self.segment)!r}"
+        extra = "".join(f"{name}={value!r}, " for name, value in self.extra.items())
+        return _STANDALONE.format(
+            path="on" if self.flash_kda else "off",
+            switches=FLASH_KDA_SWITCHES,
+            flash_kda=self.flash_kda,
+            segment=segment,
+            safe_gate=case.safe_gate,
+            extra=extra,
+        )
 
     def _arguments(self, inputs: KDAInputs) -> tuple[tuple, dict]:
         case = inputs.case
@@ -286,6 +334,8 @@ class AiterPaged(AiterFlashKDA):
         "AITER chunk_kimi_delta_attn's in-place paged API (out, state_cache, state_indices, has_initial_state)"
     )
     needs = ("out", "state_cache", "state_indices", "has_initial_state")
+    # Its findings are the paged API's (a pool, an out buffer): the direct call's file would not reproduce them.
+    standalone_source = None  # type: ignore[assignment]
     # The paged API takes an fp32 V-first state pool only.
     envelope = AITER_FLASH_KDA.narrowed(state_layouts=("v_first",), state_dtypes=("fp32",))
 
