@@ -66,6 +66,9 @@ CONFIGS: tuple[dict[str, Any], ...] = (
     # 20 value heads in groups of 4 (5 query heads): past a multiple of 8 or 16 by 4, the remainder a kernel that
     # tiles heads by 8 or 16 leaves (6 and 24 leave 2 and 8); a packed batch from states.
     dict(head_k_dim=64, head_v_dim=64, dtype="bf16", num_heads=5, num_v_heads=20, packing="packed", h0=True),
+    # 12 heads, a rank's share of 48 over tensor-parallel 4 (96 over 8), ungrouped and at K = V = 128 in bf16, so
+    # that FlashKDA's kernels (no grouped value heads) get a head count past a tile of 8 too; from states.
+    dict(head_k_dim=128, head_v_dim=128, dtype="bf16", num_heads=12, num_v_heads=12, packing="packed", h0=True),
 )  # fmt: skip
 EDGES = ("64m - 1", "64m", "64m + 1", "2047", "2048", "2049")
 # A server-sized batch on the packed configuration above (so no compile of its own): 48 to 64 requests,
