@@ -245,6 +245,30 @@ def test_the_truth_cache_uses_what_it_drew_ahead(monkeypatch: pytest.MonkeyPatch
     assert drawn == [case.id] and not cache._drawn
 
 
+def test_the_truth_cache_keeps_a_property_tests_examples_for_the_next_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A check's test draws the same cases for every backend, one backend's examples after another's (25 in the
+    detection runs): the second backend's truths are the first's, none computed again, within the bytes bound."""
+    from kda_conformance.running import truth_cache
+
+    made: list[str] = []
+    original = truth_cache.case_truth
+    monkeypatch.setattr(
+        truth_cache, "case_truth", lambda case, *a, **k: made.append(case.id) or original(case, *a, **k)
+    )
+    cache = truth_cache.TruthCache(torch.device("cpu"))
+    cases = [Case(seq_lens=(8 + i,), head_k_dim=16, head_v_dim=16) for i in range(25)]
+    for _backend in range(2):
+        for case in cases:
+            cache.get(case)
+            cache.trim()
+    assert made == [c.id for c in cases]
+    monkeypatch.setattr(truth_cache, "TRUTH_CACHE_GIB", 0.0)  # the bytes bound still holds
+    cache.trim()
+    assert not cache._strict
+
+
 def test_a_misspelled_field_or_value_is_told_the_closest_name() -> None:
     with pytest.raises(ValueError, match=r"unknown Case fields \['dtpye'\] \(did you mean 'dtype'\?\)"):
         Case.from_dict({"seq_lens": [3], "dtpye": "bf16"})

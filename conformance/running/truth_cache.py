@@ -16,9 +16,12 @@ from kda_conformance.running.stages import CLOCK
 from kda_conformance.running.truth import CaseTruth, at_precision, case_truth
 from kda_kernels.protocol import WorkingPrecision
 
-# Long GPU cases hold gigabytes of truth; a handful is enough for every backend to reuse a case. Between cases
-# a worker keeps at most TRUTH_CACHE_GIB of them (memory outside the GPU's shares, in the night's memory plan).
-TRUTH_CACHE_SIZE = 4
+# A property test draws the same cases for every backend of a check (its seed is the check's), one backend's
+# examples after another's: a cache that holds a test's examples gives the next backends every truth (two
+# correct controls over 53 cases: all 53 shared). Between cases a worker keeps at most TRUTH_CACHE_GIB of them
+# (memory outside the GPU's shares, in the night's memory plan): long GPU cases hold gigabytes, so there it is
+# the bytes that bound the cache, not the count.
+TRUTH_CACHE_SIZE = 128
 
 
 def tensor_bytes(value: object) -> int:
