@@ -68,6 +68,22 @@ def test_repro_of_a_backend_that_cannot_run_here_is_nothing_ran_not_a_pass(
     assert "check split_resume does not apply: split point p=40" in capsys.readouterr().out
 
 
+def test_repro_of_a_known_failure_says_it_failed_as_known_not_that_it_passes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """AITER's zero-length member on an H100 (2026-12-06): 49664 non-finite outputs, known to the ledger, and
+    repro said "no finding: check budget passes on this case". It exits as a pass, saying which entry it is."""
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    backend = "planted_no_decay_at_chunk_boundary"
+    ledger_of(monkeypatch, id="planted-on-cpu", backends=(backend,), description="a planted bug", worst=1e6)
+    case = '{"seq_lens": [130], "num_heads": 1, "num_v_heads": 1, "head_k_dim": 16, "head_v_dim": 16}'
+    argv = ["repro", "--plugin", "kda_planted_bugs", "--backend", backend, "--device", "cpu", "--check", "budget"]
+    assert main([*argv, "--case", case]) == PASSED
+    said = " ".join(capsys.readouterr().out.split())
+    assert "known issue: check budget fails on this case as the ledger's planted-on-cpu (not a new finding)" in said
+    assert "passes on this case" not in said
+
+
 def test_the_nightly_passes_strict_mode_to_its_workers() -> None:
     args = build_parser().parse_args(["nightly", "--store", "s", "--strict"])
     assert "--kda-strict" in nightly.pytest_command(args, "night")

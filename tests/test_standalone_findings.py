@@ -167,6 +167,24 @@ def test_flashkdas_standalone_call_hands_it_what_its_readme_says(layout: str, mo
         assert float((got.double() - want).norm() / want.norm()) < 1e-2
 
 
+def test_a_finding_measured_non_finite_gets_a_file_that_imports() -> None:
+    """AITER's FlashKDA on a zero-length member (an H100, 2026-12-06) measured inf: the written file said
+    ``inf``, a name it does not define, and pytest could not import it (exit 2)."""
+    import math
+
+    from kda_conformance.repro.standalone_finding import _JUDGING, _literal
+
+    seen = {"o": {"max_abs": math.inf, "rel_rms": math.nan, "nonfinite": 3}, "final_state": (-math.inf,)}
+    limits = {"o": {"max_abs": 1e-3, "rel_rms": 2e-3}}
+    text = _JUDGING.format(limits_comment="", limits=_literal(limits), library=_literal({}), seen=_literal(seen),
+                           where="here")  # fmt: skip
+    namespace: dict = {"torch": torch, "math": math}
+    exec(text, namespace)
+    measured = namespace["MEASURED"]
+    assert measured["o"]["max_abs"] == math.inf and math.isnan(measured["o"]["rel_rms"])
+    assert measured["final_state"] == (-math.inf,) and namespace["LIMITS"] == limits
+
+
 @pytest.fixture
 def aiter_tree(monkeypatch: pytest.MonkeyPatch):
     """AITER's source checkout as its test double (tests/doubles/aiter_tree), named by KDA_AITER_SRC; the bare

@@ -110,12 +110,19 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         findings = lost.findings
     run.record(findings)
     run.finish()
+    shown = {"fail": ("FAIL", "red"), "error": ("ERROR", "red"), "known": ("known", "yellow")}
+    shown["skip"] = ("skip", "yellow")
     for finding in findings:
-        if finding.failed or finding.verdict == "skip":
-            label, style = {"fail": ("FAIL", "red"), "error": ("ERROR", "red")}.get(finding.verdict, ("skip", "yellow"))
+        if finding.verdict in shown:
+            label, style = shown[finding.verdict]
             say(console, finding.message(repro=False), label, style)
     code = verdict_exit((f.verdict for f in findings), config.strict)
-    if code == PASSED:
+    # A known issue does not fail the command, but the check did not pass: it failed as the ledger says.
+    known = sorted({f.known_issue for f in findings if f.verdict == "known"})
+    if code == PASSED and known:
+        said = f"check {check.name} fails on this case as the ledger's {', '.join(known)} (not a new finding)"
+        say(console, said, "known issue:", "yellow")
+    elif code == PASSED:
         say(console, f"check {check.name} passes on this case", "no finding:", "green")
     elif code == NOTHING_RAN:
         say(console, f"check {check.name} did not run on this case (see the skip above)", "nothing ran:", "yellow")

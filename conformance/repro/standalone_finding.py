@@ -119,6 +119,20 @@ def _where_it_runs_source(device_type: str, where: str) -> str:
     return f"\n\ndef where_it_runs():\n    {body}\n"
 
 
+def _literal(value: object) -> str:
+    """``value`` as Python source that evaluates back to it: its repr, but a non-finite float spelled
+    ``float('inf')`` (repr writes ``inf`` and ``nan``, names the file does not define: a finding whose output
+    was non-finite got a file that failed to import)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"float({str(value)!r})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_literal(k)}: {_literal(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        items = ", ".join(_literal(v) for v in value)
+        return f"[{items}]" if isinstance(value, list) else f"({items}{',' if len(value) == 1 else ''})"
+    return repr(value)
+
+
 def _limits_comment(finding_measured: tuple) -> list[str]:
     lines = []
     for m in finding_measured:
@@ -157,9 +171,9 @@ _JUDGING = """
 # Limits: limit = min(cap, max(factor x baseline, floor)), the baseline the same case through a plain PyTorch
 # chunked KDA at working precision; see kda-conformance docs/tolerance.md.
 {limits_comment}
-LIMITS = {limits!r}
-LIBRARY_TOLERANCE = {library!r}  # rel-RMS, from the library's own tests
-MEASURED = {seen!r}  # when written, on {where}
+LIMITS = {limits}
+LIBRARY_TOLERANCE = {library}  # rel-RMS, from the library's own tests
+MEASURED = {seen}  # when written, on {where}
 TINY = torch.finfo(torch.float64).tiny
 TOKENS = ("q", "k", "v", "g", "beta")
 
@@ -236,7 +250,7 @@ GRADIENT_OF = {gradient_of!r}
 # The gate's gradients sum terms that cancel: their rel-RMS is taken against the RMS of those terms (|q dq| and
 # |k dk| times the gate's derivative, token by token) where larger than their own, computed by kda-conformance on
 # these very inputs (its docs/tolerance.md, "Gradients").
-TERM_RMS = {term_rms!r}
+TERM_RMS = {term_rms}
 
 
 def leaf(x):
@@ -328,12 +342,16 @@ def standalone_file_text(finding: object, case: Case, backend: Backend, file_nam
     ]
     header = '"""' + "\n".join(doc).replace('"""', "'''").replace("\\", "\\\\") + '\n"""\n'
     judging = _JUDGING.format(
-        limits_comment="\n".join(_limits_comment(measured)), limits=limits, library=library, seen=seen, where=where
+        limits_comment="\n".join(_limits_comment(measured)),
+        limits=_literal(limits),
+        library=_literal(library),
+        seen=_literal(seen),
+        where=where,
     )
     test = (_BACKWARD_TEST if backward else _FORWARD_TEST).format(
         name=finding.id.replace("-", "_"),
         call_kwargs=textwrap.indent(_call_kwargs(case), "    ").lstrip(),
-        term_rms=_term_rms(case) if backward else {},
+        term_rms=_literal(_term_rms(case) if backward else {}),
         gradient_of=GRADIENT_TENSORS,
     )
     imports = "\n".join(f"import {name}" for name in ("importlib", "itertools", "math", "os", "sys"))
