@@ -110,11 +110,11 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         findings = lost.findings
     run.record(findings)
     run.finish()
-    shown = {"fail": ("FAIL", "red"), "error": ("ERROR", "red"), "known": ("known", "yellow")}
-    shown["skip"] = ("skip", "yellow")
+    labelled = {"fail": ("FAIL", "red"), "error": ("ERROR", "red"), "known": ("known", "yellow")}
+    labelled["skip"] = ("skip", "yellow")
     for finding in findings:
-        if finding.verdict in shown:
-            label, style = shown[finding.verdict]
+        if finding.verdict in labelled:
+            label, style = labelled[finding.verdict]
             say(console, finding.message(repro=False), label, style)
     code = verdict_exit((f.verdict for f in findings), config.strict)
     # A known issue does not fail the command, but the check did not pass: it failed as the ledger says.
