@@ -185,6 +185,16 @@ def test_a_finding_measured_non_finite_gets_a_file_that_imports() -> None:
     assert measured["final_state"] == (-math.inf,) and namespace["LIMITS"] == limits
 
 
+def with_call(backend: object, case: Case) -> dict:
+    """A file's drawing code and token loop, and the backend's ``call`` with the ``needs`` it imports through."""
+    from kda_conformance.repro.standalone_finding import _needs_source
+
+    namespace = embedded(case)
+    exec("import importlib, os, sys\nimport pytest\n" + _needs_source(backend) + backend.standalone_source(case),
+         namespace)  # fmt: skip
+    return namespace
+
+
 @pytest.fixture
 def aiter_tree(monkeypatch: pytest.MonkeyPatch):
     """AITER's source checkout as its test double (tests/doubles/aiter_tree), named by KDA_AITER_SRC; the bare
@@ -200,32 +210,34 @@ def aiter_tree(monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.mark.parametrize(
-    ("backend", "flash_kda", "segment"),
-    [("aiter_flashkda", True, None), ("aiter_flashkda_seg16", True, "16"), ("aiter_flashkda_unsegmented", True, "0"),
-     ("aiter_default", False, None)],
+    ("backend", "flash_kda", "segment", "extra"),
+    [("aiter_flashkda", True, None, None), ("aiter_flashkda_seg16", True, "16", None),
+     ("aiter_flashkda_unsegmented", True, "0", None), ("aiter_default", False, None, None),
+     ("aiter_native", True, None, "native")],
 )  # fmt: skip
 def test_aiters_standalone_call_takes_the_backends_path_from_its_source_tree(
-    backend: str, flash_kda: bool, segment: str | None, aiter_tree: None
+    backend: str, flash_kda: bool, segment: str | None, extra: str | None, aiter_tree: None
 ) -> None:
     """chunk_kimi_delta_attn as the repro file calls it, from a source checkout (KDA_AITER_SRC) without running
     aiter/__init__.py (the HIP build; the double raises there): FlashKDA on or off and the segment length as
     the backend pins them, the state in fp32, the result the float64 truth's."""
-    from kda_conformance.repro.standalone_finding import _needs_source
     from kda_kernels import registry
 
     case = Case(seq_lens=(20, 33), packed=True, initial_state="random", num_heads=2, num_v_heads=2, head_k_dim=32,
                 head_v_dim=32, seed=5)  # fmt: skip
     chosen = registry.get(backend)
-    namespace = embedded(case)
-    exec("import importlib, os, sys\nimport pytest\n" + _needs_source(chosen) + chosen.standalone_source(case),
-         namespace)  # fmt: skip
+    namespace = with_call(chosen, case)
     x = namespace["draw"](namespace["CASE"])
     kwargs = {k: v for k, v in materialize(case).kernel_kwargs().items() if k not in ("initial_state", "cu_seqlens")}
     o, final = namespace["call"](x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], x["cu_seqlens"],
                                  **kwargs)  # fmt: skip
     [called] = sys.modules["aiter.ops.triton.kimi_delta_attn"].CALLS
     assert called == {"flash_kda": flash_kda, "segment": segment, "safe_gate": case.safe_gate, "chunk_size": None,
-                      "state_dtype": torch.float32}  # fmt: skip
+                      "backend": extra, "state_dtype": torch.float32, "dt_bias": True}  # fmt: skip
+    if extra == "native":  # the native port gets a dt_bias where the caller has none, as its adapter gives it
+        kwargs_without = {**kwargs, "dt_bias": None}
+        namespace["call"](x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["cu_seqlens"], **kwargs_without)
+        assert sys.modules["aiter.ops.triton.kimi_delta_attn"].CALLS[-1]["dt_bias"]
     want_o, want_final = kda_token_loop(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
                                         cu_seqlens=x["cu_seqlens"], **kwargs)  # fmt: skip
     for got, want in ((o, want_o), (final, want_final)):
@@ -234,7 +246,6 @@ def test_aiters_standalone_call_takes_the_backends_path_from_its_source_tree(
 
 
 def test_aiters_standalone_call_skips_naming_aiter_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kda_conformance.repro.standalone_finding import _needs_source
     from kda_kernels import registry
 
     monkeypatch.delenv("KDA_AITER_SRC", raising=False)
@@ -244,9 +255,7 @@ def test_aiters_standalone_call_skips_naming_aiter_without_it(monkeypatch: pytes
         pytest.skip("AITER is installed here")
     case = Case(seq_lens=(9,), head_k_dim=16, head_v_dim=16)
     chosen = registry.get("aiter_flashkda")
-    namespace = embedded(case)
-    exec("import importlib, os, sys\nimport pytest\n" + _needs_source(chosen) + chosen.standalone_source(case),
-         namespace)  # fmt: skip
+    namespace = with_call(chosen, case)
     with pytest.raises(pytest.skip.Exception, match="needs AITER"):
         namespace["call"](*(None,) * 7)
     assert registry.get("aiter_paged").standalone_source is None  # its findings are the paged API's

@@ -32,6 +32,13 @@ from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault
 
 DEFAULT_POISON = "nan"
+# The findings said one by one, by verdict, with their label and style (a pass is summed up after them).
+SHOWN_VERDICTS = {
+    "fail": ("FAIL", "red"),
+    "error": ("ERROR", "red"),
+    "known": ("known", "yellow"),
+    "skip": ("skip", "yellow"),
+}
 EXAMPLE = (
     "kda-conformance repro --device cpu --backend fla_recurrent --check poison --poison nan "
     """--case '{"seq_lens": [20, 0, 13], "packed": true}'"""
@@ -110,11 +117,9 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         findings = lost.findings
     run.record(findings)
     run.finish()
-    labelled = {"fail": ("FAIL", "red"), "error": ("ERROR", "red"), "known": ("known", "yellow")}
-    labelled["skip"] = ("skip", "yellow")
     for finding in findings:
-        if finding.verdict in labelled:
-            label, style = labelled[finding.verdict]
+        if finding.verdict in SHOWN_VERDICTS:
+            label, style = SHOWN_VERDICTS[finding.verdict]
             say(console, finding.message(repro=False), label, style)
     code = verdict_exit((f.verdict for f in findings), config.strict)
     # A known issue does not fail the command, but the check did not pass: it failed as the ledger says.

@@ -143,7 +143,7 @@ def call(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs):
         for switch in {switches!r}:
             if hasattr(module, switch):
                 setattr(module, switch, {flash_kda!r})
-    {segment}
+    {segment}{before_call}
     h0 = None if initial_state is None else initial_state.float()
     return entry(
         q, k, v, g, beta, initial_state=h0, cu_seqlens=cu_seqlens, output_final_state=True,
@@ -203,9 +203,14 @@ class AiterBackend(Backend):
             switches=FLASH_KDA_SWITCHES,
             flash_kda=self.flash_kda,
             segment=segment,
+            before_call=self._standalone_before_call(case),
             safe_gate=case.safe_gate,
             extra=extra,
         )
+
+    def _standalone_before_call(self, case: Case) -> str:
+        """Lines of the standalone ``call`` before the entry point, for what ``_arguments`` adds to the case's."""
+        return ""
 
     def _arguments(self, inputs: KDAInputs) -> tuple[tuple, dict]:
         case = inputs.case
@@ -320,6 +325,12 @@ class AiterNative(AiterBackend):
         if case.has_initial_state and not case.state_v_first:
             return Support.no("the native port takes a V-first initial state only")
         return Support.yes()
+
+    def _standalone_before_call(self, case: Case) -> str:
+        if case.gate != "lower_bound":
+            return ""
+        zeros = "torch.zeros(v.shape[2] * k.shape[3], device=q.device)  # the native port needs a dt_bias"
+        return f'\n    if kwargs.get("dt_bias") is None:\n        kwargs["dt_bias"] = {zeros}'
 
     def _arguments(self, inputs: KDAInputs) -> tuple[tuple, dict]:
         args, kwargs = super()._arguments(inputs)

@@ -16,11 +16,11 @@ CALLS: list[dict] = []
 def chunk_kimi_delta_attn(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                           use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None, safe_gate=False,
-                          chunk_size=None, state_v_first=False):  # fmt: skip
+                          chunk_size=None, state_v_first=False, backend=None):  # fmt: skip
     CALLS.append({
         "flash_kda": AITER_FDA_ENABLE, "segment": os.environ.get("CHUNK_DELTA_ATTN_FLASH_KDA_SEG"),
-        "safe_gate": safe_gate, "chunk_size": chunk_size, "state_dtype": None if initial_state is None else
-        initial_state.dtype,
+        "safe_gate": safe_gate, "chunk_size": chunk_size, "backend": backend,
+        "state_dtype": None if initial_state is None else initial_state.dtype, "dt_bias": dt_bias is not None,
     })  # fmt: skip
     o, final = kda_token_loop(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
