@@ -19,6 +19,7 @@ from kda_kernels import registry, world
 from kda_kernels.guard import run_backend_call
 from kda_kernels.protocol import Backend, BackendOutput, WorkingPrecision
 from kda_kernels.torch_chunk import TorchChunk
+from kda_reference.chunked import DEFAULT_CHUNK
 from kda_reference.recurrent import ReferenceResult
 from kda_reference.run import reference_form, run_reference
 from kda_reports.environment import library_version
@@ -95,12 +96,25 @@ def at_precision(strict: CaseTruth, precision: WorkingPrecision, rule: BudgetRul
 def declared_precision(backend: Backend, device: torch.device) -> WorkingPrecision | None:
     """The working precision ``backend`` declares, where its design holds for this run: on ``device``'s
     platform and the installed version of its libraries (``WorkingPrecision.holds_on``); None (the strict
-    baseline) elsewhere. FLA's TF32 dots are NVIDIA's: in Triton's CPU interpreter its dots are IEEE."""
+    baseline) elsewhere. FLA's TF32 dots are NVIDIA's: in Triton's CPU interpreter its dots are IEEE. A backend
+    whose ``chunk_tokens`` is larger than the baseline's chunk is held at its own chunk too."""
     precision = backend.working_precision
+    if precision is not None:
+        versions = " ".join(_version(lib.distribution, lib.source_variable) for lib in backend.libraries)
+        precision = precision if precision.holds_on(device, versions) else None
+    return _at_its_chunk(precision, backend)
+
+
+def _at_its_chunk(precision: WorkingPrecision | None, backend: Backend) -> WorkingPrecision | None:
+    """``precision`` with the backend's own chunk where that is larger than the baseline's: a kernel that does its
+    float32 work over more tokens at once is held to what that costs the baseline (``WorkingPrecision.chunked``).
+    A smaller chunk rounds less (docs/tolerance.md), so the baseline's chunk stays for it."""
+    chunk = backend.chunk_tokens
+    if chunk <= DEFAULT_CHUNK or (precision is not None and precision.chunk >= chunk):
+        return precision
     if precision is None:
-        return None
-    versions = " ".join(_version(library.distribution, library.source_variable) for library in backend.libraries)
-    return precision if precision.holds_on(device, versions) else None
+        return WorkingPrecision.chunked(chunk, f"{backend.name or type(backend).__name__}'s chunk_tokens")
+    return dataclasses.replace(precision, chunk=chunk)
 
 
 @functools.cache

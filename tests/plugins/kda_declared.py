@@ -1,7 +1,8 @@
 """Backends that declare a working precision (kda_kernels.api WorkingPrecision) for the tests of declared
 precisions (tests/test_precision.py): a kernel that keeps its state in bf16 between 16-token chunks by
 design, the same kernel with a planted bug on top, a kernel that declares a bf16 state it does not have; a
-kernel whose float32 matmuls take TF32 operands by design, undeclared, and with twice its own error added."""
+kernel whose float32 matmuls take TF32 operands by design, undeclared, and with twice its own error added; a
+kernel in 128-token chunks, and the same with twice its error."""
 
 from __future__ import annotations
 
@@ -62,21 +63,41 @@ class Tf32DotsUndeclared(Tf32DotsByDesign):
     working_precision = None
 
 
+def _error_tripled(out: BackendOutput, inputs: KDAInputs) -> BackendOutput:
+    """``out`` with twice its own error against the float64 chunked form added."""
+    x, case = inputs, inputs.case
+    exact = kda_chunked(x.q, x.k, x.v, x.g, x.beta, x.options)  # float64
+
+    def off(got: torch.Tensor, truth: torch.Tensor, tensor: str) -> torch.Tensor:
+        return stored(case, tensor, (truth + 3 * (got.double() - truth)).float())
+
+    return BackendOutput(o=off(out.o, exact.o, "o"), final_state=off(out.final_state, exact.final_state, "final_state"))
+
+
 class Tf32DotsTripleError(Tf32DotsByDesign):
     name = "declared_tf32_dots_and_twice_its_error"
     description = "the declared TF32 kernel with twice its own error added on top (its error tripled)"
 
     def run(self, inputs: KDAInputs) -> BackendOutput:
-        out = super().run(inputs)
-        x, case = inputs, inputs.case
-        exact = kda_chunked(x.q, x.k, x.v, x.g, x.beta, x.options)  # float64
+        return _error_tripled(super().run(inputs), inputs)
 
-        def off(got: torch.Tensor, truth: torch.Tensor, tensor: str) -> torch.Tensor:
-            return stored(case, tensor, (truth + 3 * (got.double() - truth)).float())
 
-        return BackendOutput(
-            o=off(out.o, exact.o, "o"), final_state=off(out.final_state, exact.final_state, "final_state")
-        )
+class Chunk128(TorchChunk):
+    """Nothing declared: its chunk_tokens alone holds it to the baseline at 128-token chunks."""
+
+    name = "chunks_of_128"
+    description = "chunked KDA in 128-token chunks (AITER's chunk_size=128)"
+
+    def __init__(self) -> None:
+        super().__init__(chunk_size=128)
+
+
+class Chunk128TripleError(Chunk128):
+    name = "chunks_of_128_and_twice_its_error"
+    description = "the 128-token chunk kernel with twice its own error added on top (its error tripled)"
+
+    def run(self, inputs: KDAInputs) -> BackendOutput:
+        return _error_tripled(super().run(inputs), inputs)
 
 
 for backend in (
@@ -87,5 +108,7 @@ for backend in (
     Tf32DotsByDesign,
     Tf32DotsUndeclared,
     Tf32DotsTripleError,
+    Chunk128,
+    Chunk128TripleError,
 ):
     register(backend.name, backend)
