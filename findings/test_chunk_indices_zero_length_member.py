@@ -18,11 +18,14 @@ Run: pytest test_chunk_indices_zero_length_member.py (needs torch, pytest and AI
 Case (kda-conformance --case): {"beta_regime": "typical", "beta_sigmoid_in_kernel": true, "checkpoints": [], "dtype": "bf16", "gate": "lower_bound", "gate_dtype": "same", "gate_regime": "typical", "head_k_dim": 128, "head_v_dim": 128, "initial_state": "random", "input_layout": "contiguous", "input_scale": "typical", "key_regime": "random", "key_rho": 0.0, "l2norm_in_kernel": true, "lower_bound": -5.0, "num_heads": 4, "num_v_heads": 4, "packed": true, "pool_layout": "dense", "safe_gate": true, "scale": null, "seed": 150097, "seq_lens": [150, 0, 97], "state_dtype": "fp32", "state_layout": "k_first", "tags": [], "zero_tokens": "none"}
 """
 
+import contextlib
 import importlib
 import itertools
 import math
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -497,6 +500,42 @@ def where_it_runs():
     return "cuda"
 
 
+# ---- kda-conformance kernels/serving.py, verbatim ----------------------------------------
+SENTINEL = 1e+30
+
+
+@contextmanager
+def poisoned_scratch(device: torch.device, poison: str) -> Iterator[None]:
+    """Make memory a backend allocates and does not write visible: ``torch.empty`` returns NaN (PyTorch's
+    fill-uninitialized-memory mode) and, on CUDA, the caching allocator hands out blocks pre-filled with
+    ``poison``."""
+    if poison == "none":
+        yield
+        return
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    was_filling = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        if device.type == "cuda":
+            _prefill_allocator(device, poison)
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = was_filling
+
+
+def _prefill_allocator(device: torch.device, poison: str) -> None:
+    """Fill blocks of the caching allocator's small and large pools with ``poison`` and free them, so the
+    next allocations reuse poisoned memory instead of fresh (often zeroed) device memory."""
+    value = {"nan": float("nan"), "inf": float("inf"), "sentinel": SENTINEL}.get(poison, 1e30)
+    blocks = [torch.empty(n, dtype=torch.float32, device=device) for n in [2**17] * 8 + [2**24] * 4 + [2**27]]
+    for block in blocks:
+        block.fill_(value)
+    del blocks
+
+
 # Limits: limit = min(cap, max(factor x baseline, floor)), the baseline the same case through a plain PyTorch
 # chunked KDA at working precision; see kda-conformance docs/tolerance.md.
 # o: max-abs limit 0.003177 (set by the baseline: baseline 0.000794 x 4, floor 0.000644, cap 0.0103); rel-RMS limit 0.006656 (set by the baseline: baseline 0.00333 x 2)
@@ -572,7 +611,8 @@ def test_chunk_indices_zero_length_member():
     q, k, v, g, beta = laid_out(CASE.input_layout, *(moved[n] for n in TOKENS))
     kwargs.update(A_log=moved["A_log"], dt_bias=moved["dt_bias"])
     h0 = None if moved["initial_state"] is None else moved["initial_state"].float()  # a pool's state, widened
-    o, final = call(q, k, v, g, beta, h0, moved["cu_seqlens"], **kwargs)
+    with poisoned_scratch(torch.device(device), "nan"):
+        o, final = call(q, k, v, g, beta, h0, moved["cu_seqlens"], **kwargs)
     problems, lines = [], []
     held("o", o, o_true, problems, lines)
     held("final_state", final, final_true, problems, lines)

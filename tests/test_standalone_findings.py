@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import os
 import subprocess
 import sys
@@ -320,3 +321,46 @@ def test_a_gradient_findings_file_takes_the_kernels_backward_alone_and_gives_the
     calm = tuple(dataclasses.replace(m, max_abs=0.0, rel_rms=0.0) for m in finding.measured)
     said = write_finding_test(dataclasses.replace(finding, measured=calm), torch.device("cpu"), tmp_path / "none")
     assert said.test.startswith("not written: its whole backward was within every limit"), said.test
+
+
+def _cold_read_file(nonfinite: int) -> str:
+    """A file for a finding of a kernel whose output it never writes (``torch.empty``), measured with
+    ``nonfinite`` non-finite values."""
+    from kda_conformance.repro.standalone_finding import standalone_file_text
+    from kda_conformance.repro.upstream import Measured, UpstreamFinding
+    from kda_kernels.torch_chunk import TorchChunk
+
+    class ColdRead(TorchChunk):
+        name = "cold_read"
+
+        def standalone_source(self, case: Case) -> str:
+            return (
+                "\n\ndef call(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs):\n"
+                "    final = torch.zeros(2, v.shape[2], q.shape[-1], v.shape[-1])\n"
+                "    return torch.empty(v.shape, dtype=v.dtype), final  # the output never written\n"
+            )
+
+    case = Case(seq_lens=(5, 3), packed=True, num_heads=1, num_v_heads=1, head_k_dim=8, head_v_dim=8)
+    errors = (9.0, 9.0, 1e-3, 1e-3, 1e-4, 1e-4, 1e-5, 1.0, "baseline", "baseline", math.nan, nonfinite, "-", "")
+    measured = tuple(Measured("cold_read", "budget", tensor, *errors) for tensor in ("o", "final_state"))
+    finding = UpstreamFinding(
+        "cold-read", "cold_read", "a test", "new", "r", "budget", 1, "inf", "-", case.id, case.to_json(), "-",
+        "its output is never written", measured=measured, environment="cpu (a test)",
+    )  # fmt: skip
+    return standalone_file_text(finding, case, ColdRead(), "test_cold_read.py")
+
+
+def test_a_finding_measured_non_finite_calls_its_kernel_with_unwritten_memory_poisoned() -> None:
+    """On an H100 AITER's zero-length file, run alone in a fresh process, gave finite wrong values where the suite
+    had measured inf (fresh device memory is zeros): a non-finite finding's file now poisons what the kernel does
+    not write, as the suite's poisoned scratch does, so the read shows as NaN wherever the file runs."""
+    text = _cold_read_file(nonfinite=64)
+    assert imports_of_the_suite(text) == [] and 'with poisoned_scratch(torch.device(device), "nan"):' in text
+    namespace: dict = {"__name__": "test_cold_read"}
+    exec(compile(text, "test_cold_read.py", "exec"), namespace)
+    with pytest.raises(AssertionError, match=r"o: 64 non-finite values"):
+        namespace["test_cold_read"]()
+    assert not torch.are_deterministic_algorithms_enabled()  # the switches it sets are put back
+    # A finding whose values were finite calls its kernel as it is.
+    plain = _cold_read_file(nonfinite=0)
+    assert "poisoned_scratch" not in plain and "with contextlib.nullcontext():" in plain

@@ -27,6 +27,7 @@ from kda_cases.files import atomic_write_text
 from kda_cases.materialize import materialize
 from kda_conformance.checks.gradients import WHOLE_BACKWARD
 from kda_conformance.running.gradient_truth import by_tensor, term_scales, upstream_gradients
+from kda_kernels import serving
 from kda_kernels.protocol import Backend
 from kda_reference import plain, preprocess
 from kda_reference.gradients import kda_gradients
@@ -52,6 +53,17 @@ def embedded_source() -> str:
         name = module.__name__.replace("kda_", "", 1).replace(".", "/")
         parts.append(f"# ---- kda-conformance {name}.py, verbatim " + "-" * 40 + "\n" + "\n".join(lines).strip())
     return "\n\n\n".join(parts) + "\n"
+
+
+def poisoned_memory_source() -> str:
+    """The suite's poisoned scratch (kernels/serving.py), verbatim: inside it ``torch.empty`` returns NaN and, on
+    CUDA, the caching allocator hands out blocks filled with the poison. A finding whose kernel gave non-finite
+    values runs its call inside it, so a read of memory the kernel did not write shows as it did in the suite's
+    process: on an H100 AITER's zero-length file, run alone in a fresh process (fresh, zeroed device memory),
+    gave finite wrong values where the suite had measured inf."""
+    functions = "\n\n".join(inspect.getsource(f) for f in (serving.poisoned_scratch, serving._prefill_allocator))
+    head = f"# ---- kda-conformance kernels/serving.py, verbatim {'-' * 40}"
+    return f"{head}\nSENTINEL = {serving.SENTINEL!r}\n\n\n{functions}"
 
 
 def case_spec_source(case: Case) -> str:
@@ -235,7 +247,8 @@ def test_{name}():
     q, k, v, g, beta = laid_out(CASE.input_layout, *(moved[n] for n in TOKENS))
     kwargs.update(A_log=moved["A_log"], dt_bias=moved["dt_bias"])
     h0 = None if moved["initial_state"] is None else moved["initial_state"].float()  # a pool's state, widened
-    o, final = call(q, k, v, g, beta, h0, moved["cu_seqlens"], **kwargs)
+    with {memory}:
+        o, final = call(q, k, v, g, beta, h0, moved["cu_seqlens"], **kwargs)
     problems, lines = [], []
     held("o", o, o_true, problems, lines)
     held("final_state", final, final_true, problems, lines)
@@ -279,7 +292,8 @@ def test_{name}():
     given.update(A_log=moved["A_log"], dt_bias=moved["dt_bias"])
     given.update({{n: leaf(given[n]) for n in wrt}})
     kwargs.update(A_log=given["A_log"], dt_bias=given["dt_bias"])
-    o, final = call(*(given[n] for n in TOKENS), given["initial_state"], moved["cu_seqlens"], **kwargs)
+    with {memory}:
+        o, final = call(*(given[n] for n in TOKENS), given["initial_state"], moved["cu_seqlens"], **kwargs)
     pairs = [(t, d.to(device=device, dtype=t.dtype)) for t, d in ((o, up["d_o"]), (final, up["d_final"]))]
     pairs = [(t, d) for t, d in pairs if t.requires_grad]
     assert pairs, "the kernel's outputs carry no autograd graph"
@@ -348,13 +362,17 @@ def standalone_file_text(finding: object, case: Case, backend: Backend, file_nam
         seen=_literal(seen),
         where=where,
     )
+    # Non-finite values when measured: the call runs with the memory it does not write poisoned (NaN).
+    poisoned = any(m.nonfinite for m in measured)
     test = (_BACKWARD_TEST if backward else _FORWARD_TEST).format(
         name=finding.id.replace("-", "_"),
+        memory='poisoned_scratch(torch.device(device), "nan")' if poisoned else "contextlib.nullcontext()",
         call_kwargs=textwrap.indent(_call_kwargs(case), "    ").lstrip(),
         term_rms=_literal(_term_rms(case) if backward else {}),
         gradient_of=GRADIENT_TENSORS,
     )
-    imports = "\n".join(f"import {name}" for name in ("importlib", "itertools", "math", "os", "sys"))
+    imports = "\n".join(f"import {name}" for name in ("contextlib", "importlib", "itertools", "math", "os", "sys"))
+    imports += "\nfrom collections.abc import Iterator\nfrom contextlib import contextmanager"
     imports += "\nfrom types import SimpleNamespace\nfrom typing import Any\n\nimport pytest\nimport torch\n"
     imports += "import torch.nn.functional as F\n"
     return "\n".join(
@@ -367,6 +385,7 @@ def standalone_file_text(finding: object, case: Case, backend: Backend, file_nam
             _needs_source(backend),
             backend.standalone_source(case),
             _where_it_runs_source(device_type, where),
+            *([poisoned_memory_source()] if poisoned else []),
             judging,
             test,
         ]
