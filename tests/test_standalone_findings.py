@@ -233,6 +233,8 @@ def test_aiters_standalone_call_takes_the_backends_path_from_its_source_tree(
     o, final = namespace["call"](x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], x["cu_seqlens"],
                                  **kwargs)  # fmt: skip
     [called] = sys.modules["aiter.ops.triton.kimi_delta_attn"].CALLS
+    # On the FlashKDA path the file asks AITER's own admission check first, as the backend does.
+    assert sys.modules["aiter.ops.triton.kimi_delta_attn"].ADMISSIONS == ([True] if flash_kda else [])
     assert called == {"flash_kda": flash_kda, "segment": segment, "safe_gate": case.safe_gate, "chunk_size": None,
                       "backend": extra, "state_dtype": torch.float32, "dt_bias": True}  # fmt: skip
     if extra == "native":  # the native port gets a dt_bias where the caller has none, as its adapter gives it
@@ -244,6 +246,20 @@ def test_aiters_standalone_call_takes_the_backends_path_from_its_source_tree(
     for got, want in ((o, want_o), (final, want_final)):
         assert got.shape == want.shape
         assert float((got.double() - want).norm() / want.norm()) < 1e-2
+
+
+def test_aiters_standalone_file_fails_where_aiter_would_not_take_the_flashkda_path(aiter_tree: None) -> None:
+    """An H100 run of AITER's zero-length file gave the default pipeline's numbers to three digits: a file for the
+    FlashKDA path says what AITER's admission check answered, and fails where it refuses (a raw gate here)."""
+    from kda_kernels import registry
+
+    case = Case(seq_lens=(20,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16, seed=3)
+    namespace = with_call(registry.get("aiter_flashkda"), case)
+    x = namespace["draw"](namespace["CASE"])
+    kwargs = {k: v for k, v in materialize(case).kernel_kwargs().items() if k not in ("initial_state", "cu_seqlens")}
+    with pytest.raises(AssertionError, match="refuses the FlashKDA path"):
+        namespace["call"](x["q"], x["k"], x["v"], x["g"], x["beta"], None, None, **{**kwargs, "A_log": None})
+    assert sys.modules["aiter.ops.triton.kimi_delta_attn"].CALLS == []  # nothing ran on another path
 
 
 def test_aiters_standalone_call_skips_naming_aiter_without_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,7 +1,8 @@
 """A test double of AITER's ``aiter/ops/triton/kimi_delta_attn.py`` in a source checkout (the folder
 ``KDA_AITER_SRC`` names): ``chunk_kimi_delta_attn``'s keywords, the float64 token loop as its body, and
-FlashKDA's switch as the module constant AITER reads from the environment at import. Each call's path (the
-switch, the segment variable) and arguments are kept in ``CALLS``."""
+FlashKDA's switch as the module constant AITER reads from the environment at import, and its admission check
+``flash_kda_supported`` (its gate rule only; each answer kept in ``ADMISSIONS``). Each call's path (the switch,
+the segment variable) and arguments are kept in ``CALLS``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,15 @@ from kda_reference.plain import kda_token_loop
 
 AITER_FDA_ENABLE = os.environ.get("AITER_FDA_ENABLE", "1") == "1"
 CALLS: list[dict] = []
+ADMISSIONS: list[bool] = []
+
+
+def flash_kda_supported(q, v, chunk_size, safe_gate, use_gate_in_kernel, use_qk_l2norm_in_kernel,
+                        use_beta_sigmoid_in_kernel, lower_bound, A_log):  # fmt: skip
+    """AITER's admission check for FlashKDA, its rule on the gate: the safe gate, computed in the kernel."""
+    admitted = bool(safe_gate and use_gate_in_kernel and lower_bound is not None and A_log is not None)
+    ADMISSIONS.append(admitted)
+    return admitted
 
 
 def chunk_kimi_delta_attn(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
