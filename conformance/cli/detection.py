@@ -100,13 +100,11 @@ def pytest_command(
     seed: int | None = None,
     strict: bool = False,
     examples: int | None = None,
-    select: str | None = None,
 ) -> list[str]:
     """The pytest command line the detection run uses (the plugin loads itself through ``-p``), its options
-    from the one table of run options; ``select``: pytest's ``-k`` expression, the tests to run."""
+    from the one table of run options."""
     command = [sys.executable, "-m", "pytest", *(str(CONFORMANCE / name) for name in SUITES)]
     command += ["-q", "-p", "kda_conformance.pytest_plugin", "-p", "no:cacheprovider", "--import-mode=importlib"]
-    command += ["-k", select] if select else []
     values = {"device": device, "profile": profile, "out": out, "plugin": plugins, "backend": backends}
     return command + pytest_argv({**values, "seed": seed, "strict": strict, "examples": examples})
 
@@ -122,12 +120,10 @@ def run_detection(
     echo: Callable[[str], None] | None = None,
     strict: bool = False,
     examples: int | None = None,
-    select: str | None = None,
 ) -> DetectionRun:
-    """Run the checks and the corpus for ``backends`` (the tests ``select`` picks, pytest's ``-k``, where given)
-    and tabulate what caught each; ``echo`` gets pytest's output line by line as it comes (its progress), for a
-    run that takes minutes; ``strict``: warnings fail."""
-    command = pytest_command(backends, plugins, profile, device, out, seed, strict, examples, select)
+    """Run the checks and the corpus for ``backends`` and tabulate what caught each; ``echo`` gets pytest's
+    output line by line as it comes (its progress), for a run that takes minutes; ``strict``: warnings fail."""
+    command = pytest_command(backends, plugins, profile, device, out, seed, strict, examples)
     lines = []
     env = {**(os.environ if env is None else env), PURPOSE_VARIABLE: "detection"}
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as process:

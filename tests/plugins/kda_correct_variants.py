@@ -5,9 +5,8 @@ puts it: the baseline's chunked algebra in chunks of 16, 32 and 128 tokens (Flas
 chunk_size argument), a token-serial float32 loop (FLA's fused recurrent kernel's arithmetic), the states
 entering the chunks from a parallel scan of the chunks' maps (AITER's segmented FlashKDA), and TF32 matmul
 operands declared as the design (FLA's and SGLang's chunk kernels on NVIDIA). None of them is wrong, so none
-may go red: tests/test_correct_variants.py holds every check of the ``ci`` profile (25 examples per test where
-a control ever went red, the profile's own elsewhere), docs/tolerance.md records the whole profile at 25 and a
-CPU-sized nightly, and ``kda-conformance detection`` shows their worst ratio.
+may go red: tests/test_correct_variants.py holds every check of the ``ci`` profile, with 25 examples per test,
+and a CPU-sized nightly to that (docs/detection.md), and ``kda-conformance detection`` shows their worst ratio.
 Where a check or a floor fails one of them, the check or the rule changes (docs/tolerance.md says why).
 """
 
