@@ -467,9 +467,6 @@ def needs(module, source_variable=None):
 
 
 
-FLASH_KDA_ARGUMENTS = ("use_gate_in_kernel", "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "A_log")
-
-
 def call(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs):
     import types
 
@@ -489,17 +486,14 @@ def call(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs):
             if hasattr(module, switch):
                 setattr(module, switch, True)
     os.environ.pop('CHUNK_DELTA_ATTN_FLASH_KDA_SEG', None)  # AITER's default segment length
-    if True:  # AITER's own admission check: where it refuses, AITER runs its default pipeline instead
-        for module in [m for n, m in list(sys.modules.items()) if n.startswith("aiter.") and m is not None]:
-            if callable(getattr(module, "flash_kda_supported", None)):
-                admitted = module.flash_kda_supported(
-                    q=q, v=v, chunk_size=32, safe_gate=True, lower_bound=kwargs.get("lower_bound"),
-                    **{name: kwargs.get(name) for name in FLASH_KDA_ARGUMENTS},
-                )
-                print(f"AITER's flash_kda_supported says {admitted}: the FlashKDA path", "runs" if admitted else
-                      "is refused, and AITER would run its default pipeline")
-                assert admitted, "AITER refuses the FlashKDA path on this call: the file would test another one"
-                break
+    for module in [m for n, m in list(sys.modules.items()) if n.startswith("aiter.") and m is not None]:
+        if callable(getattr(module, "flash_kda_supported", None)):
+            checked = {name: kwargs.get(name) for name in ('use_gate_in_kernel', 'use_qk_l2norm_in_kernel', 'use_beta_sigmoid_in_kernel', 'lower_bound', 'A_log')}
+            admitted = module.flash_kda_supported(q=q, v=v, chunk_size=32, safe_gate=True, **checked)
+            print(f"AITER's flash_kda_supported says {admitted}: the FlashKDA path", "runs" if admitted else
+                  "is refused, and AITER would run its default pipeline")
+            assert admitted, "AITER refuses the FlashKDA path on this call: the file would test another one"
+            break
     h0 = None if initial_state is None else initial_state.float()
     return entry(
         q, k, v, g, beta, initial_state=h0, cu_seqlens=cu_seqlens, output_final_state=True,

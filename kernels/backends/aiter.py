@@ -52,6 +52,14 @@ from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported, W
 ENTRY = "aiter.ops.triton.kimi_delta_attn"
 FLASH_KDA_SWITCHES = ("AITER_FDA_ENABLE", "CHUNK_DELTA_ATTN_USE_FLASH_KDA")
 SEGMENT_VARIABLE = "CHUNK_DELTA_ATTN_FLASH_KDA_SEG"
+# The call's arguments AITER's flash_kda_supported judges (besides q, v, chunk_size and safe_gate).
+FLASH_KDA_CHECKED = (
+    "use_gate_in_kernel",
+    "use_qk_l2norm_in_kernel",
+    "use_beta_sigmoid_in_kernel",
+    "lower_bound",
+    "A_log",
+)
 NATIVE_ARCHS = ("gfx942", "gfx950")
 
 
@@ -125,9 +133,6 @@ def _flash_kda_predicate() -> Callable | None:
 # only torch, AITER (or its source checkout, named by KDA_AITER_SRC) and pytest, on the path the backend runs.
 _STANDALONE = """
 
-FLASH_KDA_ARGUMENTS = ("use_gate_in_kernel", "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "A_log")
-
-
 def call(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs):
     import types
 
@@ -146,24 +151,24 @@ def call(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs):
         for switch in {switches!r}:
             if hasattr(module, switch):
                 setattr(module, switch, {flash_kda!r})
-    {segment}{before_call}
-    if {flash_kda!r}:  # AITER's own admission check: where it refuses, AITER runs its default pipeline instead
-        for module in [m for n, m in list(sys.modules.items()) if n.startswith("aiter.") and m is not None]:
-            if callable(getattr(module, "flash_kda_supported", None)):
-                admitted = module.flash_kda_supported(
-                    q=q, v=v, chunk_size=32, safe_gate={safe_gate!r}, lower_bound=kwargs.get("lower_bound"),
-                    **{{name: kwargs.get(name) for name in FLASH_KDA_ARGUMENTS}},
-                )
-                print(f"AITER's flash_kda_supported says {{admitted}}: the FlashKDA path", "runs" if admitted else
-                      "is refused, and AITER would run its default pipeline")
-                assert admitted, "AITER refuses the FlashKDA path on this call: the file would test another one"
-                break
+    {segment}{before_call}{admission}
     h0 = None if initial_state is None else initial_state.float()
     return entry(
         q, k, v, g, beta, initial_state=h0, cu_seqlens=cu_seqlens, output_final_state=True,
         safe_gate={safe_gate!r}, chunk_size=None, {extra}**kwargs
     )
 """
+# The FlashKDA path's lines of that ``call``: AITER's own admission check first, as ``_check_path`` asks it (where
+# it refuses, AITER runs its default pipeline instead and the file would test another path).
+_STANDALONE_ADMISSION = """
+    for module in [m for n, m in list(sys.modules.items()) if n.startswith("aiter.") and m is not None]:
+        if callable(getattr(module, "flash_kda_supported", None)):
+            checked = {{name: kwargs.get(name) for name in {checked!r}}}
+            admitted = module.flash_kda_supported(q=q, v=v, chunk_size=32, safe_gate={safe_gate!r}, **checked)
+            print(f"AITER's flash_kda_supported says {{admitted}}: the FlashKDA path", "runs" if admitted else
+                  "is refused, and AITER would run its default pipeline")
+            assert admitted, "AITER refuses the FlashKDA path on this call: the file would test another one"
+            break"""
 
 
 class AiterBackend(Backend):
@@ -218,6 +223,9 @@ class AiterBackend(Backend):
             flash_kda=self.flash_kda,
             segment=segment,
             before_call=self._standalone_before_call(case),
+            admission=_STANDALONE_ADMISSION.format(safe_gate=case.safe_gate, checked=FLASH_KDA_CHECKED)
+            if self.flash_kda
+            else "",
             safe_gate=case.safe_gate,
             extra=extra,
         )
@@ -250,11 +258,7 @@ class AiterBackend(Backend):
             v=inputs.v,
             chunk_size=32,
             safe_gate=kwargs["safe_gate"],
-            use_gate_in_kernel=kwargs["use_gate_in_kernel"],
-            use_qk_l2norm_in_kernel=kwargs["use_qk_l2norm_in_kernel"],
-            use_beta_sigmoid_in_kernel=kwargs["use_beta_sigmoid_in_kernel"],
-            lower_bound=kwargs["lower_bound"],
-            A_log=kwargs["A_log"],
+            **{name: kwargs[name] for name in FLASH_KDA_CHECKED},
         )
         if not accepted:
             raise Unsupported("AITER's flash_kda_supported refuses this call: it would run the default pipeline")
