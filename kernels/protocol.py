@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -172,10 +173,23 @@ class WorkingPrecision:
     def holds_on(self, device: torch.device, version: str = "") -> bool:
         """Whether the design holds for a run on ``device`` with the library at ``version`` (as the run records
         it: ``0.6.0``, or ``vllm 0.33.0 (KDA_VLLM_SRC)`` for a source tree): on a listed platform, and a listed
-        version (a whole word of ``version``)."""
+        version (a word of ``version``, a commit matching at any length from 7 hex digits)."""
         if self.platforms and platform_of(device) not in self.platforms:
             return False
-        return not self.versions or any(wanted in version.split() for wanted in self.versions)
+        words = version.split()
+        return not self.versions or any(_same_version(wanted, word) for wanted in self.versions for word in words)
+
+
+def _same_version(declared: str, recorded: str) -> bool:
+    """Whether a recorded version word is the declared one: equal, or one git commit written at two lengths
+    (a source tree's COMMIT file holds the full hash where the declaration cites ``e4048607a5``)."""
+    if declared == recorded:
+        return True
+    shorter, longer = sorted((declared.lower(), recorded.lower()), key=len)
+    return len(shorter) >= 7 and _HEX.fullmatch(longer) is not None and longer.startswith(shorter)
+
+
+_HEX = re.compile(r"[0-9a-f]{7,40}")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ declaration that hides nothing is reported; a declaration holds only where the l
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 import pytest
 import torch
@@ -171,6 +173,36 @@ def test_a_declaration_holds_only_on_its_platforms_and_library_versions() -> Non
         WorkingPrecision(source="a test")
     with pytest.raises(ValueError, match="platforms"):
         WorkingPrecision(dots="tf32", source="a test", platforms=("tpu",))
+
+
+def test_a_commit_declared_short_holds_for_the_source_tree_that_records_it_in_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On an H100 (2026-12-06) AITER's default pipeline went red at 334x the strict fp32 limits, its TF32 design
+    not applied: the source tree's COMMIT file held the full hash, the declaration cites ``e4048607a5``."""
+    aiter = registry.get("aiter_default")
+    declared = aiter.working_precision
+    assert declared is not None and declared.versions == ("e4048607a5",)
+    gpu = torch.device("cuda")
+    if torch.version.hip is None:
+        full = "e4048607a535ace3a2b51ded31b1c8c2d45c0879"
+        for recorded in (full, full[:10], full[:7]):
+            assert declared.holds_on(gpu, f"{recorded} (KDA_AITER_SRC)"), recorded
+        for other in ("e4048607b535ace3a2b51ded31b1c8c2d45c0879", "e40486", "unknown (KDA_AITER_SRC)", ""):
+            assert not declared.holds_on(gpu, other), other
+        fla = WorkingPrecision.tf32_on_nvidia("a test", "0.6.0")
+        assert fla.holds_on(gpu, "0.6.0") and not fla.holds_on(gpu, "0.6.01")
+        tree = tmp_path / "aiter_src"
+        tree.mkdir()
+        (tree / "COMMIT").write_text(full + "\n")
+        monkeypatch.setenv("KDA_AITER_SRC", str(tree))
+        from kda_conformance.running import truth
+
+        truth._version.cache_clear()
+        try:
+            assert declared_precision(aiter, gpu) == declared
+        finally:
+            truth._version.cache_clear()
 
 
 def test_the_libraries_that_state_tf32_dots_declare_them_with_the_line_that_states_it() -> None:
