@@ -32,7 +32,14 @@ from kda_conformance.judging.judge import Judge
 from kda_conformance.judging.metrics import measure
 from kda_conformance.running.blame import NotApplicable, call_backend, raised_at
 from kda_conformance.running.faults import is_out_of_memory, memory_report
-from kda_conformance.running.gradient_truth import GradientTruth, by_tensor, gradient_truth
+from kda_conformance.running.gradient_truth import (
+    TOKEN_GRADIENTS,
+    GradientTruth,
+    alone_sequences,
+    by_tensor,
+    gradient_truth,
+    sequence_part,
+)
 from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.stages import CLOCK, Lap
 from kda_conformance.running.truth import CaseTruth
@@ -41,9 +48,6 @@ from kda_kernels.serving import poisoned_scratch
 from kda_reports.findings import Finding
 
 NAME = "gradients"
-# The sequences of a packed case whose backward alone is compared: the first ones and the last.
-MOST_ALONE = 3
-TOKEN_GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta")
 # The subject of the records of the whole case's backward (the others: its sequences alone, its halves).
 WHOLE_BACKWARD = "backward"
 # What fills the backward's uninitialised scratch in the poisoned run.
@@ -98,41 +102,31 @@ def _verdict(
     alone: int | None = None,
 ) -> Finding:
     """``got`` held to gradient ``name``'s budget against the float64 gradient (``want``: the rows of it that
-    ``got`` covers; ``alone``: the sequence they are, run by itself), its rel-RMS relative to the gradient's
-    scale; for rows, to the whole gradient's RMS where larger, as the budget was set (one sequence's dh0,
-    decayed through its tokens, may be a hundredth of an empty sequence's, which is its final-state gradient
-    itself)."""
+    ``got`` covers; ``alone``: the sequence they are, run by itself, held to that sequence's budgets), its
+    rel-RMS relative to the gradient's scale; for rows, to the whole gradient's RMS where larger, as the budget
+    was set (one sequence's dh0, decayed through its tokens, may be a hundredth of an empty sequence's, which is
+    its final-state gradient itself)."""
     whole = grads.reference[name]
     scale = grads.scales.get(name, (0.0, 0.0))[1]
     if want is not None and whole.numel():
         scale = max(scale, float(whole.pow(2).mean().sqrt()))
     measured = measure(name, got, whole if want is None else want, scale)
-    return judge.verdict(measured, grads.budgets[name], None if got is None else got.dtype, subject, alone)
-
-
-def _token_rows(gradients: dict[str, torch.Tensor], row: int, start: int, end: int) -> dict[str, torch.Tensor]:
-    return {name: x[row : row + 1, start:end] for name, x in gradients.items() if name in TOKEN_GRADIENTS}
+    budget = grads.budgets[name] if alone is None else grads.sequence_budgets[alone][name]
+    return judge.verdict(measured, budget, None if got is None else got.dtype, subject, alone)
 
 
 def _packed_against_alone(backend: Backend, inputs: KDAInputs, grads: GradientTruth, judge: Judge) -> list[Finding]:
-    """A packed case: each of (at most ``MOST_ALONE``: the first and the last) non-empty sequences run alone, its
-    gradients within the budgets of the float64 gradients' rows of that sequence (the parameters' gradients,
-    sums over every sequence, are not split)."""
-    case = inputs.case
-    spans = [(n, span) for n, span in enumerate(case.row_spans) if span[1] < span[2]]
-    if not case.packed or len(spans) < 2:
-        return []
+    """A packed case: each of its ``alone_sequences`` (the first and the last non-empty ones) run alone, its
+    gradients held to its part of the float64 gradients, within that part's budgets (the parameters'
+    gradients, sums over every sequence, are not split)."""
     assert backend.run_backward is not None
     findings = []
-    chosen = spans if len(spans) <= MOST_ALONE else [*spans[: MOST_ALONE - 1], spans[-1]]
-    for n, (row, start, end) in chosen:
+    for n, span in alone_sequences(inputs.case):
+        row, start, end = span
         d_final = grads.d_final[n : n + 1]
         alone = by_tensor(backend.run_backward(alone_inputs(inputs, n), grads.d_o[row : row + 1, start:end], d_final))
-        truth = _token_rows(grads.reference, row, start, end)
-        if "dh0" in alone:
-            truth["dh0"] = grads.reference["dh0"][n : n + 1]
-        for name, want in truth.items():
-            findings.append(_verdict(judge, grads, name, alone[name], f"sequence {n} {name} alone", want, n))
+        for name, want in sequence_part(grads.reference, n, span).items():
+            findings.append(_verdict(judge, grads, name, alone.get(name), f"sequence {n} {name} alone", want, n))
     return findings
 
 
