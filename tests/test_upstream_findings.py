@@ -188,6 +188,28 @@ def test_a_ledger_entry_that_names_a_crash_claims_it_on_the_page_and_leaves_it_a
     assert still.verdict == "error" and not still.known_issue
 
 
+def test_a_causal_leak_on_the_cases_of_a_broken_kernels_entry_is_known_and_no_other() -> None:
+    """On an H100 (2026-12-06) vLLM's and SGLang's copies failed the prefix check on T63+10 fp32 with q and k
+    views of a fused projection and no in-kernel l2norm: the strided-read entry's cases. A prefix leak has no
+    error over a limit, so no entry could claim it and each copy's leak read as a new finding."""
+    [strided] = [i for i in load_ledger() if i.id == "servers-strided-qk-without-l2norm"]
+    fused = Case(seq_lens=(63, 10), packed=True, dtype="fp32", input_layout="fused", l2norm_in_kernel=False)
+    text = "outputs before token 39 changed by max-abs 5.846e+03 (4.35e+04 of the limit) from token 1"
+
+    def leak(case: Case, verdict: str = "fail") -> Finding:
+        return Finding("prefix", case, "vllm_chunk", "cuda", verdict, tensor="o", reason=text, observed="causal leak")
+
+    [known] = apply_known([leak(fused)], (strided,))
+    assert known.verdict == "known" and known.known_issue == strided.id, known
+    [other] = apply_known([leak(fused.replace(l2norm_in_kernel=True))], (strided,))
+    assert other.verdict == "fail" and not other.known_issue
+    bounded = dataclasses.replace(strided, worst=10.0)  # an entry that bounds its errors cannot bound a leak
+    [still] = apply_known([leak(fused)], (bounded,))
+    assert still.verdict == "fail" and not still.known_issue
+    [passed] = apply_known([leak(fused, "pass")], (dataclasses.replace(strided, always_fails=True),))
+    assert passed.verdict == "pass" and not passed.known_issue
+
+
 def test_new_findings_whose_kinds_share_a_truncated_id_keep_ids_of_their_own() -> None:
     long = "a failure whose first line is longer than an id keeps of it, ending in "
     records = pd.DataFrame([_record("r1", "fla_chunk", "error", reason=long + end) for end in ("one", "two")])

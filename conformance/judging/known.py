@@ -3,7 +3,8 @@
 An entry matches an issue: a backend on a family of cases (case fields, device, environment, the check and
 what it observed), and the tensors it lists (all, by default). Applied to the findings of one check on one
 case, a failed finding that matches an entry becomes ``known`` while its worst error/limit stays within the
-entry's ``worst`` x ``growth``, and stays a failure (saying so) beyond it; a backend's error is ``known``
+entry's ``worst`` x ``growth``, and stays a failure (saying so) beyond it; an observation with no ratio to bound
+(a causal leak) is ``known`` only under an entry whose ``worst`` is inf; a backend's error is ``known``
 where an entry names words of its message (``raises``; a crash an entry names, ``crashes``, stays an
 error: the findings page lists it under the entry); a finding of the same case that
 passes stays a pass (an issue of the output need not spoil the state). Every finding an entry matched
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import tomllib
 from collections.abc import Iterable
@@ -176,13 +178,19 @@ def apply_known(findings: Iterable[Finding], issues: Iterable[KnownIssue] | None
         if finding.verdict == "error" and finding.backend != SUITE_BACKEND:
             result.append(_known_error(finding, issues))
             continue
-        matching = [i for i in issues if i.matches(finding)] if finding.errors is not None else []
+        matching = [i for i in issues if i.matches(finding)]
+        if finding.errors is None:
+            # A check's observation with no error over a limit (outputs before a token moved by later inputs, a
+            # state a second call changed): only an entry that bounds nothing (worst inf, a broken kernel on
+            # its cases) claims it, as it claims any size of error there.
+            # A pass of that kind measured nothing an entry could still reproduce.
+            matching = [i for i in matching if math.isinf(i.allowed)] if finding.verdict == "fail" else []
         if not matching:
             result.append(finding)
         elif finding.verdict == "fail":
             # Several entries can match one failure (a dtype's rounding and a check's broken contract): the
             # failure is known when any of them allows it, and judged against the widest one otherwise.
-            allowing = [i for i in matching if finding.worst <= i.allowed]
+            allowing = [i for i in matching if finding.worst <= i.allowed or math.isinf(i.allowed)]
             if allowing:
                 issue = allowing[0]
                 reason = f"known issue {issue.id}: {issue.description} ({issue.upstream})"
