@@ -244,3 +244,21 @@ def test_detections_verdict_is_one_line_with_its_counts() -> None:
     )
     said = detection_verdict(table, planted={"planted_a", "planted_b"})
     assert said == "caught 1 of 2 planted bugs; false alarms on 0 of 1 correct backend"
+
+
+def test_detections_worst_ratio_leaves_out_the_records_the_ledger_claims() -> None:
+    # FLA's chunk kernel's worst ratio read inf in the CPU detection run: its in-place cu_seqlens records, a
+    # known bug of FLA's, not the kernel's margin on the cases it computes.
+    from kda_reports.detection import worst_ratio_of
+
+    records = pd.DataFrame(
+        {
+            "backend": ["fla_chunk"] * 3 + ["torch_chunk"],
+            "verdict": ["pass", "marginal", "known", "pass"],
+            "ratio": [0.5, 1.19, float("inf"), 0.6],
+            "rel_rms_ratio": [0.4, 1.0, float("inf"), 0.2],
+        }
+    )
+    assert worst_ratio_of(records, "fla_chunk") == "1.19 (1 known left out)"
+    assert worst_ratio_of(records, "torch_chunk") == "0.6"
+    assert worst_ratio_of(records, "absent") == "-"
