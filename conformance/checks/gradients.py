@@ -38,6 +38,7 @@ from kda_conformance.running.gradient_truth import (
     alone_sequences,
     by_tensor,
     gradient_truth,
+    part_scale,
     sequence_part,
 )
 from kda_conformance.running.runnable import Drawn
@@ -103,14 +104,12 @@ def _verdict(
 ) -> Finding:
     """``got`` held to gradient ``name``'s budget against the float64 gradient (``want``: the rows of it that
     ``got`` covers; ``alone``: the sequence they are, run by itself, held to that sequence's budgets), its
-    rel-RMS relative to the gradient's scale; for rows, to the whole gradient's RMS where larger, as the budget
-    was set (one sequence's dh0, decayed through its tokens, may be a hundredth of an empty sequence's, which is
-    its final-state gradient itself)."""
+    rel-RMS relative to the gradient's scale; for rows, to the scale their budget was set on (``part_scale``)."""
     whole = grads.reference[name]
-    scale = grads.scales.get(name, (0.0, 0.0))[1]
-    if want is not None and whole.numel():
-        scale = max(scale, float(whole.pow(2).mean().sqrt()))
-    measured = measure(name, got, whole if want is None else want, scale)
+    if want is None:
+        measured = measure(name, got, whole, grads.scales.get(name, (0.0, 0.0))[1])
+    else:
+        measured = measure(name, got, want, part_scale(grads.reference, grads.scales, name))
     budget = grads.budgets[name] if alone is None else grads.sequence_budgets[alone][name]
     return judge.verdict(measured, budget, None if got is None else got.dtype, subject, alone)
 

@@ -75,6 +75,15 @@ def sequence_part(gradients: dict[str, torch.Tensor], n: int, span: tuple[int, i
     return part
 
 
+def part_scale(reference: dict[str, torch.Tensor], scales: dict[str, tuple[float, float]], name: str) -> float:
+    """What a part of gradient ``name`` (a sequence's rows) has its rel-RMS taken against: the larger of its
+    terms' RMS (``scales``) and the whole gradient's RMS. The check measures a sequence run alone on it and its
+    budget is set on it (one sequence's dh0, decayed through its tokens, may be a hundredth of an empty
+    sequence's, which is its final-state gradient itself)."""
+    whole = reference[name]
+    return max(scales.get(name, (0.0, 0.0))[1], float(whole.pow(2).mean().sqrt()) if whole.numel() else 0.0)
+
+
 def upstream_gradients(inputs: KDAInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """The case's upstream gradients ``d_o`` and ``d_final`` (cases/seeded.py ``upstream``) on its device."""
     drawn = seeded.upstream(inputs.case)
@@ -111,7 +120,8 @@ def gradient_truth(
         declared = None if precision is None else strict if tf32 is None else baselines(tf32)
     with CLOCK.stage("compare", device):
         scales = term_scales(inputs, reference)
-        judged: list[tuple[int, tuple[int, int, int]] | None] = [None, *alone_sequences(case)]
+        alone = alone_sequences(case)
+        judged: list[tuple[int, tuple[int, int, int]] | None] = [None, *alone]
 
         def budgets_by_part(baselines: list[dict[str, torch.Tensor]], roundoff: float) -> list[dict[str, Budget]]:
             whole = _whole_errors(reference, baselines, scales)
@@ -129,7 +139,7 @@ def gradient_truth(
                 }
                 for ours, strict_ones in zip(budgets_by_part(declared, precision.unit_roundoff), kept, strict=True)
             ]
-    by_sequence = {part[0]: budgets for part, budgets in zip(judged[1:], kept[1:], strict=True) if part is not None}
+    by_sequence = {n: budgets for (n, _), budgets in zip(alone, kept[1:], strict=True)}
     return GradientTruth(case, d_o, d_final, reference, kept[0], lap.seconds, precision, scales, by_sequence)
 
 
@@ -203,7 +213,7 @@ def _widest(
     n, span = part
     widest = {}
     for name, want in sequence_part(reference, n, span).items():
-        scale = max(scales.get(name, (0.0, 0.0))[1], float(reference[name].pow(2).mean().sqrt()))
+        scale = part_scale(reference, scales, name)
         on_part = [measure(name, sequence_part(b, n, span)[name], want, scale).errors for b in baselines]
         widest[name] = _largest(whole[name] + on_part)
     return widest
