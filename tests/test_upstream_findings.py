@@ -20,7 +20,7 @@ from kda_conformance.cli import main
 from kda_conformance.judging.known import KnownIssue, apply_known, load_ledger
 from kda_conformance.repro.upstream import findings_markdown, upstream_findings
 from kda_conformance.running.blame import CONTRACT
-from kda_reports.findings import Finding
+from kda_reports.findings import Budget, Errors, Finding, Limit
 
 
 def _record(run: str, backend: str, verdict: str, known: str = "", **more: object) -> dict:
@@ -208,6 +208,26 @@ def test_a_causal_leak_on_the_cases_of_a_broken_kernels_entry_is_known_and_no_ot
     assert still.verdict == "fail" and not still.known_issue
     [passed] = apply_known([leak(fused, "pass")], (dataclasses.replace(strided, always_fails=True),))
     assert passed.verdict == "pass" and not passed.known_issue
+
+
+def test_a_launch_failures_entry_claims_its_crash_and_no_wrong_numbers_on_its_check() -> None:
+    """On an H100 (2026-12-06) vLLM's copy gave wrong outputs (rel-RMS 0.92) behind 1,048,176 tokens of filler,
+    its chunk states past 2^31 elements, and the entry of a launch that fails past 65,535 chunks (worst inf, so
+    it bounded nothing) claimed them though that batch had 16,388 chunks and launched. An entry of crashes alone
+    (worst 0) claims its crash by message and no failure with numbers; the int32 entry claims those."""
+    issues = {i.id: i for i in load_ledger()}
+    launch, states = issues["servers-chunk-launch-past-65535-chunks"], issues["servers-chunk-states-offset-int32"]
+    case = Case(seq_lens=(300,), dtype="bf16", num_heads=16, num_v_heads=16, head_k_dim=128, head_v_dim=128)
+    limit = Limit("max_abs", 1.507e-3, 3.768e-4, 2.448e-4, 3.907e-3, "baseline")
+    budget = Budget("o", limit, dataclasses.replace(limit, metric="rel_rms", value=7.542e-3))
+    errors = Errors(6.253e-2, 9.172e-1, 1.0, 0, True)
+    wrong = Finding("offsets_past_2_31", case, "vllm_chunk", "cuda:0", "fail", "o", errors=errors, budget=budget)
+    [alone] = apply_known([wrong], (launch,))
+    assert alone.verdict == "fail" and not alone.known_issue and not alone.problems, alone
+    [known] = apply_known([wrong], (launch, states))
+    assert known.verdict == "known" and known.known_issue == states.id, known
+    assert launch.names_crash("Triton Error [CUDA]: invalid argument") and not launch.allowed
+    assert states.names_crash("CUDA error: an illegal memory access was encountered")
 
 
 def test_new_findings_whose_kinds_share_a_truncated_id_keep_ids_of_their_own() -> None:

@@ -6,8 +6,9 @@ truth.
 took the fix later): a case of 128K tokens at 16 heads of 128 is 2^28 elements, 8 times short, and a float64
 truth of 2^31 elements does not fit. So the truth is the drawn case's own, a small one, and only the filler is
 large: its tokens are zeros (valid for every gate form; their own output is not judged), and the case's rows
-are judged where they land. A GPU check, once per backend a night: it skips where the batch would not fit the
-device's memory (its plan says how much it needs) and on the CPU.
+are judged where they land (a chunk kernel's states, one per chunk, are twice q's elements at K = V = 128
+and pass 2^31 at half the filler: vLLM's copy already faults there). A GPU check, once per backend a night:
+it skips where the batch would not fit the device's memory (its plan says how much it needs) and on the CPU.
 """
 
 from __future__ import annotations

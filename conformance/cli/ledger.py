@@ -36,7 +36,9 @@ backend's own error message (`raises`): such an error is `known` too, its messag
 device-killing error never is: it still quarantines the configuration). Words of a crash's message
 (`crashes`: a device-killing error, or the process ending inside the backend's call) leave the crash an error in
 its run (the device or the worker is lost, the run exits 3), but the findings page lists it under the entry
-instead of as a new finding every night. The backend's other errors, and the suite's, stay errors.
+instead of as a new finding every night. An entry of crashes alone (`worst = 0`, shown as *crashes only*: a
+launch that fails measured no numbers) claims no failure with numbers on its cases. The backend's other errors,
+and the suite's, stay errors.
 
 An entry matches an issue, not a tensor. Among the findings of one check on one case, a failure that matches
 an entry is reported as `known`: not a pass, not a failure; the case's other tensors that pass stay passes.
@@ -86,7 +88,7 @@ def ledger_markdown(issues: tuple[KnownIssue, ...]) -> str:
             for link in issue.links
         )
         backends = ", ".join(f"`{b}`" for b in issue.backends)
-        worst = f"{issue.worst:g} x {issue.growth:g}"
+        worst = f"{issue.worst:g} x {issue.growth:g}" if issue.allowed else "crashes only"
         cells = [f"[`{issue.id}`](#{issue.id})", backends, _matches(issue), links, worst]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     for issue in issues:

@@ -4,7 +4,8 @@ An entry matches an issue: a backend on a family of cases (case fields, device, 
 what it observed), and the tensors it lists (all, by default). Applied to the findings of one check on one
 case, a failed finding that matches an entry becomes ``known`` while its worst error/limit stays within the
 entry's ``worst`` x ``growth``, and stays a failure (saying so) beyond it; an observation with no ratio to bound
-(a causal leak) is ``known`` only under an entry whose ``worst`` is inf; a backend's error is ``known``
+(a causal leak) is ``known`` only under an entry whose ``worst`` is inf, and an entry of crashes alone
+(``worst = 0``: a launch that fails) claims no failure with numbers; a backend's error is ``known``
 where an entry names words of its message (``raises``; a crash an entry names, ``crashes``, stays an
 error: the findings page lists it under the entry); a finding of the same case that
 passes stays a pass (an issue of the output need not spoil the state). Every finding an entry matched
@@ -185,6 +186,9 @@ def apply_known(findings: Iterable[Finding], issues: Iterable[KnownIssue] | None
             # its cases) claims it, as it claims any size of error there.
             # A pass of that kind measured nothing an entry could still reproduce.
             matching = [i for i in matching if math.isinf(i.allowed)] if finding.verdict == "fail" else []
+        elif finding.verdict == "fail":
+            # An entry of crashes alone measured no numbers: a wrong result on its cases is some other cause.
+            matching = [i for i in matching if i.allowed > 0]
         if not matching:
             result.append(finding)
         elif finding.verdict == "fail":
