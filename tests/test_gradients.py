@@ -175,8 +175,9 @@ def test_a_backward_that_varies_warns_and_one_that_reads_scratch_fails(run: Run)
     [warned] = [f for f in varies if f.verdict == "warn"]
     assert warned.observed == "nondeterministic" and "dq by max-abs" in warned.reason, warned
     reads = run_check(check, REACHES_ALL, registry.get("planted_bwd_reads_scratch"), CPU, {}, run)
-    [failed] = [f for f in reads if f.failed]
-    assert failed.subject == "backward with poisoned scratch" and "moved dv" in failed.problems[0], failed
+    # Its run with poisoned scratch fails, whatever the plain run read (zeros from fresh pages, or stale memory).
+    [failed] = [f for f in reads if f.failed and f.subject == "backward with poisoned scratch"]
+    assert "moved dv" in failed.problems[0], failed
 
 
 def test_a_backend_without_a_backward_is_not_checked_and_says_why() -> None:

@@ -15,8 +15,19 @@ from types import ModuleType
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGINS = REPO / "tests" / "plugins"  # backend modules the tests register: planted bugs, crashes, doubles
+# glibc's allocator told to keep freed memory under 32 MiB for reuse instead of mapping, zeroing and unmapping
+# pages for each tensor: the two detection runs' subprocesses spend most of the test command's CPU time, and the
+# suite's tests spent 0.90 of their CPU time with it (whole-process medians, journal 2026-12-06). Only in the
+# subprocesses, whose order of work is fixed: memory handed back stale makes a planted read of torch.empty fail
+# in more places, and how often would hang on what the pytest-xdist workers happened to run before. A value the
+# caller set wins.
+ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(16 * 2**30)}
 # A subprocess's environment that finds the test plugins by name (``--plugin kda_planted_bugs``).
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
+ENV = {
+    **ALLOCATOR,
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")])),
+}
 
 
 def pytest_run(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
