@@ -13,6 +13,7 @@ from kda_cases.case import Case
 from kda_conformance.checks import get_check, run_check
 from kda_conformance.checks import offsets_past_2_31 as offsets
 from kda_conformance.running.config import build_config
+from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.run import Run
 from kda_kernels import registry
 from kda_kernels.protocol import BackendOutput
@@ -42,10 +43,37 @@ class WrapsPastThreshold(TorchChunk):
         return BackendOutput(o=out.o, final_state=out.final_state)
 
 
+class WrongBehindAnyFiller(TorchChunk):
+    """The baseline, but its outputs are off by one wherever the batch starts with a sequence of zero tokens,
+    however short: a packing bug, not an offset."""
+
+    name = "test_wrong_behind_any_filler"
+
+    def run(self, inputs):
+        out = super().run(inputs)
+        first = inputs.case.seq_lens[0]
+        if inputs.case.packed and len(inputs.case.seq_lens) > 1 and first and not inputs.q[:, :first].any():
+            return BackendOutput(o=out.o + 1, final_state=out.final_state)
+        return out
+
+
+class LosesTheDeviceBehindAShortFiller(WrapsPastThreshold):
+    """Wraps past the threshold, and its call behind a short filler (the control) kills the device."""
+
+    name = "test_loses_the_device_behind_a_short_filler"
+
+    def run(self, inputs):
+        if inputs.case.packed and inputs.case.seq_lens[0] * inputs.case.num_heads * inputs.case.head_k_dim < LOW:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().run(inputs)
+
+
 @pytest.fixture
 def check(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(offsets, "THRESHOLD", LOW)
     registry.register(WrapsPastThreshold.name, WrapsPastThreshold, replace=True)
+    registry.register(WrongBehindAnyFiller.name, WrongBehindAnyFiller, replace=True)
+    registry.register(LosesTheDeviceBehindAShortFiller.name, LosesTheDeviceBehindAShortFiller, replace=True)
     return dataclasses.replace(get_check("offsets_past_2_31"), devices=("cpu", "cuda"))
 
 
@@ -60,9 +88,44 @@ def test_sequences_past_the_threshold_are_judged_where_they_land(check, tmp_path
     assert {f.subject for f in baseline} == {f"behind {LOW // 32 + 1} tokens of filler (past {LOW} elements)"}
     wrapped = run_check(check, case, registry.get(WrapsPastThreshold.name), CPU, {}, run)
     assert any(f.failed and f.tensor == "o" for f in wrapped)
+    # Its control, the case behind a filler under LOW / 8 elements in every tensor, passes: the size is the cause.
+    control = f"behind {offsets.control_filler_tokens(case)} tokens of filler (the control"
+    assert all(control in f.problems[-1] and "the failure comes with the size" in f.problems[-1]
+               for f in wrapped if f.failed), [f.problems for f in wrapped]  # fmt: skip
     # A [B, T] case runs as its packed form.
     flat = Case(seq_lens=(30, 30), num_heads=2, num_v_heads=2, head_k_dim=16, head_v_dim=16)
     assert not any(f.failed for f in run_check(check, flat, registry.get("torch_chunk"), CPU, {}, run))
+
+
+def test_a_failure_its_control_repeats_is_not_put_down_to_the_size(check, tmp_path) -> None:
+    """The same case behind a short filler fails too: the finding says the size is not the cause."""
+    case = Case(seq_lens=(20, 17), packed=True, num_heads=2, num_v_heads=2, head_k_dim=16, head_v_dim=16)
+    run = Run(build_config(device="cpu", out=tmp_path), journal=False)
+    findings = run_check(check, case, registry.get(WrongBehindAnyFiller.name), CPU, {}, run)
+    failed = [f for f in findings if f.failed]
+    assert failed and all("it fails too" in f.problems[-1] and "not the size" in f.problems[-1] for f in failed)
+    # A kernel that passes behind the threshold's filler is never run again.
+    assert not any(
+        "the control" in " ".join(f.problems) for f in run_check(check, case, registry.get("torch_chunk"), CPU, {}, run)
+    )
+
+
+def test_a_control_that_loses_the_device_is_the_backends_error_and_ends_the_process(check, tmp_path) -> None:
+    case = Case(seq_lens=(20, 17), packed=True, num_heads=2, num_v_heads=2, head_k_dim=16, head_v_dim=16)
+    run = Run(build_config(device="cpu", out=tmp_path), journal=False)
+    with pytest.raises(DeviceLost) as lost:
+        run_check(check, case, registry.get(LosesTheDeviceBehindAShortFiller.name), CPU, {}, run)
+    [error] = lost.value.findings
+    assert error.verdict == "error" and "illegal memory access" in error.reason, error
+
+
+def test_the_control_keeps_every_tensor_and_a_chunk_kernels_states_under_its_share() -> None:
+    """At H16 K = V = 128 a chunk kernel's states (H x K x V per 64 tokens) are the widest: 4,096 elements a token,
+    so the control's 2^28 elements allow 65,536 tokens with the case's 300."""
+    wide = Case(seq_lens=(300,), num_heads=16, num_v_heads=16, head_k_dim=128, head_v_dim=128)
+    assert offsets.control_filler_tokens(wide) == 2**31 // 8 // 4096 - 300
+    narrow = Case(seq_lens=(300,), num_heads=9, num_v_heads=9, head_k_dim=32, head_v_dim=64)  # v is the widest
+    assert offsets.control_filler_tokens(narrow) == 2**31 // 8 // (9 * 64) - 300
 
 
 def test_a_batch_that_would_not_fit_the_device_is_a_skip_saying_how_much(check, tmp_path, monkeypatch) -> None:

@@ -13,6 +13,7 @@ it skips where the batch would not fit the device's memory (its plan says how mu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 
@@ -26,7 +27,7 @@ from kda_conformance.checks._derived import behind_filler
 from kda_conformance.checks._registry import draw_case, supported
 from kda_conformance.judging.judge import Judge
 from kda_conformance.running.blame import NotApplicable, call_backend
-from kda_conformance.running.faults import device_memory
+from kda_conformance.running.faults import device_memory, is_sticky
 from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.truth import CaseTruth
 from kda_kernels.protocol import Backend, BackendOutput
@@ -37,6 +38,11 @@ THRESHOLD = 2**31  # elements: past it a 32-bit signed offset wraps
 # What the batch may take of the device's memory: the kernel's own scratch (a chunk kernel keeps a state per
 # chunk, T/64 x HV x K x V in float32) comes on top of the tensors.
 MEMORY_SHARE = 0.8
+# Where the batch fails, the same case behind a filler that keeps every tensor at most 1/CONTROL_SHARE of the
+# threshold: passing there ties the failure to the size (a wrapped offset), failing there does not (a long
+# sequence or the packing is the cause). On an H100 vLLM's copy failed behind 1,048,176 tokens and passed
+# behind 262,144 (docs/results/2026-12-06.md).
+CONTROL_SHARE = 8
 # The longest filler it builds: a case of narrow heads (one head of 32) would need 64M tokens to pass 2^31, minutes
 # of a chunk kernel's time; ``prepare`` widens such a case's heads instead.
 MAX_FILLER_TOKENS = 2**23
@@ -47,6 +53,17 @@ def filler_tokens(case: Case) -> int:
     v (HV x V per token)."""
     per_token = min(case.num_heads * case.head_k_dim, case.num_v_heads * case.head_v_dim)
     return math.ceil(THRESHOLD / per_token) + 1
+
+
+def control_filler_tokens(case: Case) -> int:
+    """Tokens of zeros that keep every tensor of the batch, a chunk kernel's states (one per 64 tokens, HV x K x V
+    each) included, under ``THRESHOLD / CONTROL_SHARE`` elements."""
+    widest = max(
+        case.num_heads * case.head_k_dim,
+        case.num_v_heads * max(case.head_k_dim, case.head_v_dim),
+        math.ceil(case.num_v_heads * case.head_k_dim * case.head_v_dim / 64),
+    )
+    return max(1, THRESHOLD // CONTROL_SHARE // widest - case.total_tokens)
 
 
 def planned_bytes(case: Case, filler: int) -> int:
@@ -101,10 +118,34 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge:
             f"the batch behind {filler} tokens of filler needs about {needed / 2**30:.1f} GiB, more than "
             f"{MEMORY_SHARE:.0%} of the device's {memory / 2**30:.1f} GiB"
         )
-    batch = call_backend(backend, behind_filler(inputs, filler))
+    subject = f"behind {filler} tokens of filler (past {THRESHOLD} elements)"
+    findings = _behind(truth, backend, judge, filler, subject)
+    if not any(f.failed for f in findings):
+        return findings
+    control = control_filler_tokens(case)
+    said = f"behind {control} tokens of filler (the control, every tensor under {THRESHOLD // CONTROL_SHARE} elements)"
+    try:
+        again = _behind(truth, backend, judge, control, f"behind {control} tokens of filler (the control)")
+    except Exception as exc:
+        if is_sticky(exc):  # the device is lost: the run must hear of it as the backend's error on this case
+            raise
+        said += f" the call raised {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+    else:
+        worst = [f.worst for f in again if f.failed]
+        if not worst:
+            said += " the case passes: the failure comes with the size, as a wrapped 32-bit offset does"
+        else:
+            measured = [w for w in worst if not math.isnan(w)]
+            said += " it fails too" + (f" ({max(measured):.3g} of a limit)" if measured else "")
+            said += ": a long sequence or the packing, not the size"
+    return [dataclasses.replace(f, problems=(*f.problems, said)) if f.failed else f for f in findings]
+
+
+def _behind(truth: CaseTruth, backend: Backend, judge: Judge, filler: int, subject: str) -> list[Finding]:
+    """The case's rows of a call behind ``filler`` tokens of zeros, judged against its truth."""
+    batch = call_backend(backend, behind_filler(truth.inputs, filler))
     o = batch.o[:, filler:]
     final = None if batch.final_state is None else batch.final_state[1:]
-    subject = f"behind {filler} tokens of filler (past {THRESHOLD} elements)"
     return judge.result(truth.reference, BackendOutput(o=o, final_state=final), truth.budgets, subject)
 
 
