@@ -41,7 +41,7 @@ MEMORY_SHARE = 0.8
 # Where the batch fails, the same case behind a filler that keeps every tensor at most 1/CONTROL_SHARE of the
 # threshold: passing there ties the failure to the size (a wrapped offset), failing there does not (a long
 # sequence or the packing is the cause). On an H100 vLLM's copy failed behind 1,048,176 tokens and passed
-# behind 262,144 (docs/results/2026-12-06.md).
+# behind 262,144 (the results journal, eleventh session).
 CONTROL_SHARE = 8
 # The longest filler it builds: a case of narrow heads (one head of 32) would need 64M tokens to pass 2^31, minutes
 # of a chunk kernel's time; ``prepare`` widens such a case's heads instead.

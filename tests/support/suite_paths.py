@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 PLUGINS = REPO / "tests" / "plugins"  # backend modules the tests register: planted bugs, crashes, doubles
 # glibc's allocator told to keep freed memory under 32 MiB for reuse instead of mapping, zeroing and unmapping
 # pages for each tensor: the two detection runs' subprocesses spend most of the test command's CPU time, and the
-# suite's tests spent 0.90 of their CPU time with it (whole-process medians, journal 2026-12-06). Only in the
+# suite's tests spent 0.90 of their CPU time with it (whole-process medians, the results journal). Only in the
 # subprocesses, whose order of work is fixed: memory handed back stale makes a planted read of torch.empty fail
 # in more places, and how often would hang on what the pytest-xdist workers happened to run before. A value the
 # caller set wins.
