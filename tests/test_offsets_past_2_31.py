@@ -126,6 +126,8 @@ def test_the_control_keeps_every_tensor_and_a_chunk_kernels_states_under_its_sha
     assert offsets.control_filler_tokens(wide) == 2**31 // 8 // 4096 - 300
     narrow = Case(seq_lens=(300,), num_heads=9, num_v_heads=9, head_k_dim=32, head_v_dim=64)  # v is the widest
     assert offsets.control_filler_tokens(narrow) == 2**31 // 8 // (9 * 64) - 300
+    # A kernel of 16-token chunks (FlashKDA's) keeps four times the states a token: a control a quarter as long.
+    assert offsets.control_filler_tokens(wide, chunk_tokens=16) == 2**31 // 8 // (4 * 4096) - 300
 
 
 def test_a_batch_that_would_not_fit_the_device_is_a_skip_saying_how_much(check, tmp_path, monkeypatch) -> None:

@@ -55,13 +55,13 @@ def filler_tokens(case: Case) -> int:
     return math.ceil(THRESHOLD / per_token) + 1
 
 
-def control_filler_tokens(case: Case) -> int:
-    """Tokens of zeros that keep every tensor of the batch, a chunk kernel's states (one per 64 tokens, HV x K x V
-    each) included, under ``THRESHOLD / CONTROL_SHARE`` elements."""
+def control_filler_tokens(case: Case, chunk_tokens: int = 64) -> int:
+    """Tokens of zeros that keep every tensor of the batch, a chunk kernel's states (one per ``chunk_tokens``
+    tokens, HV x K x V each) included, under ``THRESHOLD / CONTROL_SHARE`` elements."""
     widest = max(
         case.num_heads * case.head_k_dim,
         case.num_v_heads * max(case.head_k_dim, case.head_v_dim),
-        math.ceil(case.num_v_heads * case.head_k_dim * case.head_v_dim / 64),
+        math.ceil(case.num_v_heads * case.head_k_dim * case.head_v_dim / chunk_tokens),
     )
     return max(1, THRESHOLD // CONTROL_SHARE // widest - case.total_tokens)
 
@@ -122,7 +122,7 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge:
     findings = _behind(truth, backend, judge, filler, subject)
     if not any(f.failed for f in findings):
         return findings
-    control = control_filler_tokens(case)
+    control = control_filler_tokens(case, backend.chunk_tokens)
     said = f"behind {control} tokens of filler (the control, every tensor under {THRESHOLD // CONTROL_SHARE} elements)"
     try:
         again = _behind(truth, backend, judge, control, f"behind {control} tokens of filler (the control)")
