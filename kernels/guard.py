@@ -309,11 +309,12 @@ def _in_call(
         for listener in list(_listeners):
             listener("returned", backend)
         left = left_work.started_since(work) if work is not None else None  # what ends in the grace is the call's
-        theirs: set[int] = set()
+        theirs: tuple[str, ...] = ()
         if outermost and any(owner is not backend for owner in left_work.owners()):
-            theirs = _check_kept(f"found after {backend.name}'s call, which may have done it itself")
+            _check_kept(f"found after {backend.name}'s call, which may have done it itself")
+            theirs = _held_by_others(backend, handed) if handed is not None else ()
         if handed is not None and returned:
-            _check_unchanged(backend, handed, (*keep, *(n for n, t in handed.tensors.items() if id(t) in theirs)))
+            _check_unchanged(backend, handed, (*keep, *theirs))
         elif handed is not None:
             handed.put_back(skip=keep)  # the backend's exception stands; what it was handed is as it was
         if before is not None:  # after "returned": the suite's own proof (the truths watched) is not the call's
@@ -483,18 +484,22 @@ _kept: list[tuple[Backend, Snapshot, tuple[str, ...]]] = []
 KEPT_CALLS = 8
 
 
-def _check_kept(when: str) -> set[int]:
-    """Put back and charge what threads left running wrote into what their calls were handed; the ids of the
-    tensors put back (another call's own check must not take that write for its own)."""
-    restored: set[int] = set()
+def _check_kept(when: str) -> None:
+    """Put back and charge what threads left running wrote into what their calls were handed."""
     for owner, snapshot, keep in list(_kept):
-        before = len(_breaches)
         try:
             _check_unchanged(owner, snapshot, keep, late=when)
         except Exception:  # a device the thread left dead: the next call's error says so
             break
-        restored |= {id(snapshot.tensors[b.tensor]) for b in _breaches[before:] if b.tensor in snapshot.tensors}
-    return restored
+
+
+def _held_by_others(backend: Backend, handed: Snapshot) -> tuple[str, ...]:
+    """The tensors of ``handed`` that share memory with what another backend's call that left a thread
+    running was handed. A write into them is that thread's to answer for, found by :func:`_check_kept` now or
+    before the next call: the thread may write after the kept copies are compared and before this call's own
+    are, and the write would be charged to this call."""
+    kept = [t for owner, snapshot, _ in _kept if owner is not backend for t in snapshot.tensors.values()]
+    return tuple(name for name, t in handed.tensors.items() if any(_overlaps(t, other) for other in kept))
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

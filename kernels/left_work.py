@@ -9,8 +9,9 @@ returns, waits up to :data:`GRACE` seconds for what it started to end (:func:`st
 ends within it is part of the call, its effects checked with the call's. What is still running after
 that is the backend's failure and is remembered as its own (:func:`leave`):
 
-- the inputs a call is handed are its own copies (kernels/guard.py), so a late write into them moves no
-  one's verdict;
+- the copies of what its calls were handed are kept while the thread lives (kernels/guard.py), and a late
+  write into those tensors is put back and charged to it, wherever it lands: during another backend's call
+  on the same tensors too, which is not charged for it;
 - while such a thread lives, the guard proves the world before each later call and charges what changed
   to the backend that left the thread (:func:`owners`);
 - the front ends exit without joining such threads, after writing everything (exit_past_left_work),

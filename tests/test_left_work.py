@@ -82,6 +82,42 @@ def test_a_write_a_left_thread_makes_later_is_charged_to_its_backend_not_the_nex
     assert torch.equal(result.o, clean.o) and torch.equal(result.final_state, clean.final_state)
 
 
+def test_a_write_landing_between_the_kept_proof_and_the_calls_own_is_not_the_calls(
+    plugin, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """The race a loaded CI machine once hit: the left thread wrote into q after the copies its call was
+    handed had been compared and before the next call's own were, and that call was charged with the write."""
+    monkeypatch.setattr(left_work, "GRACE", 0.05)
+    proof, armed, release = guard._check_kept, threading.Event(), threading.Event()
+    # The left thread waits without writing until the test ends: the test makes its write, in the window.
+    left = lambda work: threading.Thread(target=release.wait, name="left-later", daemon=True).start()  # noqa: E731
+    monkeypatch.setattr(plugin, "_later", left)
+    request.addfinalizer(release.set)  # before the plugin fixture joins the left threads
+
+    def proved_then_written(when: str) -> object:
+        proved = proof(when)
+        if armed.is_set() and when.startswith("found after"):
+            armed.clear()
+            inputs.q.view(-1)[-1:].add_(1)
+        return proved
+
+    # Replaced before the calls: the world each call starts from has it (a change between calls is a breach).
+    monkeypatch.setattr(guard, "_check_kept", proved_then_written)
+    inputs = materialize(CASE, CPU)
+    writer = registry.get("left_writes_q_later")
+    guard.run_backend_call(writer, inputs)
+    assert "left 1 thread" in str(guard.take_breaches()[0])
+    armed.set()
+    guard.run_backend_call(TorchChunk(), inputs)
+    assert guard.take_breaches() == []
+    guard.run_backend_call(TorchChunk(), materialize(OTHER, CPU))
+    [late] = guard.take_breaches()
+    assert raised_by(late) == writer.name and late.late and "wrote into its input q" in str(late)
+    assert torch.equal(inputs.q, materialize(CASE, CPU).q)
+    left_work.forget(list(left_work._threads_left))
+    guard._forget([])
+
+
 def test_a_setting_a_left_thread_changes_later_is_put_back_and_charged_to_its_backend(
     plugin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
