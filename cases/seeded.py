@@ -178,6 +178,27 @@ def _scaled(
     return out[1], out[2], out[0]
 
 
+def behind_filler(
+    tokens: dict[str, torch.Tensor], initial_state: Any, cu_seqlens: Any, filler: int
+) -> tuple[dict[str, torch.Tensor], Any, torch.Tensor]:
+    """A case's sequences packed behind one sequence of ``filler`` zero tokens (zero is a valid token of every
+    gate form and layout), so that they start ``filler`` rows into every token tensor: ``tokens`` (q k v g beta,
+    ``[B, T, ...]``; an unpacked case's rows are packed one after another) joined and contiguous, a zero
+    initial state for the filler where the case has states, and the batch's cu_seqlens (int32, as servers
+    pass it; ``cu_seqlens`` None for an unpacked case of equal rows). kda-conformance's offsets check runs
+    kernels so, to put a case past 2^31 elements."""
+    first = next(iter(tokens.values()))
+    B, T = first.shape[:2]
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(B + 1, device=first.device) * T
+    rows = {name: x.reshape(1, B * T, *x.shape[2:]) for name, x in tokens.items()}
+    joined = {name: torch.cat([x.new_zeros((1, filler, *x.shape[2:])), x], dim=1) for name, x in rows.items()}
+    if initial_state is not None:
+        initial_state = torch.cat([initial_state.new_zeros((1, *initial_state.shape[1:])), initial_state])
+    ends = cu_seqlens.to(device=first.device, dtype=torch.int32) + filler
+    return joined, initial_state, torch.cat([ends.new_zeros(1), ends])
+
+
 def laid_out(layout: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``q k v g beta`` (contiguous, ``[B, T, heads, ...]``) with the same values in the memory layout a
     server hands a kernel (``INPUT_LAYOUTS`` in cases/case.py): ``fused``, q, k and v as views of one

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import types
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -313,6 +314,9 @@ class Backend(ABC):
     # ``standalone_source(case) -> str``: the source of a ``call(q, k, v, g, beta, initial_state, cu_seqlens,
     # **kwargs)`` that needs only torch and the backend's own package, for `repro --write-test`.
     standalone_source: Callable[[Case], str] | None = None
+    # Modules of the suite that ``standalone_source``'s call uses and a standalone file carries verbatim before
+    # it: each imports nothing of the suite (kernels/server_stubs.py, kernels/server_layers.py).
+    standalone_modules: tuple[types.ModuleType, ...] = ()
 
     def host_metadata(self, device: torch.device, cu_seqlens_cpu: torch.Tensor) -> dict[str, torch.Tensor]:
         """The host metadata for a batch with these ``cu_seqlens`` (on the CPU), built as a server builds it

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from suite_paths import alone_in
 
 from kda_cases.case import Case
 from kda_cases.materialize import materialize
@@ -91,21 +92,8 @@ def test_a_written_file_imports_nothing_of_the_suite_fails_and_skips_without_its
     assert imports_of_the_suite(file.read_text()) == [] and not list(written.glob("*.pt"))
     # A fresh folder, only the file: torch, pytest and the library's package are all it needs.
     alone = tmp_path / "alone"
-    alone.mkdir()
-    (alone / file.name).write_text(file.read_text())
+    pytest_file = alone_in(alone, file.read_text(), file.name)
     bare = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    pytest_file = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-rs",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "no:randomly",
-        file.name,
-    ]
     fails = subprocess.run(pytest_file, cwd=alone, env={**bare, "PYTHONPATH": str(DOUBLES)}, capture_output=True,
                            text=True)  # fmt: skip
     assert (

@@ -16,7 +16,7 @@ import torch
 from kda_cases.case import Case
 from kda_cases.materialize import materialize
 from kda_conformance.cli import main
-from kda_kernels import guard, registry, vendored_trees
+from kda_kernels import guard, registry, server_stubs, vendored_trees
 from kda_kernels.backends import vendored
 from kda_kernels.protocol import Unsupported
 from kda_kernels.vendored_trees import SGLANG, VLLM
@@ -207,14 +207,17 @@ def test_a_tree_without_the_entry_point_is_unavailable_naming_it(
 def test_a_stub_the_kernels_need_and_the_loader_lacks_is_the_suites_gap_not_the_kernels() -> None:
     """What the kernels ask of a stub that the loader does not provide is a StubGap: an AttributeError to
     `hasattr` and `from m import x`, and an Unsupported to the checks (a skip naming it, not an error)."""
-    platform = vendored_trees._Platform()
+    platform = server_stubs._Platform()
     assert not hasattr(platform, "some_new_question")
-    with pytest.raises(vendored_trees.StubGap, match="current_platform has no some_new_question"):
+    with pytest.raises(server_stubs.StubGap, match="current_platform has no some_new_question"):
         platform.some_new_question()
-    assert issubclass(vendored_trees.StubGap, Unsupported)
+    with pytest.raises(vendored_trees.StubGap, match="current_platform has no some_new_question") as raised:
+        with vendored_trees.stub_gaps():  # how the backends call the kernels
+            platform.some_new_question()
+    assert isinstance(raised.value, Unsupported)
     assert platform.has_device_capability(80) is torch.cuda.is_available()
-    stub = vendored_trees._Stub("vllm.utils.math_utils")
-    with pytest.raises(vendored_trees.StubGap, match=r"stub of vllm\.utils\.math_utils has no round_up"):
+    stub = server_stubs._Stub("vllm.utils.math_utils")
+    with pytest.raises(server_stubs.StubGap, match=r"stub of vllm\.utils\.math_utils has no round_up"):
         stub.round_up  # noqa: B018
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kda_cases import seeded
 from kda_cases.case import Case
 from kda_cases.materialize import KDAInputs, cu_seqlens_tensor, materialize
 from kda_conformance.running.blame import NotApplicable
@@ -67,17 +68,11 @@ def step_inputs(inputs: KDAInputs, spans: list[tuple[int, int]]) -> KDAInputs:
 
 
 def behind_filler(inputs: KDAInputs, filler_tokens: int) -> KDAInputs:
-    """The case's sequences packed behind one sequence of ``filler_tokens`` zero tokens (zero is a valid
-    token of every gate form and layout), with a zero initial state for it where the case has one: the case's
-    own sequences then start ``filler_tokens`` rows into every token tensor. Views become contiguous."""
+    """The case's sequences packed behind one sequence of ``filler_tokens`` zero tokens (cases/seeded.py, which
+    a standalone file carries): the case's own sequences then start ``filler_tokens`` rows into every token
+    tensor. Views become contiguous."""
     case = inputs.case
-    rows = {name: getattr(inputs, name) for name in TOKEN_TENSORS}
-    if not case.packed:  # [B, T, ...] rows one after another: a packed row of B sequences
-        rows = {name: x.reshape(1, -1, *x.shape[2:]) for name, x in rows.items()}
-    joined = {name: torch.cat([x.new_zeros((1, filler_tokens, *x.shape[2:])), x], dim=1) for name, x in rows.items()}
-    h0 = inputs.initial_state
-    if h0 is not None:
-        h0 = torch.cat([h0.new_zeros((1, *h0.shape[1:])), h0])
+    tokens = {name: getattr(inputs, name) for name in TOKEN_TENSORS}
+    joined, h0, cu = seeded.behind_filler(tokens, inputs.initial_state, inputs.cu_seqlens, filler_tokens)
     batch = case.replace(seq_lens=(filler_tokens, *case.seq_lens), packed=True, checkpoints=())
-    cu = cu_seqlens_tensor(batch, inputs.device)
     return dataclasses.replace(inputs, case=batch, initial_state=h0, cu_seqlens=cu, host_metadata=None, **joined)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 
 from hypothesis import strategies as st
@@ -53,6 +54,13 @@ def filler_tokens(case: Case) -> int:
     v (HV x V per token)."""
     per_token = min(case.num_heads * case.head_k_dim, case.num_v_heads * case.head_v_dim)
     return math.ceil(THRESHOLD / per_token) + 1
+
+
+def judged_filler(subject: str) -> int | None:
+    """The tokens of filler a record of this check ran its case behind, where the record is a judgement past the
+    threshold (not the control's); None for any other subject."""
+    found = re.fullmatch(r"behind (\d+) tokens of filler \(past \d+ elements\)", subject)
+    return int(found[1]) if found else None
 
 
 def control_filler_tokens(case: Case, chunk_tokens: int = 64) -> int:

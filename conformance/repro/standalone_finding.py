@@ -25,6 +25,7 @@ from kda_cases.case import Case
 from kda_cases.dtypes import GRADIENT_TENSORS
 from kda_cases.files import atomic_write_text
 from kda_cases.materialize import materialize
+from kda_conformance.checks import offsets_past_2_31 as offsets
 from kda_conformance.checks.gradients import WHOLE_BACKWARD
 from kda_conformance.running.gradient_truth import by_tensor, term_scales, upstream_gradients
 from kda_kernels import serving
@@ -41,10 +42,11 @@ SUITE_PACKAGES = ("kda_cases", "kda_reference", "kda_kernels", "kda_reports", "k
 DERIVED = ("row_spans", "offsets", "total_tokens", "num_seqs", "gate_in_kernel", "has_initial_state", "state_v_first")
 
 
-def embedded_source() -> str:
-    """The drawing code and the float64 truth, verbatim, without their imports of each other."""
+def embedded_source(modules: tuple[ModuleType, ...] = EMBEDDED) -> str:
+    """The drawing code and the float64 truth (or other ``modules`` of the suite that import nothing of it),
+    verbatim, without their imports of each other."""
     parts = []
-    for module in EMBEDDED:
+    for module in modules:
         lines = [
             line
             for line in inspect.getsource(module).splitlines()
@@ -158,11 +160,23 @@ def _limits_comment(finding_measured: tuple) -> list[str]:
 
 def called_measurements(finding: object, backend: Backend) -> tuple:
     """What the file holds a direct call on the finding's smallest case to: the budget check's measurements of
-    its output and final states on ``backend``, else the gradients check's of its whole backward (each
-    gradient)."""
+    its output and final states on ``backend``, else the offsets check's past 2^31 (the call behind its
+    filler), else the gradients check's of its whole backward (each gradient)."""
     mine = [m for m in finding.measured if m.backend == backend.name]
     forward = tuple(m for m in mine if m.tensor in CALLED and m.check == "budget")
-    return forward or tuple(m for m in mine if m.check == "gradients" and m.subject == WHOLE_BACKWARD)
+    behind = tuple(
+        m for m in mine if m.tensor in CALLED and m.check == offsets.NAME and offsets.judged_filler(m.subject)
+    )
+    return forward or behind or tuple(m for m in mine if m.check == "gradients" and m.subject == WHOLE_BACKWARD)
+
+
+def filler_of(finding: object, case: Case) -> int:
+    """The tokens of zeros the file's call runs the case behind: the offsets check's filler (as its records say,
+    else the check's own for the case: a crash records no measurement), none for any other check."""
+    if finding.check != offsets.NAME:
+        return 0
+    said = [offsets.judged_filler(m.subject) for m in finding.measured]
+    return next((n for n in said if n), None) or offsets.filler_tokens(case)
 
 
 def takes_gradients(measured: tuple) -> bool:
@@ -244,17 +258,32 @@ def test_{name}():
         **kwargs,
     )
     moved = {{name: None if t is None else t.to(device) for name, t in x.items()}}
-    q, k, v, g, beta = laid_out(CASE.input_layout, *(moved[n] for n in TOKENS))
+{tokens}
     kwargs.update(A_log=moved["A_log"], dt_bias=moved["dt_bias"])
     h0 = None if moved["initial_state"] is None else moved["initial_state"].float()  # a pool's state, widened
     with {memory}:
         o, final = call(q, k, v, g, beta, h0, moved["cu_seqlens"], **kwargs)
-    problems, lines = [], []
+{sliced}    problems, lines = [], []
     held("o", o, o_true, problems, lines)
     held("final_state", final, final_true, problems, lines)
     print("\\n".join(lines))
     assert not problems, "\\n".join(problems + lines)
 """
+
+# The tokens handed over: in the case's memory layout, or packed behind FILLER zero tokens (the offsets check).
+_AS_LAID_OUT = "    q, k, v, g, beta = laid_out(CASE.input_layout, *(moved[n] for n in TOKENS))"
+_BEHIND_FILLER = """\
+    # The case's sequences packed behind FILLER tokens of zeros, so that they start past 2^31 elements of the
+    # token tensors (or of the per-chunk states a chunk kernel keeps); the case's rows are judged where they land.
+    tokens = {n: moved[n] for n in TOKENS}
+    tokens, moved["initial_state"], moved["cu_seqlens"] = behind_filler(
+        tokens, moved["initial_state"], moved["cu_seqlens"], FILLER
+    )
+    q, k, v, g, beta = (tokens[n] for n in TOKENS)"""
+_FILLER_SLICED = """\
+    o, final = o[:, FILLER:], None if final is None else final[1:]  # the case's rows, its sequences' states
+"""
+
 
 # The kernel's backward, held to float64 gradients: autograd through the token loop.
 _BACKWARD_TEST = """
@@ -325,6 +354,7 @@ def standalone_file_text(finding: object, case: Case, backend: Backend, file_nam
     seen = {m.tensor: {"max_abs": m.max_abs, "rel_rms": m.rel_rms, "nonfinite": m.nonfinite} for m in measured}
     precision = next((m.precision for m in measured if m.precision), "")
     trees = [lib for lib in backend.libraries if lib.source_variable]
+    filler = filler_of(finding, case)
     doc = [
         f"{finding.id}: {finding.kernel or backend.name}, {case.label}.",
         "",
@@ -338,6 +368,13 @@ def standalone_file_text(finding: object, case: Case, backend: Backend, file_nam
             f"; the library's own tests allow rel-RMS {tolerance.rel_rms:g} ({tolerance.source})." if tolerance else "."
         ),
     ]
+    if filler:
+        said = (
+            f"The case runs packed behind {filler} tokens of zeros (FILLER), so that its first token lies past 2^31 "
+            "elements of the token tensors (and of the per-chunk states a chunk kernel keeps); the truth is the case's "
+            "own, and its rows are judged where they land. A 32-bit offset wraps there."
+        )
+        doc += ["", textwrap.fill(said, 110)]
     if backward:
         said = (
             "The gradients are those of sum(o * d_o) + sum(final_state * d_final) with respect to each input, d_o "
@@ -370,9 +407,13 @@ def standalone_file_text(finding: object, case: Case, backend: Backend, file_nam
         call_kwargs=textwrap.indent(_call_kwargs(case), "    ").lstrip(),
         term_rms=_literal(_term_rms(case) if backward else {}),
         gradient_of=GRADIENT_TENSORS,
+        tokens=_BEHIND_FILLER if filler else _AS_LAID_OUT,
+        sliced=_FILLER_SLICED if filler else "",
     )
+    if filler:
+        judging += f"FILLER = {filler}  # tokens of zeros the case's sequences are packed behind\n"
     imports = "\n".join(f"import {name}" for name in ("contextlib", "importlib", "itertools", "math", "os", "sys"))
-    imports += "\nfrom collections.abc import Iterator\nfrom contextlib import contextmanager"
+    imports += "\nfrom collections.abc import Iterator\nfrom contextlib import contextmanager\nfrom pathlib import Path"
     imports += "\nfrom types import SimpleNamespace\nfrom typing import Any\n\nimport pytest\nimport torch\n"
     imports += "import torch.nn.functional as F\n"
     return "\n".join(
@@ -383,6 +424,7 @@ def standalone_file_text(finding: object, case: Case, backend: Backend, file_nam
             embedded_source(),
             "# ---- the kernel, called as its server calls it " + "-" * 40,
             _needs_source(backend),
+            *([embedded_source(backend.standalone_modules)] if backend.standalone_modules else []),
             backend.standalone_source(case),
             _where_it_runs_source(device_type, where),
             *([poisoned_memory_source()] if poisoned else []),

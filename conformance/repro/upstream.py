@@ -34,9 +34,15 @@ import torch
 from kda_cases.case import Case
 from kda_cases.files import atomic_write_text
 from kda_conformance.checks import CHECKS, run_check
+from kda_conformance.checks import offsets_past_2_31 as offsets
 from kda_conformance.checks.gradients import WHOLE_BACKWARD
 from kda_conformance.judging.known import KnownIssue
-from kda_conformance.repro.standalone_finding import called_measurements, takes_gradients, write_standalone_finding
+from kda_conformance.repro.standalone_finding import (
+    called_measurements,
+    filler_of,
+    takes_gradients,
+    write_standalone_finding,
+)
 from kda_conformance.running.blame import CONTRACT
 from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.run import NOT_LAUNCHED, Run
@@ -495,7 +501,7 @@ def write_finding_test(
     if done.returncode == 0 and " skipped" in done.stdout:
         state = "skips here"
     try:
-        check = "gradients" if takes_gradients(measured) else "budget"
+        check = "gradients" if takes_gradients(measured) else (offsets.NAME if filler_of(finding, case) else "budget")
         rerun = run_check(CHECKS[check], case, backend, device, run=run)
     except DeviceLost as lost:
         if run is not None:

@@ -3,17 +3,10 @@
 Each is loaded from a source tree the user names, without installing the server (kernels/vendored_trees.py:
 ``KDA_VLLM_SRC``, ``KDA_SGLANG_SRC``, the stubs of the few server modules the kernels import).
 
-What the server's layer does around the call is reproduced, read from its code (docs/serving.md):
-
-- vLLM (``KimiGatedDeltaNetAttention`` and its metadata builder): q, k, v packed ``[1, T, H, D]``, beta
-  ``sigmoid`` in fp32 before the call, ``cu_seqlens`` int32, every sequence's initial state gathered from the
-  fp32 pool with fresh sequences' slots zeroed first (so a fresh sequence passes zeros), the final states
-  scattered back; the gate ``-exp(A_log) * softplus(g + dt_bias)`` inside ``chunk_kda_with_fused_gate``
-  where the tree has it, else ``fused_kda_gate`` before ``chunk_kda`` (older trees).
-- SGLang (``TritonKDAKernel.extend``): the whole pool and ``initial_state_indices`` go to ``chunk_kda``,
-  which reads each sequence's slot and writes its final state there in place (slots zeroed when allocated,
-  so a fresh sequence's slot holds zeros); ``A_log``/``dt_bias``/``lower_bound`` go in where the signature
-  takes them (the gate inside the kernel), else the gate is given activated.
+What the server's layer does around the call is reproduced, read from its code (docs/serving.md), in
+kernels/server_layers.py (vLLM's Kimi layer, GLM-5.3-Flash's, SGLang's ``TritonKDAKernel.extend``), which a
+standalone repro file carries verbatim; here, what the suite adds around it: the layer's output buffer
+checked outside its slice, the envelope each tree's signatures allow.
 
 Which entry points and arguments exist is found from the signatures, never from a version. The state
 layout the kernels use (V-first in current trees, K-first in older ones) is found by one small probe call
@@ -23,7 +16,6 @@ with K != V. The commit of the tree is recorded in the run's environment (``env_
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import sys
 import types
 from collections.abc import Callable
@@ -35,7 +27,7 @@ from kda_cases.dtypes import stored
 from kda_cases.envelope import Envelope
 from kda_cases.materialize import KDAInputs
 from kda_kernels import libraries as libs
-from kda_kernels import triton_interpret
+from kda_kernels import server_layers, server_stubs, triton_interpret
 from kda_kernels.backends.fla import FLA_CHUNK_FAMILY
 from kda_kernels.envelope import CHUNK_KDA
 from kda_kernels.guard import suite_work
@@ -58,22 +50,50 @@ from kda_kernels.vendored_trees import (
     VendoredMissing,
     _block_pointer_modules,
     load,
+    stub_gaps,
 )
 
 
-def _server_cu_seqlens(inputs: KDAInputs) -> torch.Tensor | None:
-    # Both servers pass their int32 query_start_loc as cu_seqlens.
-    return None if inputs.cu_seqlens is None else inputs.cu_seqlens.to(torch.int32)
+def _layer_inputs(inputs: KDAInputs) -> server_layers.LayerInputs:
+    """The tensors the layers' calls take (kernels/server_layers.py)."""
+    return server_layers.LayerInputs(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.A_log,
+                                     inputs.dt_bias, inputs.initial_state, inputs.cu_seqlens)  # fmt: skip
 
 
-def _gate_before_call(kda: types.ModuleType, inputs: KDAInputs) -> torch.Tensor:
-    """The gate as the older trees' layers compute it before the call (``fused_kda_gate``), in g's shape."""
-    g = kda.fused_kda_gate(inputs.g, inputs.A_log.float(), inputs.case.head_k_dim, g_bias=inputs.dt_bias.float())
-    return g.view_as(inputs.g)
+# A standalone repro file's call of a server's kernels (conformance/repro/standalone_finding.py), after the
+# loader (kernels/server_stubs.py) and the layers' calls (kernels/server_layers.py) it carries verbatim.
+_STANDALONE = """
+
+TREE = {tree!r}  # (the variable naming a source tree, the top package, where kda.py lives newest first, bare packages)
 
 
-def _parameters(function: Callable) -> set[str]:
-    return set(inspect.signature(function).parameters)
+def kda_module():
+    # {server}'s KDA kernels: from the source tree {variable} names, loaded as kda-conformance loads it (its
+    # packages bare, the server modules its kernels import stubbed: import_kda above), else the installed {server}'s.
+    variable, package, modules, bare = TREE
+    root = os.environ.get(variable)
+    if root:
+        return import_kda(Path(root), package, modules, bare)
+    for module in modules:
+        try:
+            return importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name == package:
+                break
+            if not (exc.name and module.startswith(exc.name)):  # not another layout's folder: something it imports
+                return needs(module)
+    pytest.skip("needs {server} with its KDA kernels (pip install {package}), or its source tree named by {variable}")
+
+
+def call(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs):
+    kda = kda_module()
+    options = layer_options(CASE)  # the case's options, as the layer hands them
+    with torch.inference_mode():
+        v_first = probe_v_first({prefill}, kda, q.device, options)  # the layout the kernels keep states in
+        x = LayerInputs(q, k, v, g, beta, kwargs["A_log"], kwargs["dt_bias"], initial_state, cu_seqlens)
+        o, final = {prefill}(kda, x, options, v_first{extra})
+    return o, final if v_first == CASE.state_v_first else final.transpose(-1, -2)
+"""
 
 
 class VendoredBackend(Backend):
@@ -85,6 +105,8 @@ class VendoredBackend(Backend):
     sets_environment = (triton_interpret.VARIABLE,)  # availability on a CPU enables the interpreter
     # The server's entry points, any one of which the backend can call (a tree with none is unavailable).
     entry_points: tuple[str, ...] = ("chunk_kda",)
+    # How the server's layer calls them (kernels/server_layers.py): (kda, tensors, v_first=, options) -> (o, final).
+    prefill: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # The probe call that finds the kernels' state layout (K != V): a gate the entry point takes.
     probe_gate: str = "log"
     # The server's KDA layer: as many value heads as key heads, no intermediate states saved. Where the tree
@@ -144,47 +166,56 @@ class VendoredBackend(Backend):
 
     def call(self, inputs: KDAInputs, v_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The server's prefill call with the states in the given layout: (o, final state in that layout)."""
-        raise NotImplementedError
+        return self.prefill(self.kda(), _layer_inputs(inputs), server_layers.layer_options(inputs.case), v_first)
 
     def run(self, inputs: KDAInputs) -> BackendOutput:
         support = self.supports(inputs.case)
         if not support:
             raise Unsupported(support.reason)
-        v_first = self.kernel_v_first(inputs.device)
-        with torch.inference_mode():
-            o, final = self.call(inputs, v_first)
+        with stub_gaps():
+            self.before_calls(inputs.device)
+            v_first = self.kernel_v_first(inputs.device)
+            with torch.inference_mode():
+                o, final = self.call(inputs, v_first)
         final = relayout(final, v_first, inputs.case.state_v_first)
         return BackendOutput(o=o, final_state=stored(inputs.case, "final_state", final))
 
-    def beta_for_call(self, inputs: KDAInputs) -> torch.Tensor:
-        # Both servers apply the sigmoid before the call, in fp32 (``b_proj(x).float().sigmoid()``).
-        beta = inputs.beta.float()
-        return beta.sigmoid() if inputs.case.beta_sigmoid_in_kernel else beta
+    def before_calls(self, device: torch.device) -> None:
+        """What the server sets up before its layers call the kernels (nothing, for most)."""
+
+    standalone_modules = (server_stubs, server_layers)
+
+    def standalone_source(self, case: Case) -> str:
+        """A ``call`` that needs only torch and the server (installed, or its source tree), for standalone repro
+        files: the layer's call of kernels/server_layers.py, the layout found by its probe."""
+        tree = (self.tree.variable, self.tree.package, self.tree.modules, self.tree.bare)
+        name = self.prefill.__name__
+        extra = self.standalone_extra()
+        return _STANDALONE.format(tree=tree, server=self.tree.server, variable=self.tree.variable, prefill=name,
+                                  package=self.tree.package, extra=f", {extra}" if extra else "")  # fmt: skip
+
+    def standalone_extra(self) -> str:
+        """The call's further arguments, as source (the file's names: q, v, cu_seqlens, kda)."""
+        return ""
 
 
 _LAYOUTS: dict[tuple[Tree, str], bool] = {}
 
 
 def _probe_layout(backend: VendoredBackend, device_type: str) -> bool:
-    """One call with K = 16, V = 32 and a zero initial state: the final state's shape says the layout (a
-    kernel that checks its initial state's shape is given the other layout if the first is refused). Kept
-    per tree and device type."""
+    """The layout the kernels keep their states in (server_layers.probe_v_first), kept per tree and device type."""
     key = (backend.tree, device_type)
     if key not in _LAYOUTS:
-        from kda_cases.materialize import materialize
-
         bounded = GATES[backend.probe_gate].bound == "required"
         case = Case(seq_lens=(3,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=32, gate=backend.probe_gate,
                     lower_bound=-5.0 if bounded else None, safe_gate=bounded)  # fmt: skip
-        inputs = materialize(case, torch.device(device_type))
-        with torch.inference_mode():
+        options = server_layers.layer_options(case)
+        with stub_gaps():
             try:
-                _, final = backend.call(inputs, v_first=True)
-            except Exception:
-                _, final = backend.call(inputs, v_first=False)
-        if tuple(final.shape[-2:]) not in ((32, 16), (16, 32)):
-            raise Unsupported(f"{backend.tree.server}'s final state has shape {tuple(final.shape)} for K=16, V=32")
-        _LAYOUTS[key] = tuple(final.shape[-2:]) == (32, 16)
+                found = server_layers.probe_v_first(backend.prefill, backend.kda(), torch.device(device_type), options)
+            except RuntimeError as exc:
+                raise Unsupported(f"{backend.tree.server}'s {exc}") from exc
+        _LAYOUTS[key] = found
     return _LAYOUTS[key]
 
 
@@ -272,10 +303,15 @@ class VllmChunk(VendoredBackend):
         "0.33.0",
     )
     entry_points = ("chunk_kda_with_fused_gate", "chunk_kda")
+    prefill = staticmethod(server_layers.vllm_prefill)
+
+    def standalone_extra(self) -> str:
+        # The layer's output buffer is torch.empty: NaN here, so a row the kernel leaves unwritten shows.
+        return 'out=torch.full_like(v, float("nan"))'
 
     def _fused_parameters(self) -> set[str]:
         fused = getattr(self.kda(), "chunk_kda_with_fused_gate", None)
-        return _parameters(fused) if fused is not None else set()
+        return server_layers.parameters(fused) if fused is not None else set()
 
     def refused_gates(self) -> dict[str, str]:
         if "lower_bound" in self._fused_parameters():
@@ -304,71 +340,16 @@ class VllmChunk(VendoredBackend):
 
     def call(self, inputs: KDAInputs, v_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's prefill call with the states in the given layout: (o, final state in that layout)."""
-        kda, case = self.kda(), inputs.case
-        n, h, K, V = case.num_seqs, case.num_heads, case.head_k_dim, case.head_v_dim
-        if inputs.initial_state is not None:
-            h0 = inputs.initial_state.float()
-            h0 = relayout(h0, case.state_v_first, v_first)
-        else:  # vLLM zeroes a fresh sequence's slot, then gathers it: zeros
-            h0 = torch.zeros((n, h, V, K) if v_first else (n, h, K, V), device=inputs.device)
-        cu = _server_cu_seqlens(inputs)
-        common = dict(
-            scale=case.scale,
-            initial_state=h0.contiguous(),
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=case.l2norm_in_kernel,
-            cu_seqlens=cu,
-        )
-        q, k, v = inputs.q, inputs.k, inputs.v.clone()  # vLLM's kernels write the output into v's buffer
-        beta = self.beta_for_call(inputs)
-        if case.gate_in_kernel and hasattr(kda, "chunk_kda_with_fused_gate"):
-            fused = kda.chunk_kda_with_fused_gate
-            takes = _parameters(fused)
-            extra: dict[str, object] = {}
-            if "raw_beta" in takes:  # vLLM 0.33: beta's sigmoid (and the lower-bound gate) inside, A_log [H]
-                extra["raw_beta"], A_log = inputs.beta, inputs.A_log.float()
-            else:  # earlier: beta activated before the call, A_log as the layer's [1, 1, H, 1] parameter
-                extra["beta"], A_log = beta, inputs.A_log.float().view(1, 1, -1, 1)
-            if case.gate == "lower_bound":
-                extra["lower_bound"] = case.lower_bound
-            gate = dict(raw_g=inputs.g, A_log=A_log, g_bias=inputs.dt_bias.float())
-            if not self._into_layer_buffer(case):
-                return fused(q=q, k=k, v=v, **gate, **extra, **common)
-            # The layer reads its buffer, not what the call returns.
-            buffer, out = layer_output_slice(v)
-            _, final = fused(q=q, k=k, v=v, **gate, **extra, **common, out=out)
+        buffer, out = layer_output_slice(inputs.v) if self._into_layer_buffer(inputs.case) else (None, None)
+        try:
+            options = server_layers.layer_options(inputs.case)
+            o, final = self.prefill(self.kda(), _layer_inputs(inputs), options, v_first, out=out)
+        except NotImplementedError as exc:  # the tree has no entry for the case's gate form
+            raise Unsupported(str(exc)) from exc
+        if buffer is not None and out is not None:
             with suite_work(self):  # its read of the buffer is the suite's sync, not vLLM's
                 check_outside_the_slice(buffer, out.shape[0] * out.shape[1])
-            return out, final
-        if case.gate_in_kernel:
-            if not hasattr(kda, "fused_kda_gate"):
-                raise Unsupported("this vLLM tree has neither chunk_kda_with_fused_gate nor fused_kda_gate")
-            return kda.chunk_kda(q=q, k=k, v=v, g=_gate_before_call(kda, inputs), beta=beta, **common)
-        return kda.chunk_kda(q=q, k=k, v=v, g=inputs.g.float(), beta=beta, **common)
-
-
-# The chunk tables SGLang 0.5.23's CUDA-graph prefill builds on the host before every replay
-# (sglang/srt/layers/attention/linear/kda_prefill_graph.py) and passes to chunk_kda.
-GRAPH_CHUNK_METADATA = ("chunk_indices", "chunk_offsets")
-GRAPH_PAD_CHUNK = 1 << 20  # a padded row's chunk: past the end of any sequence, so every kernel returns on it
-
-
-def graph_chunk_tables(cu_seqlens_cpu: torch.Tensor, device: torch.device, chunk: int = 64) -> dict[str, torch.Tensor]:
-    """``KDAPrefillGraphMetadata._write_host_tables`` for a bucket holding exactly this batch: (sequence,
-    chunk) rows sequence by sequence, then ``cdiv(T, 64) + sequences`` rows in all, the rest padded with
-    (0, 2^20); ``chunk_offsets`` each sequence's first row. One int32 buffer, copied to the device from
-    pinned memory as SGLang copies it (no device-to-host sync), its two views returned."""
-    lens = (cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).long()
-    counts = (lens + chunk - 1) // chunk
-    n, real = len(lens), int(counts.sum())
-    rows = -(-int(cu_seqlens_cpu[-1]) // chunk) + n
-    table = torch.tensor([0, GRAPH_PAD_CHUNK], dtype=torch.int64).repeat(rows, 1)
-    table[:real, 0] = torch.repeat_interleave(torch.arange(n), counts)
-    table[:real, 1] = torch.arange(real) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    host = torch.cat([table.flatten(), offsets]).to(torch.int32)
-    packed = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
-    return {"chunk_indices": packed[: 2 * rows].view(rows, 2), "chunk_offsets": packed[2 * rows :]}
+        return o, final
 
 
 class SglangChunk(VendoredBackend):
@@ -376,6 +357,7 @@ class SglangChunk(VendoredBackend):
     description = "SGLang's vendored KDA chunk kernels (KDA_SGLANG_SRC), called as SGLang's TritonKDAKernel calls them"
     tree = SGLANG
     libraries = (libs.SGLANG,)
+    prefill = staticmethod(server_layers.sglang_prefill)
     working_precision = WorkingPrecision.tf32_on_nvidia(
         "sglang 0.5.23 sglang/kernels/ops/attention/fla/chunk_intra.py (SOLVE_TRIL_DOT_PRECISION 'tf32' if "
         "is_tf32_supported, fla/utils.py: NVIDIA, compute capability 8 and up; kda.py passes DOT_PRECISION='tf32' "
@@ -385,7 +367,7 @@ class SglangChunk(VendoredBackend):
 
     def _takes_graph_tables(self) -> bool:
         try:
-            return set(GRAPH_CHUNK_METADATA) <= _parameters(self.kda().chunk_kda)
+            return server_layers.sglang_takes_graph_tables(self.kda())
         except VendoredMissing:
             return False
 
@@ -395,14 +377,14 @@ class SglangChunk(VendoredBackend):
         if not self._takes_graph_tables():
             return envelope
         # SGLang captures this call in its prefill CUDA graph (kda_prefill_graph.py), handing it these tables.
-        return envelope.narrowed(host_metadata=GRAPH_CHUNK_METADATA, graph_capture=True)
+        return envelope.narrowed(host_metadata=server_layers.GRAPH_CHUNK_METADATA, graph_capture=True)
 
     def host_metadata(self, device: torch.device, cu_seqlens_cpu: torch.Tensor) -> dict[str, torch.Tensor]:
-        return graph_chunk_tables(cu_seqlens_cpu, device) if self._takes_graph_tables() else {}
+        return server_layers.graph_chunk_tables(cu_seqlens_cpu, device) if self._takes_graph_tables() else {}
 
     def refused_gates(self) -> dict[str, str]:
         kda = self.kda()
-        takes = _parameters(kda.chunk_kda)
+        takes = server_layers.parameters(kda.chunk_kda)
         refused = {}
         if "A_log" not in takes and not hasattr(kda, "fused_kda_gate"):
             why = "this SGLang tree's chunk_kda takes no A_log and it has no fused_kda_gate"
@@ -413,45 +395,11 @@ class SglangChunk(VendoredBackend):
 
     def call(self, inputs: KDAInputs, v_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """SGLang's prefill call with the states in the given layout: (o, final state in that layout)."""
-        kda, case = self.kda(), inputs.case
-        takes = _parameters(kda.chunk_kda)
-        gate: dict[str, object] = {}
-        g = inputs.g
-        if case.gate_in_kernel and "A_log" in takes:
-            gate = {"A_log": inputs.A_log.float().view(1, 1, -1, 1), "dt_bias": inputs.dt_bias.float()}
-            if case.gate == "lower_bound":
-                gate["lower_bound"] = case.lower_bound
-        elif case.gate_in_kernel:
-            g = _gate_before_call(kda, inputs)
-        q, k, v = inputs.q, inputs.k, inputs.v.clone()  # SGLang's kernels write the output into v's buffer
-        cu = _server_cu_seqlens(inputs)
-        common = dict(scale=case.scale, use_qk_l2norm_in_kernel=case.l2norm_in_kernel, cu_seqlens=cu, **gate)
-        common.update(inputs.host_metadata or {})  # the graph prefill's host-built chunk tables
-        if case.beta_sigmoid_in_kernel and "beta_is_raw" in takes:
-            # SGLang's KDA backend passes the raw projection and beta_is_raw=True where chunk_kda takes it
-            beta, common["beta_is_raw"] = inputs.beta, True
-        else:
-            beta = self.beta_for_call(inputs)
-        if "initial_state_indices" in takes:
-            # The pool: slot 0 the null block, sequence n in slot n + 1, zeroed at allocation, written in place.
-            n, h = case.num_seqs, case.num_heads
-            layout = (case.head_v_dim, case.head_k_dim) if v_first else (case.head_k_dim, case.head_v_dim)
-            pool = torch.zeros((n + 1, h, *layout), device=inputs.device)
-            if inputs.initial_state is not None:
-                h0 = inputs.initial_state.float()
-                pool[1:] = relayout(h0, case.state_v_first, v_first)
-            slots = torch.arange(1, n + 1, dtype=torch.int32, device=inputs.device)
-            o = kda.chunk_kda(q=q, k=k, v=v, g=g, beta=beta, initial_state=pool, initial_state_indices=slots, **common)
-            return o, pool[1:]
-        h0 = (
-            None
-            if inputs.initial_state is None
-            else relayout(inputs.initial_state.float(), case.state_v_first, v_first)
-        )
-        return kda.chunk_kda(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, output_final_state=True, **common)
+        options = server_layers.layer_options(inputs.case)
+        return self.prefill(self.kda(), _layer_inputs(inputs), options, v_first, host_metadata=inputs.host_metadata)
 
     def kernel_v_first(self, device: torch.device) -> bool:
-        if "initial_state_indices" in _parameters(self.kda().chunk_kda):
+        if "initial_state_indices" in server_layers.parameters(self.kda().chunk_kda):
             return True  # the pool API: V-first slots (the kernel's block pointers read state[v, k])
         return super().kernel_v_first(device)
 
@@ -461,6 +409,8 @@ class VllmKimiChunkAmd(VllmChunk):
     description = "vLLM 0.33's Kimi K3 AMD copy (vllm/models/kimi_k3/amd), Triton, called as the Kimi layer calls it"
     tree = VLLM_KIMI_AMD
     working_precision = None  # it chooses TF32 on CUDA only, and runs on ROCm only
+    # Its calls need the Triton allocator vLLM sets (before_calls), which the standalone call does not carry.
+    standalone_source = None  # type: ignore[assignment]
 
     def availability(self, device: torch.device) -> Support:
         if device.type == "cuda" and torch.version.hip is None:
@@ -471,16 +421,14 @@ class VllmKimiChunkAmd(VllmChunk):
                               "H200); it runs on ROCm")  # fmt: skip
         return super().availability(device)
 
-    def call(self, inputs: KDAInputs, v_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        if inputs.device.type == "cuda":
+    def before_calls(self, device: torch.device) -> None:
+        if device.type == "cuda":
             # Its kernels build tensor descriptors on the device (tl.make_tensor_descriptor), which Triton on
             # NVIDIA backs with global scratch memory from an allocator; vLLM's own set_triton_allocator
             # (vllm/triton_utils/allocation.py) hands it plain device memory, as here. It changes no number.
             import triton
 
-            device = inputs.device
             triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device=device, dtype=torch.int8))
-        return super().call(inputs, v_first)
 
 
 class VllmGlm5Chunk(VendoredBackend):
@@ -496,6 +444,7 @@ class VllmGlm5Chunk(VendoredBackend):
     tree = VLLM_GLM5
     libraries = (libs.VLLM,)
     entry_points = ("chunk_kda_with_fused_gate",)
+    prefill = staticmethod(server_layers.glm5_prefill)
     probe_gate = "lower_bound"
     # The layer: one head size for K and V, as many value heads as key heads, the safe lower-bound gate from
     # the raw projection, q/k normalised in the kernel; no intermediate states.
@@ -509,31 +458,6 @@ class VllmGlm5Chunk(VendoredBackend):
         checkpoints=False,
         gate_dtypes=("same",),  # the layer's raw gate is its projection's output, in the tokens' dtype
     )
-
-    def call(self, inputs: KDAInputs, v_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        case = inputs.case
-        n, h, K, V = case.num_seqs, case.num_heads, case.head_k_dim, case.head_v_dim
-        if inputs.initial_state is not None:
-            h0 = relayout(inputs.initial_state.float(), case.state_v_first, v_first)
-        else:  # gather_initial_states: a fresh sequence's row is zeros
-            h0 = torch.zeros((n, h, V, K) if v_first else (n, h, K, V), device=inputs.device)
-        kwargs = {"scale": case.scale} if case.scale is not None else {}  # the layer leaves it at D ** -0.5
-        return self.kda().chunk_kda_with_fused_gate(
-            q=inputs.q,
-            k=inputs.k,
-            v=inputs.v.clone(),  # the kernel writes the output into v's buffer
-            raw_g=inputs.g,
-            beta=self.beta_for_call(inputs),
-            A_log=inputs.A_log.float().view(1, 1, -1, 1),
-            g_bias=inputs.dt_bias.float(),
-            initial_state=h0.contiguous(),
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-            cu_seqlens=_server_cu_seqlens(inputs),
-            safe_gate=True,
-            lower_bound=case.lower_bound,
-            **kwargs,
-        )
 
 
 class VllmGlm5ChunkAmd(VllmGlm5Chunk):

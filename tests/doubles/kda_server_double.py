@@ -4,6 +4,8 @@ written into v's buffer, every call's arguments recorded (``CALLS``) for the tes
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -11,6 +13,9 @@ from kda_cases.materialize import KDAOptions
 from kda_reference.chunked import kda_chunked
 
 CALLS: list[dict] = []
+# Set to a row N, every double's output is wrong from the batch's row N on, as a wrapped offset makes it (a
+# standalone file's test plants its bug so).
+WRONG_PAST = "KDA_SERVER_DOUBLE_WRONG_PAST"
 
 
 def softplus_gate(raw_g: torch.Tensor, A_log: torch.Tensor, g_bias: torch.Tensor | None) -> torch.Tensor:
@@ -36,5 +41,7 @@ def kda(q, k, v, g, beta, scale, initial_state, l2norm, cu_seqlens, v_first: boo
         state_v_first=v_first,
     )
     result = kda_chunked(q, k, v, g.float(), beta, options, chunk_size=64, working_dtype=torch.float32)
+    if os.environ.get(WRONG_PAST):  # the planted bug
+        result.o[:, int(os.environ[WRONG_PAST]) :] += 0.25
     v.copy_(result.o.to(v.dtype))  # as the servers' kernels do: o = v
     return v, result.final_state.float()

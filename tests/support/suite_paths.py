@@ -50,3 +50,11 @@ def import_plugin(name: str) -> ModuleType:
     """A test plugin module, imported (its backends registered), the plugin folder left off sys.path."""
     with plugins_on_path():
         return importlib.import_module(name)
+
+
+def alone_in(folder: Path, source: str, name: str) -> list[str]:
+    """A standalone file's ``source`` written as ``folder/name`` (the folder made), and the pytest command that
+    runs it there as its maintainer would (in that folder, nothing of the suite's plugins)."""
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_text(source)
+    return [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:randomly", name]
