@@ -173,3 +173,24 @@ def test_a_truth_written_with_the_inputs_is_made_again_from_the_suites_inputs() 
     assert any(f"changed the suite's float64 truth of case {CASE.id} (made again)" in r for r in reasons), reasons
     assert torch.equal(truth.reference.final_state, exact.final_state)
     assert torch.equal(truth.reference.o, exact.o) and truth.budgets
+
+
+def test_a_truth_is_proved_by_one_sum_over_one_buffer_and_a_raw_write_anywhere_in_it_is_found() -> None:
+    """After every call every truth alive is proved: its tensors live in one buffer, summed once per proof (a
+    sum per tensor of every cached truth was most of the controls' CPU time); a write no torch op sees (through
+    numpy) into any of them is still found and made good, and a declared precision's truth shares the proof."""
+    from kda_conformance.running import truth as truths
+    from kda_kernels.protocol import WorkingPrecision
+
+    case = Case(seq_lens=(20, 13), packed=True, initial_state="random", checkpoints=((0, 5),), head_k_dim=16)
+    strict = case_truth(case, CPU)
+    declared = truths.at_precision(strict, WorkingPrecision(dots="tf32", source="a test"))
+    exact = run_reference(strict.inputs, strict.reference_form)
+    seals = [seal for held, seal in truths._seals.values() if held() in (strict, declared)]
+    assert len(seals) == 2 and all(len(seal.proved) == 1 for seal in seals)
+    for name in truths.REFERENCE_TENSORS:
+        assert torch.equal(getattr(strict.reference, name), getattr(exact, name)), name
+        getattr(strict.reference, name).numpy().reshape(-1)[-1] += 1.0
+        assert truths._prove_truths() == [f"changed the suite's float64 truth of case {case.id} (made again)"]
+        assert torch.equal(getattr(strict.reference, name), getattr(exact, name)), name
+    assert declared.reference is strict.reference and truths._prove_truths() == []
