@@ -211,8 +211,7 @@ def _proved(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     held = [t for t in tensors if t.numel()]
     if len(held) < 2 or not _is_one_buffer(held):
         return tensors
-    whole = torch.empty(0, dtype=held[0].dtype, device=held[0].device)
-    return (whole.set_(held[0].untyped_storage(), 0, (sum(t.numel() for t in held),)),)
+    return (held[0].as_strided((sum(t.numel() for t in held),), (1,), 0),)
 
 
 # The truths alive in this process (a run holds a few per worker), each sealed when made. A backend is handed
