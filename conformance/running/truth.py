@@ -177,22 +177,27 @@ def _sums(tensors: tuple[torch.Tensor, ...]) -> list[int]:
 ONE_BUFFER_BYTES = 64 * 2**20
 
 
-def _in_one_buffer(reference: ReferenceResult) -> None:
-    """The reference's tensors bound again as views of one flat buffer, their values unchanged, so that its
-    proof is one reduction: after every call every truth alive is proved, and in the ``ci`` profile's
-    controls a proof of a reduction per tensor took most of the run's CPU time."""
-    tensors = [getattr(reference, name) for name in REFERENCE_TENSORS]
+def _proved(reference: ReferenceResult) -> tuple[torch.Tensor, ...]:
+    """What a proof of the reference sums: its tensors bound again as views of one flat buffer (values unchanged;
+    already so for a declared precision's truth, which shares its strict truth's reference) and a 1-D view of
+    that buffer, so that its proof is one reduction; its tensors themselves where they differ in dtype or device
+    or pass ``ONE_BUFFER_BYTES``. After every call every truth alive is proved, and in the ``ci`` profile's
+    controls a reduction per tensor took most of the run's CPU time."""
+    tensors = tuple(getattr(reference, name) for name in REFERENCE_TENSORS)
     held = [t for t in tensors if t.numel()]
-    if len(held) < 2 or len({(t.dtype, t.device) for t in held}) > 1 or _is_one_buffer(held):
-        return
-    if sum(t.nbytes for t in held) > ONE_BUFFER_BYTES:  # a long case's: its copy would cost memory, not time
-        return
-    flat = torch.cat([t.reshape(-1) for t in held])
-    start = 0
-    for name, tensor in zip(REFERENCE_TENSORS, tensors, strict=True):
-        if tensor.numel():
-            object.__setattr__(reference, name, flat[start : start + tensor.numel()].view(tensor.shape))
-            start += tensor.numel()
+    if len(held) < 2 or len({(t.dtype, t.device) for t in held}) > 1:
+        return tensors
+    if not _is_one_buffer(held):
+        if sum(t.nbytes for t in held) > ONE_BUFFER_BYTES:  # a long case's: its copy would cost memory, not time
+            return tensors
+        flat = torch.cat([t.reshape(-1) for t in held])
+        start = 0
+        for name, tensor in zip(REFERENCE_TENSORS, tensors, strict=True):
+            if tensor.numel():
+                object.__setattr__(reference, name, flat[start : start + tensor.numel()].view(tensor.shape))
+                start += tensor.numel()
+        held = [flat]
+    return (held[0].as_strided((sum(t.numel() for t in tensors),), (1,), 0),)
 
 
 def _is_one_buffer(tensors: list[torch.Tensor]) -> bool:
@@ -206,14 +211,6 @@ def _is_one_buffer(tensors: list[torch.Tensor]) -> bool:
     return True
 
 
-def _proved(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """What a proof of ``tensors`` sums: the one buffer they are views of (a 1-D view of it), or themselves."""
-    held = [t for t in tensors if t.numel()]
-    if len(held) < 2 or not _is_one_buffer(held):
-        return tensors
-    return (held[0].as_strided((sum(t.numel() for t in held),), (1,), 0),)
-
-
 # The truths alive in this process (a run holds a few per worker), each sealed when made. A backend is handed
 # inputs, not the truth, but can reach it (gc.get_objects()): one that overwrote it passed itself with garbage
 # and failed the next backend. So after every call each truth is proved as it was made, and one that is not
@@ -222,9 +219,8 @@ _seals: dict[int, tuple[weakref.ref, _Seal]] = {}
 
 
 def _watched(truth: CaseTruth) -> CaseTruth:
-    _in_one_buffer(truth.reference)
+    proved = _proved(truth.reference)
     tensors = tuple(getattr(truth.reference, name) for name in REFERENCE_TENSORS)
-    proved = _proved(tensors)
     seal = _Seal(truth.reference, tensors, proved, _sums(proved), dict(truth.budgets))
     _seals[id(truth)] = (weakref.ref(truth), seal)
     weakref.finalize(truth, _seals.pop, id(truth), None)
