@@ -65,10 +65,10 @@ def layer_options(case: Any) -> LayerOptions:
                         case.gate_in_kernel, bound)  # fmt: skip
 
 
-def _states_for_call(x: LayerInputs, options: LayerOptions, v_first: bool, fresh: bool = False) -> torch.Tensor:
+def _states_for_call(x: LayerInputs, options: LayerOptions, v_first: bool) -> torch.Tensor:
     """Every sequence's fp32 state in the kernels' layout, as the layers gather them from the pool: zeros for
-    fresh sequences (a fresh sequence's slot is zeroed before the gather); ``fresh``, zeros whatever the case."""
-    if x.initial_state is None or fresh:
+    fresh sequences (a fresh sequence's slot is zeroed before the gather)."""
+    if x.initial_state is None:
         H, K, V = x.q.shape[-2], x.q.shape[-1], x.v.shape[-1]
         return torch.zeros((_sequences(x), H, V, K) if v_first else (_sequences(x), H, K, V), device=x.q.device)
     h0 = x.initial_state.float()
@@ -135,7 +135,9 @@ def vllm_prefill(
     return kda.chunk_kda(q=x.q, k=x.k, v=v, g=g, beta=_beta(x.beta, options.beta_sigmoid), **common)
 
 
-def glm5_prefill(kda: ModuleType, x: LayerInputs, options: LayerOptions, v_first: bool) -> tuple[torch.Tensor, ...]:
+def glm5_prefill(
+    kda: ModuleType, x: LayerInputs, options: LayerOptions, v_first: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GLM-5.3-Flash's layer as vLLM 0.33 serves it (glm5next/common/kda.py ``Glm5NextLinearAttention``):
     ``chunk_kda_with_fused_gate`` with the raw gate, beta sigmoided in fp32 before the call, ``A_log`` as the
     layer's ``[1, 1, H, 1]`` fp32 parameter, ``g_bias`` its fp32 ``dt_bias``, the safe gate always on with the
@@ -214,13 +216,17 @@ def sglang_prefill(
         beta = _beta(x.beta, options.beta_sigmoid)
     if "initial_state_indices" in takes:
         # The pool: slot 0 the null block, sequence n in slot n + 1, zeroed at allocation, written in place.
-        fresh = _states_for_call(x, options, v_first, fresh=True)
-        pool = torch.cat([fresh[:1], _states_for_call(x, options, v_first)])
+        states = _states_for_call(x, options, v_first)
+        pool = torch.cat([torch.zeros_like(states[:1]), states])
         slots = torch.arange(1, _sequences(x) + 1, dtype=torch.int32, device=x.q.device)
         o = kda.chunk_kda(q=x.q, k=x.k, v=v, g=g, beta=beta, initial_state=pool, initial_state_indices=slots, **common)
         return o, pool[1:]
     h0 = None if x.initial_state is None else _states_for_call(x, options, v_first)
     return kda.chunk_kda(q=x.q, k=x.k, v=v, g=g, beta=beta, initial_state=h0, output_final_state=True, **common)
+
+
+class UnknownLayout(Exception):
+    """The probe's final state says neither layout (any error of the kernels' own propagates as it is)."""
 
 
 def probe_v_first(prefill: Callable, kda: ModuleType, device: torch.device, options: LayerOptions) -> bool:
@@ -237,5 +243,5 @@ def probe_v_first(prefill: Callable, kda: ModuleType, device: torch.device, opti
         except Exception:
             _, final = prefill(kda, x, options, False)
     if tuple(final.shape[-2:]) not in ((32, 16), (16, 32)):
-        raise RuntimeError(f"the kernels' final state has shape {tuple(final.shape)} for K=16, V=32")
+        raise UnknownLayout(f"the kernels' final state has shape {tuple(final.shape)} for K=16, V=32")
     return tuple(final.shape[-2:]) == (32, 16)

@@ -287,3 +287,23 @@ def test_sglang_graph_prefill_tables_built_on_the_host_as_sglang_builds_them(
     assert main([*argv, "--case", case.to_json(), "--out", str(tmp_path)]) == 0
     passed = [c for c in _calls() if c["chunk_indices"] is not None]
     assert passed and all(c["chunk_indices"].shape[0] > int(c["chunk_offsets"][-1]) for c in passed)
+
+
+def test_the_layout_probe_skips_only_a_shape_it_cannot_read_not_a_kernels_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kernel that fails both probe calls (a fault on the device, say) raises its own error, charged to it;
+    only a final state of neither layout is the suite's gap (Unsupported)."""
+    monkeypatch.setenv(VLLM.variable, str(DOUBLES / "vllm_tree"))
+    backend = registry.get("vllm_chunk")
+
+    def faulting(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(backend, "prefill", faulting)
+    with pytest.raises(RuntimeError, match="illegal memory access") as raised:
+        vendored._probe_layout(backend, "cpu")
+    assert not isinstance(raised.value, Unsupported)
+    monkeypatch.setattr(backend, "prefill", lambda kda, x, options, v_first: (x.v, torch.zeros(1, 1, 5, 5)))
+    with pytest.raises(Unsupported, match=r"final state has shape \(1, 1, 5, 5\)"):
+        vendored._probe_layout(backend, "cpu")

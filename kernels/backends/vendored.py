@@ -213,7 +213,7 @@ def _probe_layout(backend: VendoredBackend, device_type: str) -> bool:
         with stub_gaps():
             try:
                 found = server_layers.probe_v_first(backend.prefill, backend.kda(), torch.device(device_type), options)
-            except RuntimeError as exc:
+            except server_layers.UnknownLayout as exc:
                 raise Unsupported(f"{backend.tree.server}'s {exc}") from exc
         _LAYOUTS[key] = found
     return _LAYOUTS[key]
@@ -341,8 +341,8 @@ class VllmChunk(VendoredBackend):
     def call(self, inputs: KDAInputs, v_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's prefill call with the states in the given layout: (o, final state in that layout)."""
         buffer, out = layer_output_slice(inputs.v) if self._into_layer_buffer(inputs.case) else (None, None)
+        options = server_layers.layer_options(inputs.case)
         try:
-            options = server_layers.layer_options(inputs.case)
             o, final = self.prefill(self.kda(), _layer_inputs(inputs), options, v_first, out=out)
         except NotImplementedError as exc:  # the tree has no entry for the case's gate form
             raise Unsupported(str(exc)) from exc
