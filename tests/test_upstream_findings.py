@@ -414,6 +414,8 @@ def test_one_failure_on_three_copies_of_a_kernel_and_two_checks_is_one_finding()
 
 
 def test_a_ledger_entry_is_one_cause_with_its_copies_links_and_the_ids_it_took_over() -> None:
+    from kda_conformance.cli.ledger import ledger_markdown
+
     ledger = {issue.id: issue for issue in load_ledger()}
     zero = ledger["chunk-indices-zero-length-member"]
     assert {copy.library.split()[0] for copy in zero.copies} == {"AITER", "vLLM", "SGLang"}
@@ -430,6 +432,13 @@ def test_a_ledger_entry_is_one_cause_with_its_copies_links_and_the_ids_it_took_o
     page = findings_markdown([found["chunk-indices-zero-length-member"]], "a test")
     assert "- SGLang 0.5.23: sglang/kernels/ops/attention/fla/index.py prepare_chunk_indices (sglang_chunk)" in page
     assert "(https://github.com/fla-org/flash-linear-attention/pull/909)" in page
+    # A link not reported upstream reads as its status alone, which says why, in every text that lists it.
+    states = ledger["servers-chunk-states-offset-int32"]
+    [unreported] = states.links
+    found = {f.id: f for f in upstream_findings(records.iloc[0:0], (states,))}
+    assert found[states.id].links == (unreported.status,) and unreported.status.startswith("not reported: ")
+    page = ledger_markdown((states,))
+    assert f"- {unreported.status}\n" in page and "none not reported" not in page
 
 
 def test_a_ledger_entry_without_an_upstream_link_is_refused(tmp_path: Path) -> None:

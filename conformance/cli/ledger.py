@@ -99,8 +99,7 @@ def ledger_markdown(issues: tuple[KnownIssue, ...]) -> str:
             lines += [f"- {c.library}: {c.where} ({', '.join(f'`{b}`' for b in c.backends)})" for c in issue.copies]
         lines += ["", "Tracked upstream:", ""]
         for link in issue.links:
-            ref = f"[{link.ref}]({link.url})" if link.url else link.ref
-            lines.append(f"- {link.kind} {ref}: {link.status}")
+            lines.append(f"- {link.text(f'[{link.ref}]({link.url})' if link.url else None)}")
         if issue.replaces:
             lines += ["", f"Takes over the earlier entries {', '.join(f'`{r}`' for r in issue.replaces)}."]
     return "\n".join(lines) + "\n"

@@ -45,6 +45,13 @@ class UpstreamLink:
         if not self.ref.strip() or not self.status.strip():
             raise ValueError("a link names its ref and its status upstream")
 
+    def text(self, ref: str | None = None) -> str:
+        """One line for a page or a report: a ``none`` link is its status alone (which says it is not
+        reported and why), any other its kind, its ref (or ``ref`` as given, a link of a page) and status."""
+        if self.kind == "none":
+            return self.status
+        return f"{self.kind} {self.ref if ref is None else ref}: {self.status}"
+
     @property
     def url(self) -> str:
         """The GitHub address of an issue, PR or commit ("" for ``none``)."""

@@ -340,10 +340,7 @@ def upstream_findings(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> 
             "confirmed": issue.confirmed,
             "upstream": issue.upstream,
             "copies": tuple(f"{c.library}: {c.where} ({', '.join(c.backends)})" for c in issue.copies),
-            "links": tuple(
-                f"{link.kind} {link.ref}: {link.status}" + (f" ({link.url})" if link.url else "")
-                for link in issue.links
-            ),
+            "links": tuple(link.text() + (f" ({link.url})" if link.url else "") for link in issue.links),
         }
         mine = records[matched == issue.id] if not matched.empty else records.iloc[0:0]
         if mine.empty:
