@@ -134,13 +134,13 @@ def suite_work(backend: Backend) -> Iterator[None]:
 _depth: dict[int, int] = {}  # guarded calls in progress per thread (a paged call may run a plain one inside)
 
 
-def _put_world_back(backend: Backend, before: World) -> None:
+def _put_world_back(backend: Backend, before: World, question: bool = False) -> None:
     """Restore what the call changed of the process (kernels/world.py), each change the backend's failure;
     while threads an earlier call left running are alive, theirs instead (:func:`_late`). ``put_back`` is
     bound here at import: a backend that replaces the world's has it put back by the real one."""
     declared = getattr(backend, "sets_environment", ())
     declared = tuple(declared) if isinstance(declared, (tuple, list, set, frozenset)) else ()
-    changes = put_back(before, [name for name in declared if isinstance(name, str)])
+    changes = put_back(before, [name for name in declared if isinstance(name, str)], watched=not question)
     others = [owner for owner in left_work.owners() if owner is not backend]
     for what in changes:
         if others:
@@ -244,13 +244,17 @@ def _end_forked_child(exc: BaseException | None) -> None:
 
 @contextlib.contextmanager
 def _in_call(
-    backend: Backend, tensors: Mapping[str, torch.Tensor] | None = None, keep: tuple[str, ...] = ()
+    backend: Backend,
+    tensors: Mapping[str, torch.Tensor] | None = None,
+    keep: tuple[str, ...] = (),
+    question: bool = False,
 ) -> Iterator[Snapshot | None]:
     """The backend's call: listeners told, ``os._exit`` and ``SystemExit`` turned into a fault of the call,
     every exception marked as the backend's. Yields the snapshot of the ``tensors`` handed over, taken after
     what threads earlier calls left running did is put back. After the call, the tensors proved unchanged
     (put back, a breach where the call returned; ``keep``: the ones it may write), then the world
-    (kernels/world.py): in that order, so a truth made again is made from the suite's inputs."""
+    (kernels/world.py): in that order, so a truth made again is made from the suite's inputs. ``question``: the
+    call answers a question (envelope, supports, fit, availability), after which the truths are not proved."""
     global _settled
     _watch_ctrl_c()
     thread = threading.get_ident()
@@ -318,7 +322,7 @@ def _in_call(
         elif handed is not None:
             handed.put_back(skip=keep)  # the backend's exception stands; what it was handed is as it was
         if before is not None:  # after "returned": the suite's own proof (the truths watched) is not the call's
-            _put_world_back(backend, before)
+            _put_world_back(backend, before, question)
         if left:
             _breach(backend, left_work.described(left))
             left_work.leave(left, backend)
@@ -331,7 +335,7 @@ def _in_call(
 def _answer(backend: Backend, question: str, ask: Callable[[], object], case: Case | None) -> object:
     """A question to the backend that must be answered, never raised (Backend's contract)."""
     try:
-        with _in_call(backend):
+        with _in_call(backend, question=True):
             return ask()
     except BackendFault as broken:
         broken.case = case

@@ -21,7 +21,10 @@ reference or baseline function loosens every later limit; one that writes the fl
 - the suite's own definitions (the functions and classes of its five packages, and the methods of its
   classes): one replaced is put back and is the backend's failure.
 - suite state a backend can reach but is not handed (the truths a run holds): watchers the suite registers
-  (:func:`add_watcher`) prove it unchanged after each call, put it back where it changed and say what.
+  (:func:`add_watcher`) prove it unchanged after each call that runs the kernel, put it back where it changed
+  and say what. Not after a question the backend answers (its envelope, supports, fit, availability): half a
+  run's calls are questions, and a proof of every truth held after each was a sixth of the ``ci`` controls'
+  time. A change a question made is found after the next call, the kernel's, and charged to it.
 - torch's global random generators: put back quietly, then moved on one step where the call drew from them.
   Not a failure: the suite draws every input from generators of its own (cases/materialize.py), so a
   backend's draws change no one's verdict, and a backend that adds random noise still sees fresh noise on
@@ -32,12 +35,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import operator
 import os
 import signal
 import sys
 import threading
 import types
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -127,11 +131,31 @@ TORCH_VARIABLES = frozenset({"TORCHINDUCTOR_CACHE_DIR", "CUDA_MODULE_LOADING"})
 DECLARE = "a backend that sets it on purpose declares it in sets_environment (docs/plugins.md)"
 
 _MEMBERS = (types.FunctionType, classmethod, staticmethod, property)
-# Where each of the suite's definitions is bound: its dotted name, the module or class holding it, and its
-# key there. Found again only when sys.modules grows or shrinks: a scan costs 1.3 ms, a look 0.1 ms.
-Binding = tuple[str, object, str]
-_bindings: list[Binding] = []
-_bindings_of = -1  # len(sys.modules) when they were found
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A module or class holding some of the suite's definitions: its keys there, their dotted names, and a
+    getter of their values from its namespace in one C call (a look binding by binding, two per call over
+    some 2,000 bindings, was an eighth of the ``ci`` controls' run)."""
+
+    holder: object
+    keys: tuple[str, ...]
+    names: tuple[str, ...]
+    get: Callable[[Mapping[str, object]], object]
+
+    def values(self) -> tuple[object, ...]:
+        space = vars(self.holder)
+        try:
+            got = self.get(space)
+        except KeyError:  # a definition a call deleted: None where it is gone
+            return tuple(space.get(key) for key in self.keys)
+        return got if len(self.keys) > 1 else (got,)
+
+
+# Found again only when sys.modules grows or shrinks: a scan costs 1.3 ms, a look well under 0.1 ms.
+_holders: list[Holder] = []
+_holders_of = -1  # len(sys.modules) when they were found
 
 
 def _ours(value: object) -> bool:
@@ -139,27 +163,34 @@ def _ours(value: object) -> bool:
     return module.split(".")[0] in SUITE_PACKAGES
 
 
-def _find_bindings() -> list[Binding]:
+def _find_holders() -> list[Holder]:
     """The suite's functions and classes, by where they are bound (module-level and class members)."""
-    found: list[Binding] = []
+    found: dict[int, tuple[object, list[str], list[str]]] = {}
+
+    def bound(holder: object, key: str, name: str) -> None:
+        _, keys, names = found.setdefault(id(holder), (holder, [], []))
+        keys.append(key)
+        names.append(name)
+
     for module_name, module in list(sys.modules.items()):
         if module is None or module_name.split(".")[0] not in SUITE_PACKAGES:
             continue
         for name, value in list(vars(module).items()):
             if not (isinstance(value, (types.FunctionType, type)) and _ours(value)):
                 continue  # a cache, a counter, a third-party function held: not a definition
-            found.append((f"{module_name}.{name}", module, name))
+            bound(module, name, f"{module_name}.{name}")
             if isinstance(value, type) and value.__module__ == module_name:
-                members = vars(value).items()
-                found += [(f"{module_name}.{name}.{m}", value, m) for m, item in members if isinstance(item, _MEMBERS)]
-    return found
+                for member, item in list(vars(value).items()):
+                    if isinstance(item, _MEMBERS):
+                        bound(value, member, f"{module_name}.{name}.{member}")
+    return [Holder(h, tuple(keys), tuple(names), operator.itemgetter(*keys)) for h, keys, names in found.values()]
 
 
-def _definitions() -> list[tuple[Binding, object]]:
-    global _bindings, _bindings_of
-    if len(sys.modules) != _bindings_of:
-        _bindings, _bindings_of = _find_bindings(), len(sys.modules)
-    return [(binding, vars(binding[1]).get(binding[2])) for binding in _bindings]
+def _definitions() -> list[tuple[Holder, tuple[object, ...]]]:
+    global _holders, _holders_of
+    if len(sys.modules) != _holders_of:
+        _holders, _holders_of = _find_holders(), len(sys.modules)
+    return [(holder, holder.values()) for holder in _holders]
 
 
 # Where the torch callables the suite computes with are bound (the reference's and the baseline's
@@ -244,7 +275,7 @@ class World:
 
     settings: dict[str, object]
     environment: dict[str, str]
-    definitions: list[tuple[Binding, object]]
+    definitions: list[tuple[Holder, tuple[object, ...]]]
     rng: torch.Tensor
     cuda_rng: list[torch.Tensor] | None
     torch_callables: dict[str, dict[str, object]]
@@ -286,9 +317,12 @@ def add_watcher(watcher: Callable[[], list[str]]) -> None:
     _watchers.append(watcher)
 
 
-def put_back(before: World, declared: Collection[str] = (), between_calls: bool = False) -> list[str]:
+def put_back(
+    before: World, declared: Collection[str] = (), between_calls: bool = False, watched: bool = True
+) -> list[str]:
     """Restore what a call changed of ``before``; each change, as what the backend did (its name goes first).
-    ``declared``: the environment variables the backend may set (kept as it left them). ``between_calls``:
+    ``declared``: the environment variables the backend may set (kept as it left them). ``watched``: the
+    watchers prove what they watch (not after a question). ``between_calls``:
     ``before`` is the world as the last call left it, proven before the next starts (a thread left running
     changed it): what the suite itself moves between calls is not compared (see :data:`BETWEEN_CALLS`)."""
     changes = put_torch_back(before)  # first: a mode left open stands between torch and its getters
@@ -299,7 +333,7 @@ def put_back(before: World, declared: Collection[str] = (), between_calls: bool 
         changes += _put_streams_back(before.streams)
         changes += _put_fds_back(before.fds)
         _put_random_back(before)
-    for watcher in list(_watchers):
+    for watcher in list(_watchers) if watched else []:
         try:
             changes += watcher()
         except Exception:  # a device the call left dead: nothing more runs on it, the call's error stands
@@ -353,12 +387,16 @@ def _put_environment_back(before: dict[str, str], declared: set[str]) -> list[st
     return changes
 
 
-def _put_definitions_back(before: list[tuple[Binding, object]]) -> list[str]:
+def _put_definitions_back(before: list[tuple[Holder, tuple[object, ...]]]) -> list[str]:
     changes = []
-    for (where, holder, key), value in before:
-        if vars(holder).get(key) is not value:
-            setattr(holder, key, value)
-            changes.append(f"replaced the suite's {where} (put back)")
+    for holder, values in before:
+        now = holder.values()
+        if all(map(operator.is_, now, values)):  # identity, never ==: a replacement may say it equals anything
+            continue
+        for key, where, value, current in zip(holder.keys, holder.names, values, now, strict=True):
+            if current is not value:
+                setattr(holder.holder, key, value)
+                changes.append(f"replaced the suite's {where} (put back)")
     return changes
 
 

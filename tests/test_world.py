@@ -14,7 +14,7 @@ from kda_cases.case import Case
 from kda_cases.materialize import KDAInputs, materialize
 from kda_conformance.running.truth import CaseTruth, case_truth
 from kda_kernels import guard, world
-from kda_kernels.protocol import BackendOutput
+from kda_kernels.protocol import BackendOutput, Support
 from kda_kernels.torch_chunk import TorchChunk
 from kda_reference import run as reference_run
 from kda_reference.run import run_reference
@@ -173,6 +173,30 @@ def test_a_truth_written_with_the_inputs_is_made_again_from_the_suites_inputs() 
     assert any(f"changed the suite's float64 truth of case {CASE.id} (made again)" in r for r in reasons), reasons
     assert torch.equal(truth.reference.final_state, exact.final_state)
     assert torch.equal(truth.reference.o, exact.o) and truth.budgets
+
+
+def test_a_truth_a_question_wrote_is_found_after_the_next_kernel_call_and_charged_to_it() -> None:
+    """The truths are proved after a kernel's call, not after a question (half a run's calls): a truth a
+    ``supports`` wrote is found after the call that follows, made again, and that call charged."""
+    truth = case_truth(CASE, CPU)
+    exact = run_reference(truth.inputs, truth.reference_form)
+
+    class SpoilsInSupports(TorchChunk):
+        name = "spoils_the_truth_in_supports"
+
+        def supports(self, case: Case) -> Support:
+            for held in gc.get_objects():
+                if isinstance(held, CaseTruth) and held.case is case:
+                    held.reference.o.zero_()
+            return super().supports(case)
+
+    backend = SpoilsInSupports()
+    assert guard.supports(backend, truth.case) and guard.take_breaches() == []
+    assert not torch.equal(truth.reference.o, exact.o)  # not proved after the question
+    guard.run_backend_call(backend, truth.inputs)
+    [breach] = guard.take_breaches()
+    assert f"changed the suite's float64 truth of case {CASE.id} (made again)" in str(breach), str(breach)
+    assert str(breach).startswith(backend.name) and torch.equal(truth.reference.o, exact.o)
 
 
 def test_a_truth_is_proved_by_one_sum_over_one_buffer_and_a_raw_write_anywhere_in_it_is_found() -> None:
