@@ -88,6 +88,7 @@ def test_a_written_file_imports_nothing_of_the_suite_fails_and_skips_without_its
     done = subprocess.run([*findings, "--write-tests", str(written)], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     [file] = written.glob("test_*.py")
+    assert file.name.endswith("_fake_kda.py"), file.name  # named for the library whose kernel it calls
     assert "fails today on cpu; the suite's budget check fails here" in done.stdout, done.stdout
     assert imports_of_the_suite(file.read_text()) == [] and not list(written.glob("*.pt"))
     # A fresh folder, only the file: torch, pytest and the library's package are all it needs.
@@ -110,7 +111,7 @@ def test_a_written_file_imports_nothing_of_the_suite_fails_and_skips_without_its
                  "MEASURED = {", "# o: max-abs limit", "Case (kda-conformance --case):"):  # fmt: skip
         assert said in text, said
 
-    report = subprocess.run([*findings, "--report", file.stem.removeprefix("test_").replace("_", "-")], env=env,
+    report = subprocess.run([*findings, "--report", file.read_text().removeprefix('"""').split(":")[0]], env=env,
                             capture_output=True, text=True)  # fmt: skip
     assert report.returncode == 0, report.stdout + report.stderr
     headings = ("# fake-kda loop: past the limit", "## What goes wrong", "## Environment", "## Repro",
@@ -313,7 +314,7 @@ def test_a_gradient_findings_file_takes_the_kernels_backward_alone_and_gives_the
     skips = subprocess.run(pytest_file, cwd=alone, env=bare, capture_output=True, text=True)
     assert skips.returncode == 0 and "needs fake-kda" in skips.stdout, skips.stdout[-3000:]
 
-    report = subprocess.run([*findings, "--report", file.stem.removeprefix("test_").replace("_", "-")], env=env,
+    report = subprocess.run([*findings, "--report", file.read_text().removeprefix('"""').split(":")[0]], env=env,
                             capture_output=True, text=True)  # fmt: skip
     assert "| fake_kda_chunk | gradients | dbeta | 8.995e-01 |" in report.stdout, report.stdout[-3000:]
     assert "dbeta alone) | dbeta |" in report.stdout  # the worst of its sequences alone, apart

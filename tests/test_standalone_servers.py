@@ -25,7 +25,7 @@ from kda_conformance.repro.standalone_finding import (
     imports_of_the_suite,
     write_standalone_finding,
 )
-from kda_conformance.repro.upstream import upstream_findings
+from kda_conformance.repro.upstream import finding_file_name, upstream_findings, write_finding_test
 from kda_kernels import guard, registry, vendored_trees
 from kda_kernels.backends import vendored
 from kda_reports.store import load_store
@@ -133,7 +133,9 @@ def test_a_vllm_findings_file_fails_on_the_wrong_kernel_passes_on_the_right_one_
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     [finding] = [f for f in upstream_findings(load_store(store).records, ()) if f.status == "new"]
     (tmp_path / "written").mkdir()
-    path = write_standalone_finding(finding, case, registry.get("vllm_chunk"), tmp_path / "written")
+    path = write_standalone_finding(
+        finding, case, registry.get("vllm_chunk"), tmp_path / "written", finding_file_name(finding.id, "vllm")
+    )
     text = path.read_text()
     assert imports_of_the_suite(text) == []
     assert "# ---- kda-conformance kernels/server_stubs.py, verbatim" in text
@@ -154,7 +156,7 @@ def test_a_vllm_findings_file_fails_on_the_wrong_kernel_passes_on_the_right_one_
     subject = "behind 96 tokens of filler (past 2147483648 elements)"
     measured = tuple(dataclasses.replace(m, check=offsets.NAME, subject=subject) for m in finding.measured)
     behind = dataclasses.replace(finding, id="behind-filler", check=offsets.NAME, measured=measured)
-    path = write_standalone_finding(behind, case, registry.get("vllm_chunk"), alone)
+    path = write_standalone_finding(behind, case, registry.get("vllm_chunk"), alone, "test_behind_filler_vllm.py")
     assert "FILLER = 96" in path.read_text() and imports_of_the_suite(path.read_text()) == []
     pytest_file[-1] = path.name
     fails = subprocess.run(pytest_file, cwd=alone, env={**server, _double().WRONG_PAST: "100"}, capture_output=True,
@@ -164,3 +166,36 @@ def test_a_vllm_findings_file_fails_on_the_wrong_kernel_passes_on_the_right_one_
     past = subprocess.run(pytest_file, cwd=alone, env={**server, _double().WRONG_PAST: "161"}, capture_output=True,
                           text=True)  # fmt: skip
     assert past.returncode == 0 and "1 passed" in past.stdout, past.stdout[-3000:]
+
+
+def test_one_cause_in_two_servers_copies_gives_each_server_its_own_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finding measured on vLLM's copy and SGLang's (one ledger entry, one cause) is written as one file per
+    library, each named for it and calling that library's kernel: each maintainer runs their own."""
+    trees = {"KDA_VLLM_SRC": str(DOUBLES / "vllm_tree"), "KDA_SGLANG_SRC": str(DOUBLES / "sglang_tree")}
+    for variable, tree in trees.items():
+        monkeypatch.setenv(variable, tree)
+    case = Case(seq_lens=(40, 25), packed=True, head_k_dim=16, head_v_dim=16, seed=4, gate="softplus",
+                lower_bound=None, safe_gate=False)  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(DOUBLES), os.environ.get("PYTHONPATH", "")])}
+    cli = [sys.executable, "-c", "import sys; from kda_conformance.cli import main; sys.exit(main(sys.argv[1:]))"]
+    run = [*cli, "run", "--device", "cpu", "--backend", "vllm_chunk", "--backend", "sglang_chunk", "--no-dashboard"]
+    done = subprocess.run([*run, "--case", case.to_json(), "--out", str(tmp_path / "store")],
+                          env={**env, _double().WRONG_PAST: "64"}, capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    [finding] = [f for f in upstream_findings(load_store(tmp_path / "store").records, ()) if f.status == "new"]
+    assert set(finding.backends.split(", ")) == {"vllm_chunk", "sglang_chunk"}, finding.backends
+    written = tmp_path / "written"
+    written.mkdir()
+    for name in ("vllm_chunk", "sglang_chunk"):  # the doubles are plain torch, not Triton in its interpreter
+        monkeypatch.setattr(type(registry.get(name)), "interpreted", lambda self, device: False)
+    said = write_finding_test(finding, torch.device("cpu"), written)
+    names = {path.name for path in written.glob("test_*.py")}
+    assert names == {finding_file_name(finding.id, "vllm"), finding_file_name(finding.id, "sglang")}, said.test
+    for path in written.glob("test_*.py"):
+        text = path.read_text()
+        assert imports_of_the_suite(text) == [] and f"pytest {path.name}" in text
+        assert path.name in said.test
+    assert "needs torch, pytest and SGLang" in (written / finding_file_name(finding.id, "sglang")).read_text()
+    assert "needs torch, pytest and vLLM" in (written / finding_file_name(finding.id, "vllm")).read_text()

@@ -351,11 +351,15 @@ def test_each_committed_findings_file_skips_on_a_cpu_saying_why(file: Path) -> N
 def test_a_page_written_without_tests_names_the_committed_file_of_an_open_finding(tmp_path: Path) -> None:
     from kda_conformance.cli.findings import with_committed_test
 
-    (tmp_path / "test_servers_fp32_tf32.py").write_text("")
+    (tmp_path / "test_servers_fp32_tf32_sglang.py").write_text("")
+    (tmp_path / "test_servers_fp32_tf32_vllm.py").write_text("")
+    (tmp_path / "test_servers_fp32_tf32_other_sglang.py").write_text("")  # another id's, of no library here
     records = pd.DataFrame([_record("r1", "sglang_chunk", "known", "servers-fp32-tf32", ratio=9.0)])
     ledger = (_issue("servers-fp32-tf32", ("sglang_chunk",)), _issue("not-seen-here", ("sglang_chunk",)))
     found = {f.id: with_committed_test(f, tmp_path) for f in upstream_findings(records, ledger)}
-    assert found["servers-fp32-tf32"].test == "findings/test_servers_fp32_tf32.py (in the repository)"
+    assert found["servers-fp32-tf32"].test == (
+        "findings/test_servers_fp32_tf32_sglang.py, findings/test_servers_fp32_tf32_vllm.py (in the repository)"
+    )
     assert found["not-seen-here"].test == "", "no file, and not open: nothing to name"
 
 

@@ -19,6 +19,7 @@ from kda_conformance.repro.triage import said_of_findings
 from kda_conformance.repro.upstream import (
     FindingLostDevice,
     UpstreamFinding,
+    committed_test_files,
     for_other_devices,
     upstream_findings,
     write_finding_test,
@@ -53,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="also write a standalone test (torch, the kernel's package and pytest; nothing of this suite) for each "
-        "open or new finding whose backend gives a standalone call, and run it once where its backend runs here",
+        "open or new finding, one per library whose backend measured it and gives a standalone call "
+        "(test_<id>_<library>.py), and run it once where its backend runs here",
     )
     parser.add_argument(
         "--report",
@@ -197,10 +199,10 @@ def _cause(finding: UpstreamFinding, causes: dict[str, str]) -> str:
 def with_committed_test(finding: UpstreamFinding, folder: Path = COMMITTED_TESTS) -> UpstreamFinding:
     """An open finding whose standalone file is in the repository's findings/ (written and run on a GPU by
     ``--write-tests``, then committed) names it, where this generation wrote none."""
-    path = folder / f"test_{finding.id.replace('-', '_')}.py"
-    if finding.test or finding.status not in ("open", "new") or not path.exists():
+    paths = committed_test_files(finding.id, folder)
+    if finding.test or finding.status not in ("open", "new") or not paths:
         return finding
-    return replace(finding, test=f"findings/{path.name} (in the repository)")
+    return replace(finding, test=", ".join(f"findings/{path.name}" for path in paths) + " (in the repository)")
 
 
 def _write_tests(

@@ -434,9 +434,9 @@ def standalone_file_text(finding: object, case: Case, backend: Backend, file_nam
     )
 
 
-def write_standalone_finding(finding: object, case: Case, backend: Backend, folder: Path) -> Path:
-    """Write ``folder/test_<id>.py`` for the finding; returns its path."""
-    path = Path(folder) / f"test_{finding.id.replace('-', '_')}.py"
+def write_standalone_finding(finding: object, case: Case, backend: Backend, folder: Path, name: str) -> Path:
+    """Write ``folder/name`` (a ``test_*.py``) for the finding; returns its path."""
+    path = Path(folder) / name
     atomic_write_text(path, standalone_file_text(finding, case, backend, path.name))
     return path
 

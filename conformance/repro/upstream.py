@@ -48,6 +48,7 @@ from kda_conformance.running.faults import DeviceLost
 from kda_conformance.running.run import NOT_LAUNCHED, Run
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault
+from kda_kernels.protocol import Backend
 from kda_reports.findings import FAILED, message_kind, worst_ratio, worst_ratios, worst_tier
 
 STATUSES = ("open", "new", "fixed", "not seen")
@@ -435,11 +436,12 @@ def _new_findings(fresh: pd.DataFrame, taken: set[str], records: pd.DataFrame) -
 def write_finding_test(
     finding: UpstreamFinding, device: torch.device, folder: Path, run: Run | None = None
 ) -> UpstreamFinding:
-    """Write ``folder/test_<id>.py`` for a finding (conformance/repro/standalone_finding.py: torch, the kernel's
-    package and pytest, nothing of this suite), run it once where its backend runs here to say whether it fails
-    today, and return the finding with ``test`` saying where it is or why there is none. Where it runs, the
-    finding's budget check is then rerun on its case through ``run``'s executor (the sweep's rules: journal,
-    quarantine, memory retry, ledger), which says whether the suite itself still sees it here."""
+    """Write ``folder/test_<id>_<library>.py`` for a finding, one for each library whose backend measured it
+    (conformance/repro/standalone_finding.py: torch, the kernel's package and pytest, nothing of this suite),
+    run each once where its backend runs here to say whether it fails today, and return the finding with
+    ``test`` saying where each is or why there is none. Where one runs, the finding's check is then rerun on
+    its case and backend through ``run``'s executor (the sweep's rules: journal, quarantine, memory retry,
+    ledger), which says whether the suite itself still sees it here."""
     if finding.status not in ("open", "new") or not finding.case_json:
         return replace(finding, test="-")
     case = Case.from_json(finding.case_json)
@@ -455,39 +457,78 @@ def write_finding_test(
     if not callable_:
         shown = ", ".join(b.name for b in registered)
         return replace(finding, test=f"not written: {shown} give no standalone call; it reruns with its repro line")
-    backend = next((b for b in callable_ if called_measurements(finding, b)), None)
-    if backend is None and finding.tier == "broken":  # a crash: the file holds the call to running at all
-        backend = callable_[0]
-    if backend is None:
+    chosen = _one_per_library([b for b in callable_ if called_measurements(finding, b)])
+    if not chosen and finding.tier == "broken":  # a crash: the file holds the call to running at all
+        chosen = callable_[:1]
+    if not chosen:
         return replace(
             finding,
             test=f"not written: the budget check judged no output or final state of its smallest case, nor the "
             f"gradients check a whole backward; the {finding.check} check's finding reruns with its repro line",
         )
+    said: list[str] = []
+    for backend in chosen:
+        name = finding_file_name(finding.id, library_slug(backend))
+        try:
+            said.append(_write_and_run(finding, case, backend, device, folder, name, run))
+        except FindingLostDevice as lost:
+            raise FindingLostDevice(replace(finding, test="; ".join([*said, lost.finding.test])), lost) from None
+    return replace(finding, test="; ".join(said))
+
+
+def library_slug(backend: Backend) -> str:
+    """The library a backend's kernel comes from, as a file name's part (``vllm``, ``sglang``, ``aiter``)."""
+    library = backend.libraries[0] if backend.libraries else None
+    return re.sub(r"\W+", "_", (library.module or library.name).lower()) if library else "suite"
+
+
+def finding_file_name(finding_id: str, library: str) -> str:
+    """``test_<id>_<library>.py``: one cause lives in several libraries' copies of a code path (the ledger's
+    copies), and each library's maintainers get a file that calls their own kernel."""
+    return f"test_{finding_id.replace('-', '_')}_{library}.py"
+
+
+def committed_test_files(finding_id: str, folder: Path) -> list[Path]:
+    """The finding's files in ``folder``, one per library (:func:`finding_file_name`)."""
+    libraries = {library_slug(registry.get(name)) for name in registry.names()}
+    return sorted(p for lib in libraries if (p := folder / finding_file_name(finding_id, lib)).exists())
+
+
+def _one_per_library(backends: list[Backend]) -> list[Backend]:
+    first: dict[str, Backend] = {}
+    for backend in backends:
+        first.setdefault(library_slug(backend), backend)
+    return list(first.values())
+
+
+def _write_and_run(
+    finding: UpstreamFinding, case: Case, backend: Backend, device: torch.device, folder: Path, name: str,
+    run: Run | None,
+) -> str:  # fmt: skip
+    """One library's file for the finding, written, run once here, and the suite's own rerun of the case on
+    ``backend`` after it: what the test column says of it."""
     measured = called_measurements(finding, backend)
     within = all(m.max_abs <= m.max_abs_limit and m.rel_rms <= m.rel_rms_limit for m in measured)
     if takes_gradients(measured) and within:
-        return replace(
-            finding,
-            test="not written: its whole backward was within every limit; what failed (a sequence alone, a resumed "
-            "half, a repeat or poisoned scratch) reruns with its repro line",
+        return (
+            "not written: its whole backward was within every limit; what failed (a sequence alone, a resumed "
+            "half, a repeat or poisoned scratch) reruns with its repro line"
         )
     if finding.environment.startswith("cpu") and backend.interpreted(torch.device("cpu")):
-        return replace(
-            finding,
-            test="not written: measured in Triton's CPU interpreter with the suite's workarounds, which a standalone "
-            "file does not carry; rerun on a GPU",
+        return (
+            "not written: measured in Triton's CPU interpreter with the suite's workarounds, which a standalone "
+            "file does not carry; rerun on a GPU"
         )
     # The file first, run in a process of its own (a crash there costs this process nothing); the suite's
     # own rerun last, since a sticky device error in it ends what this process may run.
-    path = write_standalone_finding(finding, case, backend, folder)
+    path = write_standalone_finding(finding, case, backend, folder, name)
     try:
         support = guard.availability(backend, device)
         support = guard.supports(backend, case) if support else support
     except BackendFault as fault:
-        return replace(finding, test=f"{path.name} (written; {backend.name} faulted here: {fault})")
+        return f"{path.name} (written; {backend.name} faulted here: {fault})"
     if not support:
-        return replace(finding, test=f"{path.name} (written; not run on {device}: {support.reason})")
+        return f"{path.name} (written; not run on {device}: {support.reason})"
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", str(path.resolve())],
         capture_output=True,
@@ -508,7 +549,7 @@ def write_finding_test(
     if run is not None:
         run.record(rerun)
     seen = "fails" if any(f.failed or f.verdict == "known" for f in rerun) else "passes"
-    return replace(finding, test=f"{path.name} ({state} on {device}; the suite's {check} check {seen} here)")
+    return f"{path.name} ({state} on {device}; the suite's {check} check {seen} here)"
 
 
 class FindingLostDevice(DeviceLost):
@@ -540,9 +581,9 @@ def findings_markdown(
         "broken, beyond the library's tolerance, or beyond the suite's working-precision limits only. Failures",
         "within 1.5 times a limit that fresh draws did not confirm are `marginal` and never listed.",
         (
-            "Each test is findings/test_<id>.py, written by `--write-tests DIR` on a machine where the backend runs "
-            "and run once there; it needs torch, the kernel's library and pytest, and skips where they or the GPU "
-            "are missing."
+            "Each test is findings/test_<id>_<library>.py (one per library whose kernel measured it), written by "
+            "`--write-tests DIR` on a machine where the backend runs and run once there; it needs torch, the "
+            "kernel's library and pytest, and skips where they or the GPU are missing."
             if any(f.test not in ("", "-") for f in findings)
             else "No standalone test was written in this generation: `--write-tests DIR`, on a machine where the "
             "backends run, writes and runs them."

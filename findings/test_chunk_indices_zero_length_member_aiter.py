@@ -14,7 +14,7 @@ Measured with kda-conformance (backend aiter_flashkda, check budget) on cuda NVI
 Upstream:
 - pr fla-org/flash-linear-attention#909: merged: commit 16405f24 ('Make varlen index helpers torch.compile-friendly'), in fla-core 0.5.1 and later, counts empty segments right; not in the AITER, vLLM and SGLang copies (https://github.com/fla-org/flash-linear-attention/pull/909)
 
-Run: pytest test_chunk_indices_zero_length_member.py (needs torch, pytest and AITER; KDA_AITER_SRC=DIR loads it from a source tree). It fails while the kernel is wrong, passes once it is right, and skips naming what is missing.
+Run: pytest test_chunk_indices_zero_length_member_aiter.py (needs torch, pytest and AITER; KDA_AITER_SRC=DIR loads it from a source tree). It fails while the kernel is wrong, passes once it is right, and skips naming what is missing.
 Case (kda-conformance --case): {"beta_regime": "typical", "beta_sigmoid_in_kernel": true, "checkpoints": [], "dtype": "bf16", "gate": "lower_bound", "gate_dtype": "same", "gate_regime": "typical", "head_k_dim": 128, "head_v_dim": 128, "initial_state": "random", "input_layout": "contiguous", "input_scale": "typical", "key_regime": "random", "key_rho": 0.0, "l2norm_in_kernel": true, "lower_bound": -5.0, "num_heads": 4, "num_v_heads": 4, "packed": true, "pool_layout": "dense", "safe_gate": true, "scale": null, "seed": 150097, "seq_lens": [150, 0, 97], "state_dtype": "fp32", "state_layout": "k_first", "tags": [], "zero_tokens": "none"}
 """
 

@@ -12,9 +12,9 @@ prefills of 6852 and 13704 tokens) times the strict limits
 Measured with kda-conformance (backend fla_chunk, check budget) on cuda NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, fla-core 0.6.0: o max-abs 0.00137, rel-RMS 0.00735; final_state max-abs 0.00269, rel-RMS 0.00299. The limits below are the suite's (docs/tolerance.md in kda-conformance), at the kernel's declared working precision (tf32-truncated dots); the library's own tests allow rel-RMS 0.005 (fla-org/flash-linear-attention tests/ops/test_kda.py test_chunk: assert_close('o', ...) and assert_close('ht', ...) at 0.005 against naive_recurrent_kda (float32); fla/utils/_testing.py get_err_ratio: RMS of the difference over RMS of the reference (with FLA_CI_ENV=1 a miss below 0.01, or with max-abs <= 0.3, only warns)).
 
 Upstream:
-- not reported: 1.05 times the limits of FLA's declared TF32 design and 1.47 times FLA's own test tolerance on one guaranteed case (H100, 2026-12-05); findings/test_fla_kernels_fp16_strong_gates.py is the standalone repro
+- not reported: 1.05 times the limits of FLA's declared TF32 design and 1.47 times FLA's own test tolerance on one guaranteed case (H100, 2026-12-05); findings/test_fla_kernels_fp16_strong_gates_fla.py is the standalone repro
 
-Run: pytest test_fla_kernels_fp16_strong_gates.py (needs torch, pytest and fla-core). It fails while the kernel is wrong, passes once it is right, and skips naming what is missing.
+Run: pytest test_fla_kernels_fp16_strong_gates_fla.py (needs torch, pytest and fla-core). It fails while the kernel is wrong, passes once it is right, and skips naming what is missing.
 Case (kda-conformance --case): {"beta_regime": "near_one", "beta_sigmoid_in_kernel": true, "checkpoints": [[0, 926]], "dtype": "fp16", "gate": "lower_bound", "gate_dtype": "same", "gate_regime": "reset", "head_k_dim": 256, "head_v_dim": 256, "initial_state": "none", "input_layout": "fused", "input_scale": "typical", "key_regime": "correlated", "key_rho": 1.0, "l2norm_in_kernel": false, "lower_bound": -0.01, "num_heads": 8, "num_v_heads": 8, "packed": false, "pool_layout": "padded", "safe_gate": true, "scale": 0.125, "seed": 1464690218, "seq_lens": [2049], "state_dtype": "bf16", "state_layout": "k_first", "tags": ["guaranteed"], "zero_tokens": "none"}
 """
 
