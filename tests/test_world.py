@@ -199,6 +199,39 @@ def test_a_truth_a_question_wrote_is_found_after_the_next_kernel_call_and_charge
     assert str(breach).startswith(backend.name) and torch.equal(truth.reference.o, exact.o)
 
 
+def test_a_kept_truth_is_proved_when_taken_out_and_a_write_while_kept_is_said_and_charged_to_no_one() -> None:
+    """A truth a cache keeps between cases is parked, not proved after every call (a run keeps up to 128): a
+    write into it then is found when the truth is taken out again, made good and said, charged to no call;
+    back in use, a write is found after the next call and charged to it as before."""
+    from kda_conformance.running.truth_cache import TruthCache
+
+    cache = TruthCache(CPU)
+    truth = cache.get(CASE)
+    exact = run_reference(truth.inputs, truth.reference_form)
+    cache.trim()
+    truth.reference.o.numpy().reshape(-1)[0] += 1.0  # a raw write while it is kept
+    guard.run_backend_call(TorchChunk(), truth.inputs)
+    assert guard.take_breaches() == [] and not torch.equal(truth.reference.o, exact.o)
+    assert cache.get(CASE) is truth and torch.equal(truth.reference.o, exact.o)
+    assert cache.take_spoiled() == [
+        f"changed the suite's float64 truth of case {CASE.id} while it was kept between cases (made again; which "
+        "call wrote it is not known)"
+    ]
+    assert cache.take_spoiled() == [] and cache.get(CASE) is truth and cache.take_spoiled() == []
+
+    class Spoils(TorchChunk):
+        name = "spoils_the_truth_in_use"
+
+        def run(self, inputs: KDAInputs) -> BackendOutput:
+            truth.reference.o.zero_()
+            return super().run(inputs)
+
+    guard.run_backend_call(Spoils(), truth.inputs)
+    [breach] = guard.take_breaches()
+    assert str(breach).startswith("spoils_the_truth_in_use changed the suite's float64 truth of case")
+    assert torch.equal(truth.reference.o, exact.o)
+
+
 def test_a_truth_is_proved_by_one_sum_over_one_buffer_and_a_raw_write_anywhere_in_it_is_found() -> None:
     """After every call every truth alive is proved: its tensors live in one buffer, summed once per proof (a
     sum per tensor of every cached truth was most of the controls' CPU time); a write no torch op sees (through

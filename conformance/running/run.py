@@ -241,6 +241,10 @@ class Run:
             def attempt(alone: bool = alone) -> list[Finding]:
                 with device_slot(device, case, alone):
                     findings = run(self.truths.get(case, precision))
+                    findings += [
+                        dataclasses.replace(judge.outcome("warn", f"a backend's call {said}"), backend=SUITE_BACKEND)
+                        for said in self.truths.take_spoiled()
+                    ]
                     self.truths.trim()
                     # Inside the guard: a dead context shows here too, and is this case's.
                     release_cached_memory(device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -211,11 +212,19 @@ def _is_one_buffer(tensors: list[torch.Tensor]) -> bool:
     return True
 
 
-# The truths alive in this process (a run holds a few per worker), each sealed when made. A backend is handed
-# inputs, not the truth, but can reach it (gc.get_objects()): one that overwrote it passed itself with garbage
-# and failed the next backend. So after every call each truth is proved as it was made, and one that is not
-# is made again in place and the change charged to the call (kernels/world.py).
+# The truths in use in this process, each sealed when made. A backend is handed inputs, not the truth, but
+# can reach it (gc.get_objects()): one that overwrote it passed itself with garbage and failed the next
+# backend. So after every call each truth in use is proved as it was made, and one that is not is made again
+# in place and the change charged to the call (kernels/world.py). A truth a cache keeps between cases is
+# parked instead (:func:`park`): proved once when it is taken out again (:func:`take_out`), not after every
+# call. A run keeps up to 128 of them, and their proof after each call was most of the guard's time.
 _seals: dict[int, tuple[weakref.ref, _Seal]] = {}
+_parked: dict[int, tuple[weakref.ref, _Seal]] = {}
+
+
+def _forget(key: int) -> None:
+    _seals.pop(key, None)
+    _parked.pop(key, None)
 
 
 def _watched(truth: CaseTruth) -> CaseTruth:
@@ -223,8 +232,24 @@ def _watched(truth: CaseTruth) -> CaseTruth:
     tensors = tuple(getattr(truth.reference, name) for name in REFERENCE_TENSORS)
     seal = _Seal(truth.reference, tensors, proved, _sums(proved), dict(truth.budgets))
     _seals[id(truth)] = (weakref.ref(truth), seal)
-    weakref.finalize(truth, _seals.pop, id(truth), None)
+    weakref.finalize(truth, _forget, id(truth))
     return truth
+
+
+def park(truths: Iterable[CaseTruth]) -> None:
+    """Stop proving ``truths`` after every call: a cache keeps them between cases, unused."""
+    for truth in truths:
+        if id(truth) in _seals:
+            _parked[id(truth)] = _seals.pop(id(truth))
+
+
+def take_out(truth: CaseTruth) -> list[str]:
+    """A parked truth back in use: proved once (made again where it changed since it was parked, and said: no
+    call can be charged with it then), and after every call from now on. Nothing for a truth in use."""
+    if id(truth) not in _parked:
+        return []
+    _seals[id(truth)] = _parked.pop(id(truth))
+    return _prove_truths([truth], " while it was kept between cases (made again; which call wrote it is not known)")
 
 
 def _sums_of_each(groups: list[tuple[torch.Tensor, ...]]) -> list[list[int]]:
@@ -242,9 +267,12 @@ def _sums_of_each(groups: list[tuple[torch.Tensor, ...]]) -> list[list[int]]:
     return out
 
 
-def _prove_truths() -> list[str]:
+def _prove_truths(only: list[CaseTruth] | None = None, said: str = " (made again)") -> list[str]:
+    """Every truth in use (or ``only`` those) proved as it was made; each that is not is made again, and said."""
     changes = []
     alive = [(truth, seal) for held, seal in list(_seals.values()) if (truth := held()) is not None]
+    if only is not None:
+        alive = [(truth, seal) for truth, seal in alive if any(truth is t for t in only)]
     # Per reference: a declared precision's truth shares its strict truth's.
     proved = {id(seal.reference): seal.proved for _, seal in alive}
     sums = dict(zip(proved, _sums_of_each(list(proved.values())), strict=True))
@@ -259,7 +287,7 @@ def _prove_truths() -> list[str]:
             continue
         _remake(truth, seal)
         sums.pop(id(seal.reference))
-        changes.append(f"changed the suite's float64 truth of case {truth.case.id} (made again)")
+        changes.append(f"changed the suite's float64 truth of case {truth.case.id}{said}")
     return changes
 
 

@@ -13,7 +13,7 @@ from kda_cases.case import Case
 from kda_cases.materialize import KDAInputs, drawn_on_cpu
 from kda_conformance.running.memory import TRUTH_CACHE_GIB
 from kda_conformance.running.stages import CLOCK
-from kda_conformance.running.truth import CaseTruth, at_precision, case_truth
+from kda_conformance.running.truth import CaseTruth, at_precision, case_truth, park, take_out
 from kda_kernels.protocol import WorkingPrecision
 
 # A property test draws the same cases for every backend of a check (its seed is the check's), one backend's
@@ -46,6 +46,7 @@ class TruthCache:
         self._declared: dict[tuple[str, WorkingPrecision], CaseTruth] = {}
         self._drawn: dict[str, KDAInputs] = {}  # at most one case's CPU tensors, drawn ahead
         self._bytes: dict[str, int] = {}  # the strict truths' bytes, by case
+        self._spoiled: list[str] = []  # what take_out found of truths written while they were kept
 
     def draw_ahead(self, case: Case) -> None:
         """Draw ``case``'s tensors on the CPU now, where its truth is not kept yet: what its truth needs that
@@ -67,12 +68,19 @@ class TruthCache:
             self._strict[case.id] = case_truth(case, self.device, drawn=self._drawn.pop(case.id, None))
         self._strict.move_to_end(case.id)
         strict = self._strict[case.id]
+        self._spoiled += take_out(strict)
         if precision is None:
             return strict
         key = (case.id, precision)
         if key not in self._declared:
             self._declared[key] = at_precision(strict, precision)
+        self._spoiled += take_out(self._declared[key])
         return self._declared[key]
+
+    def take_spoiled(self) -> list[str]:
+        """What was found, when a kept truth was taken out again, of a write into it while it was kept."""
+        spoiled, self._spoiled = self._spoiled, []
+        return spoiled
 
     def trim(self) -> None:
         """Keep what the memory plan allows between cases: at most TRUTH_CACHE_SIZE truths and TRUTH_CACHE_GIB
@@ -87,6 +95,7 @@ class TruthCache:
             del self._bytes[case_id]
         # A declared precision's budgets share their case's tensors: kept while the case is.
         self._declared = {key: truth for key, truth in self._declared.items() if key[0] in self._strict}
+        park([*self._strict.values(), *self._declared.values()])  # kept, unused until taken out again
 
     def clear(self) -> None:
         self._strict.clear()
