@@ -169,9 +169,20 @@ class _Seal:
 
 
 def _sums(tensors: tuple[torch.Tensor, ...]) -> list[int]:
-    # One reduction per tensor that holds elements, and one transfer.
-    held = [t for t in tensors if t.numel()]
-    return torch.stack([bits(t).sum() for t in held]).tolist() if held else []
+    return _sums_of_each([tensors])[0]
+
+
+def _sums_of_each(groups: list[tuple[torch.Tensor, ...]]) -> list[list[int]]:
+    """Each group's sums of its tensors' bits (those that hold elements): one reduction per tensor and one
+    transfer per device for all the groups (a proof holds up to a hundred truths: a stack and a transfer per
+    truth were a tenth of its time)."""
+    held = [[t for t in group if t.numel()] for group in groups]
+    flat = [t for group in held for t in group]
+    sums: dict[int, int] = {}
+    for device in {t.device for t in flat}:
+        mine = [t for t in flat if t.device == device]
+        sums.update(zip(map(id, mine), torch.stack([bits(t).sum() for t in mine]).tolist(), strict=True))
+    return [[sums[id(t)] for t in group] for group in held]
 
 
 # Truths up to this size are put in one buffer (their copy is transient); past it a sum is bandwidth, not calls.
@@ -249,30 +260,17 @@ def take_out(truth: CaseTruth) -> list[str]:
     if id(truth) not in _parked:
         return []
     _seals[id(truth)] = _parked.pop(id(truth))
-    return _prove_truths([truth], " while it was kept between cases (made again; which call wrote it is not known)")
+    seal = _seals[id(truth)][1]
+    return _prove([(truth, seal)], " while it was kept between cases (made again; which call wrote it is not known)")
 
 
-def _sums_of_each(groups: list[tuple[torch.Tensor, ...]]) -> list[list[int]]:
-    """``_sums`` of each group, with one transfer for all of them (a proof holds up to a hundred truths: a
-    stack and a transfer per truth were a tenth of its time)."""
-    held = [[t for t in group if t.numel()] for group in groups]
-    flat = [t for group in held for t in group]
-    if not flat or len({t.device for t in flat}) > 1:
-        return [_sums(group) for group in groups]
-    values = torch.stack([bits(t).sum() for t in flat]).tolist()
-    out, start = [], 0
-    for group in held:
-        out.append(values[start : start + len(group)])
-        start += len(group)
-    return out
+def _prove_truths() -> list[str]:
+    """Every truth in use proved as it was made; each that is not is made again, and said."""
+    return _prove([(truth, seal) for held, seal in list(_seals.values()) if (truth := held()) is not None])
 
 
-def _prove_truths(only: list[CaseTruth] | None = None, said: str = " (made again)") -> list[str]:
-    """Every truth in use (or ``only`` those) proved as it was made; each that is not is made again, and said."""
+def _prove(alive: list[tuple[CaseTruth, _Seal]], said: str = " (made again)") -> list[str]:
     changes = []
-    alive = [(truth, seal) for held, seal in list(_seals.values()) if (truth := held()) is not None]
-    if only is not None:
-        alive = [(truth, seal) for truth, seal in alive if any(truth is t for t in only)]
     # Per reference: a declared precision's truth shares its strict truth's.
     proved = {id(seal.reference): seal.proved for _, seal in alive}
     sums = dict(zip(proved, _sums_of_each(list(proved.values())), strict=True))
