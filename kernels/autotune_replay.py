@@ -293,6 +293,25 @@ def merge(parts: Iterable[Path]) -> tuple[str, str, Choices]:
     return devices.pop(), versions.pop(), {k: dict(sorted(v.items())) for k, v in sorted(choices.items())}
 
 
+def keep_earlier(path: Path, device: str, triton: str, choices: Choices) -> tuple[Choices, int]:
+    """The file's choices with the new ones over them, and how many of the file's keys were kept; a file of
+    another GPU model or Triton version is refused (its choices are not this one's)."""
+    data = json.loads(Path(path).read_text())
+    if (data.get("device"), data.get("triton")) != (device, triton):
+        raise ValueError(
+            f"the file holds {data.get('device')} with Triton {data.get('triton')}, the parts {device} with Triton "
+            f"{triton}"
+        )
+    merged = _choices(data.get("choices", {}))
+    kept = 0
+    for kernel, keys in choices.items():
+        earlier = merged.setdefault(kernel, {})
+        kept += len(set(earlier) - set(keys))
+        earlier.update(keys)
+    kept += sum(len(keys) for kernel, keys in merged.items() if kernel not in choices)
+    return {k: dict(sorted(v.items())) for k, v in sorted(merged.items())}, kept
+
+
 def write(path: Path, device: str, triton: str, choices: Choices, command: str = "") -> Path:
     """The GPU model's file: a header, then per kernel one line per config chosen with the ids of its keys
     (a line per group keeps a re-recording's diff readable)."""

@@ -122,6 +122,37 @@ def test_the_autotune_command_writes_the_gpu_models_file_and_names_a_bad_folder(
     assert "no autotune-*.json parts" in capsys.readouterr().out
 
 
+def test_a_new_recording_keeps_the_files_other_keys_unless_replaced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kda_conformance.cli import main
+
+    old = {"kwargs": {"BLOCK": 16}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
+    new = {**old, "kwargs": {"BLOCK": 64}}
+    out = tmp_path / "h100.json"
+    replay.write(out, "NVIDIA H100", "3.6.0", {"m.kernel": {replay.key_id("[1]"): old, replay.key_id("[2]"): old}})
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    part = {"device": "NVIDIA H100", "triton": "3.6.0", "choices": {"m.kernel": {"[2]": new}, "m.other": {"[3]": new}}}
+    (parts / "autotune-7.json").write_text(json.dumps(part))
+
+    assert main(["autotune", "--from", str(parts), "--out", str(out)]) == 0
+    assert "1 more kept from the file" in capsys.readouterr().out
+    saved = replay.load(out)
+    assert saved["m.kernel"] == {replay.key_id("[1]"): old, replay.key_id("[2]"): new}, "the file's other key kept"
+    assert saved["m.other"] == {replay.key_id("[3]"): new}
+    assert json.loads(out.read_text())["keys"] == 3
+
+    assert main(["autotune", "--from", str(parts), "--out", str(out), "--replace"]) == 0
+    assert replay.load(out)["m.kernel"] == {replay.key_id("[2]"): new}, "--replace writes the parts alone"
+
+    replay.write(out, "NVIDIA H200", "3.6.0", {"m.kernel": {replay.key_id("[1]"): old}})
+    assert main(["autotune", "--from", str(parts), "--out", str(out)]) == 2
+    said = " ".join(capsys.readouterr().out.split())
+    assert "holds NVIDIA H200" in said and "--replace" in said, said
+    assert replay.load(out) == {"m.kernel": {replay.key_id("[1]"): old}}, "another model's file left as it was"
+
+
 def test_the_committed_h200_file_is_one_gpu_models_choices_and_ships_with_the_package() -> None:
     path = replay.file_for("NVIDIA H200")
     data = json.loads(path.read_text())

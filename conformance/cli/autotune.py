@@ -31,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how the parts were recorded (the runs, the machine), kept in the file's command field "
         "(default: this command line)",
     )  # fmt: skip
+    parser.add_argument(
+        "--replace", action="store_true",
+        help="write only the parts' choices; by default the file's choices for keys the parts did not meet are "
+        "kept (when it was recorded on the same GPU model and Triton version)",
+    )  # fmt: skip
 
 
 def execute(args: argparse.Namespace, console: Console) -> int:
@@ -49,10 +54,20 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         say(console, f"--from {args.parts}: {exc}", "error:", "red")
         return USAGE
     path = args.out or autotune_replay.file_for(device)
+    recorded = sum(len(v) for v in choices.values())
+    kept = ""
+    if path.exists() and not args.replace:
+        # One night meets only its own shapes: replacing the file would lose every other night's keys.
+        try:
+            choices, kept_keys = autotune_replay.keep_earlier(path, device, triton, choices)
+        except (ValueError, KeyError) as exc:
+            say(console, f"{path}: {exc} (--replace writes the parts' choices alone)", "error:", "red")
+            return USAGE
+        kept = f", {kept_keys} more kept from the file"
     autotune_replay.write(path, device, triton, choices, args.note or args.command_line)
-    keys = sum(len(v) for v in choices.values())
     console.print(
-        f"{keys} choices of {len(choices)} kernels ({device}, Triton {triton}) from {len(parts)} processes: {path}",
+        f"{recorded} choices of {len(choices)} kernels ({device}, Triton {triton}) from {len(parts)} processes"
+        f"{kept}: {path}",
         highlight=False,
     )
     return PASSED
