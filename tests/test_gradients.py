@@ -18,6 +18,7 @@ from kda_cases.case import Case
 from kda_cases.dtypes import GRADIENT_TENSORS, stored_dtype
 from kda_cases.materialize import KDAOptions, materialize
 from kda_conformance.checks import get_check, run_check
+from kda_conformance.running.blame import NOT_APPLICABLE
 from kda_conformance.running.config import RunConfig
 from kda_conformance.running.gradient_truth import gradient_truth, upstream_gradients
 from kda_conformance.running.run import Run
@@ -187,6 +188,31 @@ def test_a_backend_without_a_backward_is_not_checked_and_says_why() -> None:
     )
     assert check.applies(registry.get("fla_chunk"), "cpu") is None
     assert check.applies(registry.get("torch_chunk"), "cpu") is None
+
+
+def test_a_gradient_past_its_dtypes_range_makes_the_check_not_apply_not_a_suite_error(run: Run) -> None:
+    """An all-zero query row through the in-kernel l2norm, with outlier inputs and large states: the float64
+    dq reaches 1.28e5, past fp16's 65504. No fp16 gradient holds it, so the check does not apply (the property
+    test draws another case), where the baseline's overflow used to make it an error of the suite's on every
+    backend (the nightly drew such a case: T33+33+33 fp16, dk 5.4e6)."""
+    case = Case(seq_lens=(16,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16, dtype="fp16",
+                zero_tokens="rows", input_scale="outliers", initial_state="large", seed=1)  # fmt: skip
+    [finding] = run_check(get_check("gradients"), case, registry.get("torch_chunk"), CPU, {}, run)
+    assert (finding.verdict, finding.observed, finding.backend) == ("skip", NOT_APPLICABLE, "torch_chunk"), finding
+    assert "the float64 gradient dq reaches 1.28e+05, past the largest finite float16 (65504)" in finding.reason
+
+
+def test_a_resumed_backward_carries_its_state_in_fp32_and_the_baseline_passes(run: Run) -> None:
+    """A bf16 state rounds the state and its gradient where the run is split, a cost the whole run's budgets
+    leave out: the baseline itself failed "resumed at token 16" on six gradients of this case (the nightly drew
+    T32+32+32 fp16 H8/8 K256V256 so, 1.3 to 1.8 times its limits). The halves now hand over an fp32 state, as
+    the forward's split check does."""
+    case = Case(seq_lens=(32, 32), num_heads=2, num_v_heads=2, head_k_dim=64, head_v_dim=64, dtype="fp16",
+                gate_regime="reset", lower_bound=-0.01, input_scale="outliers", state_dtype="bf16",
+                l2norm_in_kernel=False, input_layout="head_major", seed=697)  # fmt: skip
+    findings = run_check(get_check("gradients"), case, registry.get("torch_chunk"), CPU, {}, run)
+    assert any("resumed at token 16" in f.subject for f in findings)
+    assert {f.verdict for f in findings} <= {"pass", "marginal"}, [(f.subject, f.reason) for f in findings]
 
 
 def test_assert_conforms_with_grad_checks_a_differentiable_callable() -> None:

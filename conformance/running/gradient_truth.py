@@ -16,6 +16,7 @@ from kda_cases.dtypes import GRADIENT_TENSORS
 from kda_cases.materialize import KDAInputs
 from kda_conformance.judging.metrics import measure
 from kda_conformance.judging.tolerance import DEFAULT_RULE, BudgetRule, InvalidTruth, derive_budget
+from kda_conformance.running.blame import NotApplicable
 from kda_conformance.running.stages import CLOCK
 from kda_kernels.protocol import WorkingPrecision
 from kda_kernels.torch_chunk import TorchChunk
@@ -115,6 +116,7 @@ def gradient_truth(
 
     with CLOCK.stage("baseline", device):
         strict = baselines(None)
+        beyond_range(case, reference, strict[0])
         # Only a design's dots change the backward baseline: its chunks are every one of BASELINE_CHUNKS already.
         tf32 = None if precision is None else TorchChunk.at_precision(precision).tf32_dots
         declared = None if precision is None else strict if tf32 is None else baselines(tf32)
@@ -141,6 +143,24 @@ def gradient_truth(
             ]
     by_sequence = {n: budgets for (n, _), budgets in zip(alone, kept[1:], strict=True)}
     return GradientTruth(case, d_o, d_final, reference, kept[0], lap.seconds, precision, scales, by_sequence)
+
+
+def beyond_range(case: Case, reference: dict[str, torch.Tensor], returned: dict[str, torch.Tensor]) -> None:
+    """Refuse a case whose float64 gradient lies past the largest finite value of the dtype the gradient is
+    returned in (an fp16 dq or dk, where l2norm meets an all-zero key or query row: d(x/|x|)/dx grows as 1/|x|,
+    to 5e6 on an fp16 case of the nightly): no kernel's gradient of that dtype can hold it, so the check does
+    not apply, and the draw is replaced, where a budget from the baseline's overflow would make the case an
+    error of the suite's on every backend."""
+    for name, want in reference.items():
+        dtype = returned[name].dtype
+        if not dtype.is_floating_point or not want.numel():
+            continue
+        largest = float(want.abs().max())
+        if largest > torch.finfo(dtype).max:
+            raise NotApplicable(
+                f"case {case.id}: the float64 gradient {name} reaches {largest:.3g}, past the largest finite "
+                f"{str(dtype).removeprefix('torch.')} ({torch.finfo(dtype).max:.6g}) it is returned in"
+            )
 
 
 def term_scales(inputs: KDAInputs, reference: dict[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
