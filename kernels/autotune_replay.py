@@ -290,7 +290,11 @@ def merge(parts: Iterable[Path]) -> tuple[str, str, Choices]:
             choices.setdefault(kernel, {}).update(keys)
     if len(devices) != 1 or len(versions) != 1:
         raise ValueError(f"the parts were recorded on {sorted(devices)} with Triton {sorted(versions)}: one of each")
-    return devices.pop(), versions.pop(), {k: dict(sorted(v.items())) for k, v in sorted(choices.items())}
+    return devices.pop(), versions.pop(), _in_order(choices)
+
+
+def _in_order(choices: Choices) -> Choices:
+    return {k: dict(sorted(v.items())) for k, v in sorted(choices.items())}
 
 
 def keep_earlier(path: Path, device: str, triton: str, choices: Choices) -> tuple[Choices, int]:
@@ -303,13 +307,11 @@ def keep_earlier(path: Path, device: str, triton: str, choices: Choices) -> tupl
             f"{triton}"
         )
     merged = _choices(data.get("choices", {}))
-    kept = 0
     for kernel, keys in choices.items():
-        earlier = merged.setdefault(kernel, {})
-        kept += len(set(earlier) - set(keys))
-        earlier.update(keys)
-    kept += sum(len(keys) for kernel, keys in merged.items() if kernel not in choices)
-    return {k: dict(sorted(v.items())) for k, v in sorted(merged.items())}, kept
+        merged.setdefault(kernel, {}).update(keys)
+    # Every new key is in the merged file: the rest are the file's own.
+    kept = sum(map(len, merged.values())) - sum(map(len, choices.values()))
+    return _in_order(merged), kept
 
 
 def write(path: Path, device: str, triton: str, choices: Choices, command: str = "") -> Path:

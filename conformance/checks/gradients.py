@@ -22,7 +22,7 @@ import torch
 from hypothesis import strategies as st
 
 from kda_cases.case import Case
-from kda_cases.dtypes import GRADIENT_TENSORS, PARAMETER_GRADIENTS, TORCH_DTYPES
+from kda_cases.dtypes import GRADIENT_TENSORS, PARAMETER_GRADIENTS, stored_dtype
 from kda_cases.materialize import KDAInputs
 from kda_cases.profiles import Profile
 from kda_conformance.checks._check import Check
@@ -140,7 +140,7 @@ def _resumed_against_whole(backend: Backend, inputs: KDAInputs, grads: GradientT
     if case.packed or case.seq_lens[0] < 2:
         return []
     assert backend.run_backward is not None
-    stored = case.state_dtype  # dh0 is handed back in the case's state dtype, as the whole run's is
+    dh0_dtype = stored_dtype(case, "dh0")  # the case's state dtype, as the whole run hands dh0 back
     if case.state_dtype != "fp32":
         # The state between the halves in fp32, as the forward's split check holds it (split_resume.splittable):
         # a bf16 state rounds the state and its gradient at the split, a cost the whole run's budgets leave out
@@ -160,7 +160,7 @@ def _resumed_against_whole(backend: Backend, inputs: KDAInputs, grads: GradientT
     halves = {name: torch.cat([earlier[name], later[name]], dim=1) for name in TOKEN_GRADIENTS}
     halves.update({name: earlier[name] + later[name] for name in PARAMETER_GRADIENTS if name in later})
     if "dh0" in grads.reference:
-        halves["dh0"] = earlier["dh0"].to(TORCH_DTYPES[stored])
+        halves["dh0"] = earlier["dh0"].to(dh0_dtype)
     return [_verdict(judge, grads, name, half, f"{name} resumed at token {p}") for name, half in halves.items()]
 
 
