@@ -30,7 +30,6 @@ from kda_conformance.running.hypothesis_settings import (
     check_seed,
     configure_hypothesis,
     observe_examples,
-    seed_check_test,
     stop_observing,
 )
 from kda_conformance.running.interrupts import sigterm_as_interrupt
@@ -366,7 +365,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         check = getattr(getattr(item, "obj", None), "kda_check", None)
         if check is not None and id(item.obj) not in seeded:  # one test function serves every backend
             seeded.add(id(item.obj))
-            seed_check_test(item.obj, check.name, check_seed(check.ci_seed, profile, run.config.seed))
+            item.obj.kda_search(check_seed(check.ci_seed, profile, run.config.seed))
     _corpus_cases_outermost(items)
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 import pytest
-from hypothesis import event, given, reject, settings, target
+from hypothesis import event, given, reject, target
 from hypothesis import strategies as st
 from hypothesis.errors import FailedHealthCheck, Unsatisfiable
 
@@ -21,6 +21,7 @@ from kda_conformance.checks._check import Check
 from kda_conformance.checks._registry import CHECKS, REFUSALS
 from kda_conformance.judging.judge import judge_for
 from kda_conformance.running.blame import NOT_APPLICABLE, fault_finding
+from kda_conformance.running.hypothesis_settings import seed_check_test
 from kda_conformance.running.run import NOT_LAUNCHED, Run
 from kda_conformance.running.sweep import fit_or_fault
 from kda_kernels.guard import BackendFault
@@ -98,8 +99,7 @@ def check_test(check: Check) -> Callable[..., None]:
     # own FlakyFailure in place of the suite's report: the rerun of a failed example gets its first verdict.
     failed: dict[tuple, tuple[list[Finding], str]] = {}
 
-    @given(data=st.data())
-    def test(
+    def body(
         kda_backend: Backend,
         kda_run: Run,
         kda_checked: Callable,
@@ -143,17 +143,25 @@ def check_test(check: Check) -> Callable[..., None]:
             failed[example] = (findings, report)
             fail(request, findings, report)
 
-    capped = [check.max_examples is None]
     not_applied: dict[str, str] = {}  # per backend, why the check did not apply to the last draw it rejected
+    test = given(data=st.data())(body)  # its signature is the one pytest sees; it runs as ``search`` made it
+    searching: list[Callable[..., None]] = []
+
+    def search(seed: int | None) -> None:
+        """The Hypothesis test that runs, made afresh: drawing from ``seed``, with the loaded profile's settings
+        (made when the run configures, so that profile is their parent) and the check's own cap on examples.
+        Hypothesis reads a test's seed and settings from the function ``given`` made, not from a wrapper of
+        it: set on the wrapper pytest collects, as they once were, a nightly drew other cases on every run of
+        one seed (the results journal, fifteenth session)."""
+        searching[:] = [seed_check_test(given(data=st.data())(body), check.name, seed, check.max_examples)]
 
     @functools.wraps(test)
     def refusing_plugin_said(*args, **kwargs) -> None:
-        if not capped[0]:  # built when it runs, so the profile loaded then is its parent
-            settings(settings.default, max_examples=min(check.max_examples, settings.default.max_examples))(test)
-            capped[0] = True
+        if not searching:  # outside the suite's plugin: no seed, the profile's settings as they are now
+            search(None)
         backend = kwargs.get("kda_backend")
         try:
-            test(*args, **kwargs)
+            searching[0](*args, **kwargs)
             return
         except (FailedHealthCheck, Unsatisfiable):
             said = not_applied.get(backend.name) if isinstance(backend, Backend) else None
@@ -173,6 +181,7 @@ def check_test(check: Check) -> Callable[..., None]:
     refusing_plugin_said.__name__ = refusing_plugin_said.__qualname__ = check.test_name
     refusing_plugin_said.__doc__ = check.summary
     refusing_plugin_said.kda_check = check
+    refusing_plugin_said.kda_search = search
     return refusing_plugin_said
 
 

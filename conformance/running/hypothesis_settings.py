@@ -4,7 +4,8 @@ of examples each test ran (from Hypothesis's own observations, not a counter of 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import hypothesis
 from hypothesis import HealthCheck, Phase, settings
@@ -14,6 +15,7 @@ from hypothesis.internal import observability
 from kda_cases.profiles import Profile
 
 FAILURE_DATABASE = ".hypothesis/kda-conformance"
+T = TypeVar("T", bound=Callable[..., Any])
 
 
 def configure_hypothesis(profile: Profile) -> None:
@@ -45,14 +47,19 @@ def check_seed(pinned: int, profile: Profile, run_seed: int | None) -> int:
     return run_seed
 
 
-def seed_check_test(test: Callable[..., Any], name: str, seed: int) -> None:
-    """Give a check's Hypothesis test its seed and, where the profile keeps failures, a folder of its own
-    in the failure database (every check's test is made from one function, which Hypothesis would
+def seed_check_test(test: T, name: str, seed: int | None, max_examples: int | None = None) -> T:
+    """A check's Hypothesis test (the function ``given`` made) given its seed (none: Hypothesis's own), at most
+    ``max_examples`` examples where the check caps them, and, where the profile keeps failures, a folder of its
+    own in the failure database (every check's test is made from one function, which Hypothesis would
     otherwise take for one test and share saved failures between)."""
-    hypothesis.seed(seed)(test)
-    database = settings.default.database if settings.default is not None else None
+    base = settings()  # the loaded profile's
+    database = base.database
     if isinstance(database, DirectoryBasedExampleDatabase):
-        settings(database=DirectoryBasedExampleDatabase(database.path / name))(test)
+        database = DirectoryBasedExampleDatabase(Path(database.path) / name)
+    if seed is not None:
+        hypothesis.seed(seed)(test)  # before the settings: it sets its own, without a database
+    cap = base.max_examples if max_examples is None else min(max_examples, base.max_examples)
+    return settings(base, database=database, max_examples=cap)(test)
 
 
 class ExampleLog:

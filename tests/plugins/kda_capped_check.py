@@ -1,5 +1,7 @@
-"""A check that runs at most two examples per backend (``Check.max_examples``), whatever the profile gives the
-others, and counts its calls in the file KDA_TEST_CAPPED_COUNT names (tests/test_autotune_configs.py)."""
+"""Probe checks of how the suite's pytest tests draw (tests/test_autotune_configs.py): one that runs at most two
+examples per backend (``Check.max_examples``), whatever the profile gives the others, counting its calls in the
+file KDA_TEST_CAPPED_COUNT names; one that applies to some draws only; one that applies to none; and one that
+writes the ids of the cases it was given."""
 
 from __future__ import annotations
 
@@ -47,5 +49,20 @@ register(
 register(
     dataclasses.replace(
         get_check("determinism"), name="never_probe", test_name="test_never_probe", run=_never, max_examples=1
+    )
+)
+
+
+def _drawn(truth, backend, params, judge):
+    """Appends the drawn case's id to the file KDA_TEST_DRAWN names."""
+    with open(os.environ["KDA_TEST_DRAWN"], "a") as drawn:
+        drawn.write(truth.case.id + "\n")
+    return [judge.passed("drawn")]
+
+
+# A check that says which cases it was given: one seed must give the same ones in every run.
+register(
+    dataclasses.replace(
+        get_check("determinism"), name="drawn_probe", test_name="test_drawn_probe", run=_drawn, max_examples=3
     )
 )
