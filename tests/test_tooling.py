@@ -96,6 +96,13 @@ def test_the_cpu_allocator_running_out_is_out_of_memory() -> None:
     assert is_out_of_memory(RuntimeError(message)) and is_out_of_memory(MemoryError())
 
 
+def test_tritons_driver_out_of_memory_is_the_machines_and_a_kernels_own_words_are_not() -> None:
+    from kda_conformance.running.faults import is_out_of_memory
+
+    assert is_out_of_memory(RuntimeError("Triton Error [CUDA]: out of memory"))
+    assert not is_out_of_memory(RuntimeError("my_kernel: scratch out of memory"))
+
+
 def test_checks_run_prints_a_repro_line_for_each_failure(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -48,6 +48,9 @@ OUT_OF_MEMORY = (
     "cublas_status_alloc_failed",
     "hipblas_status_alloc_failed",
     "can't allocate memory",  # torch's CPU allocator (DefaultCPUAllocator)
+    # Triton's driver loading a compiled kernel onto a full GPU: FLA's fp32 32K backward on an H100 whose
+    # memory two other processes held said this, and was recorded as the kernel's error.
+    "triton error [cuda]: out of memory",
 )
 _ASKED = re.compile(r"(?:tried to allocate|allocate)\s+([\d.]+)\s*([KMGTP]i?B|bytes)", re.IGNORECASE)
 _UNITS = {"bytes": 1, "kb": 2**10, "kib": 2**10, "mb": 2**20, "mib": 2**20, "gb": 2**30, "gib": 2**30}
