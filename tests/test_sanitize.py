@@ -112,17 +112,23 @@ def test_without_the_tool_nothing_runs_and_it_says_where_it_looked(
     assert "compute-sanitizer is not on PATH, in CUDA_HOME/bin or /usr/local/cuda/bin" in capsys.readouterr().out
 
 
-def test_a_findings_rerun_under_the_tool_is_recorded_and_shown_on_the_page(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, report: str) -> Path:
+    """The stand-in tool as an executable file, writing ``report``; the test plugins findable by its reruns."""
     monkeypatch.syspath_prepend(str(PLUGINS))
     monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])
     fake = tmp_path / "compute-sanitizer"
     fake.write_text(f"#!{sys.executable}\n" + (REPO / "tests/doubles/fake_compute_sanitizer.py").read_text())
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    report = tmp_path / "report.txt"
-    report.write_text(MEMCHECK_TRITON)
-    monkeypatch.setenv("FAKE_SANITIZER_REPORT", str(report))
+    written = tmp_path / "report.txt"
+    written.write_text(report)
+    monkeypatch.setenv("FAKE_SANITIZER_REPORT", str(written))
+    return fake
+
+
+def test_a_findings_rerun_under_the_tool_is_recorded_and_shown_on_the_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = stand_in(tmp_path, monkeypatch, MEMCHECK_TRITON)
     store = tmp_path / "store"
     plugins = ["--plugin", "kda_planted_bugs"]
     packed = Case(seq_lens=(20, 0, 17), packed=True, initial_state="random", num_heads=1, num_v_heads=1,
@@ -152,3 +158,34 @@ def test_a_findings_rerun_under_the_tool_is_recorded_and_shown_on_the_page(
     assert "Sanitizer: memcheck: Invalid __global__ read of size 16 bytes in chunk_kda_fwd_kernel_intra_sub_chunk" in (
         text
     )
+
+
+def test_the_reruns_replay_the_autotune_choices_the_failing_run_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen on an H100: GLM-5.3-Flash's AMD copy faulted where autotune had chosen num_stages 4 and 5, and not under
+    memcheck, where the rerun tuned afresh and chose 2 and 3. ``--autotune-replay DIR`` merges the failing run's
+    recorded parts into one file and hands it to every rerun; a folder with none is refused by name."""
+    fake = stand_in(tmp_path, monkeypatch, CLEAN)
+    noted = tmp_path / "replayed"
+    monkeypatch.setenv("FAKE_SANITIZER_NOTE_REPLAY", str(noted))
+    store = tmp_path / "store"
+    small = Case(seq_lens=(37,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
+    assert main(["run", "--device", "cpu", "--backend", "torch_chunk", "--case", small.to_json(), "--out", str(store),
+                 "--no-dashboard"]) == 0  # fmt: skip
+    recorded = tmp_path / "recorded"
+    recorded.mkdir()
+    stages = {"kwargs": {"BK": 32}, "num_warps": 2, "num_stages": 4, "num_ctas": 1, "maxnreg": None}
+    part = {"device": "NVIDIA H100 80GB HBM3", "triton": "3.6.0", "choices": {"kernels.kkt_inter": {"[16]": stages}}}
+    (recorded / "autotune-527.json").write_text(json.dumps(part))
+    argv = ["sanitize", "--store", str(store), "--sanitizer", str(fake), "--tool", "memcheck", "--sample", "1"]
+    assert main([*argv, "--autotune-replay", str(recorded)]) == 0
+    replay_file = store / "sanitize" / "autotune-replay.json"
+    assert noted.read_text() == str(replay_file.resolve())
+    written = json.loads(replay_file.read_text())
+    assert (written["device"], written["triton"]) == ("NVIDIA H100 80GB HBM3", "3.6.0")
+    assert [config for config, _ in written["choices"]["kernels.kkt_inter"]] == [stages]
+    assert "every rerun replays the autotune choices of" in (store / "sanitize" / "sanitize.md").read_text()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main([*argv, "--autotune-replay", str(empty)]) == 2

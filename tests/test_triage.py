@@ -129,3 +129,32 @@ def test_a_rerun_past_its_timeout_is_recorded_as_stopped(tmp_path: Path, plugins
     with pytest.raises(SystemExit) as refused:
         main(["triage", "--store", str(tmp_path), "--rerun-timeout", "0"])
     assert refused.value.code == 2
+
+
+def test_every_rerun_gets_the_autotune_choices_it_is_told_to_replay(
+    tmp_path: Path, plugins: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--autotune-replay FILE`` reaches every rerun's environment (KDA_AUTOTUNE_REPLAY) and the page says so; a
+    path that is neither a file nor a folder is refused by name."""
+    import kda_conformance.cli.triage as triage_cli
+    from kda_conformance.repro.triage import Triage
+
+    store = tmp_path / "store"
+    packed = Case(seq_lens=(20, 0, 17), packed=True, initial_state="random", num_heads=1, num_v_heads=1,
+                  head_k_dim=16, head_v_dim=16)  # fmt: skip
+    argv = ["run", "--device", "cpu", *plugins, "--backend", "planted_zero_length_shifts_sequences"]
+    assert main([*argv, "--case", packed.to_json(), "--out", str(store), "--no-dashboard", "--redraws", "0"]) == 1
+    told: list[dict[str, str]] = []
+
+    def rerun(finding_id, repro, parser, out, env=None, **options) -> Triage:
+        told.append(dict(env or {}))
+        r = parse_repro(repro, parser, options["plugins"])
+        return Triage(finding_id, r.backend, r.check, r.case.id, ())
+
+    monkeypatch.setattr(triage_cli, "triage", rerun)
+    choices = tmp_path / "choices.json"
+    choices.write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "triton": "3.6.0", "choices": {}}))
+    assert main(["triage", "--store", str(store), *plugins, "--autotune-replay", str(choices)]) == 0
+    assert [env.get("KDA_AUTOTUNE_REPLAY") for env in told] == [str(choices.resolve())]
+    assert f"every rerun replays the autotune choices of {choices}" in (store / "triage" / "triage.md").read_text()
+    assert main(["triage", "--store", str(store), *plugins, "--autotune-replay", str(tmp_path / "none")]) == 2

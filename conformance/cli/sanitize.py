@@ -15,7 +15,7 @@ from kda_cases.files import atomic_write_text
 from kda_conformance.cli.common import say
 from kda_conformance.cli.exits import NOTHING_RAN
 from kda_conformance.cli.findings import store_findings
-from kda_conformance.cli.triage import add_rerun_arguments, plugins_missing
+from kda_conformance.cli.triage import add_rerun_arguments, plugins_missing, rerun_environment
 from kda_conformance.judging.repro import BUDGET_CHECK, repro_line
 from kda_conformance.repro.sanitize import (
     DEFAULT_TOOLS,
@@ -100,15 +100,20 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     lines = [(f.id, f.repro) for f in chosen if f.repro] + _sample(store.records, args.sample)
     out = args.out or (args.store if args.store.is_dir() else args.store.parent) / "sanitize"
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        env, replaying = rerun_environment(args, out)
+    except ValueError as exc:
+        say(console, str(exc), "error:", "red")
+        return 2
     parser, results = build_parser(), []
-    runs = ", ".join(sorted(store.records["run_id"].astype(str).unique()))
+    runs = ", ".join(sorted(store.records["run_id"].astype(str).unique())) + replaying
     tools = tuple(dict.fromkeys(args.tool)) or DEFAULT_TOOLS
     for finding_id, repro in lines:
         if plugins_missing(finding_id, repro, args.plugin, parser, console):
             continue
         console.print(f"sanitize {finding_id}: {', '.join(tools)}", highlight=False)
         result = sanitize(
-            finding_id, repro, parser, out, sanitizer, tools, plugins=args.plugin, timeout=args.rerun_timeout
+            finding_id, repro, parser, out, sanitizer, tools, env=env, plugins=args.plugin, timeout=args.rerun_timeout
         )
         results.append(result)
         console.print(f"  {result.summary()}", highlight=False, soft_wrap=True)

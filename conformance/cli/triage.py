@@ -5,6 +5,7 @@ and name the switch that clears it (conformance/repro/triage.py)."""
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from kda_conformance.judging.known import LEDGER
 from kda_conformance.repro.triage import parse_repro, triage, triage_json, triage_markdown
 from kda_conformance.running.option_values import parse_count, parse_positive
 from kda_conformance.running.options import typed
+from kda_kernels import autotune_replay
 
 EXAMPLE = "kda-conformance triage --store nightly-store"
 
@@ -53,6 +55,42 @@ def add_rerun_arguments(parser: argparse.ArgumentParser, command: str, default_f
         metavar="S",
         help="stop a rerun after S seconds, recorded as stopped (default: none)",
     )
+    parser.add_argument(
+        "--autotune-replay",
+        type=Path,
+        default=None,
+        metavar="FILE_OR_DIR",
+        help="the autotune choices every rerun launches: a replay file, or the folder the failing run recorded "
+        "into (KDA_AUTOTUNE_RECORD=DIR), merged into OUT/autotune-replay.json; a failure that follows autotune's "
+        "choice does not come back in a rerun that tunes afresh (default: the GPU model's file, keys it lacks "
+        "tuned anew)",
+    )
+
+
+def rerun_environment(args: argparse.Namespace, out: Path) -> tuple[dict[str, str], str]:
+    """The reruns' environment and what the pages say of it: this one, with ``--autotune-replay``'s choices in
+    KDA_AUTOTUNE_REPLAY where given. Raises ValueError naming the option where it holds no choices."""
+    env = dict(os.environ)
+    given = args.autotune_replay
+    if given is None:
+        return env, ""
+    if given.is_dir():
+        parts = sorted(given.glob("autotune-*.json"))
+        if not parts:
+            raise ValueError(f"--autotune-replay {given}: no autotune-<pid>.json in it (KDA_AUTOTUNE_RECORD's parts)")
+        try:
+            device, triton, choices = autotune_replay.merge(parts)
+        except (ValueError, KeyError) as exc:
+            raise ValueError(f"--autotune-replay {given}: {exc}") from None
+        path = autotune_replay.write(
+            out / "autotune-replay.json", device, triton, choices, command=f"the {len(parts)} parts in {given}"
+        )
+    elif given.is_file():
+        path = given
+    else:
+        raise ValueError(f"--autotune-replay {given}: neither a replay file nor a folder of recorded parts")
+    env[autotune_replay.REPLAY_VARIABLE] = str(path.resolve())
+    return env, f"; every rerun replays the autotune choices of {path}"
 
 
 def plugins_missing(
@@ -98,8 +136,13 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         return 2
     out = args.out or (args.store if args.store.is_dir() else args.store.parent) / "triage"
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        env, replaying = rerun_environment(args, out)
+    except ValueError as exc:
+        say(console, str(exc), "error:", "red")
+        return 2
     parser, results = build_parser(), []
-    runs = ", ".join(sorted(store.records["run_id"].astype(str).unique()))
+    runs = ", ".join(sorted(store.records["run_id"].astype(str).unique())) + replaying
     for finding in chosen:
         if not finding.repro:
             continue
@@ -108,7 +151,14 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         console.print(f"triage {finding.id}: {finding.backends}, {finding.check}", highlight=False)
         results.append(
             triage(
-                finding.id, finding.repro, parser, out, plugins=args.plugin, jobs=args.jobs, timeout=args.rerun_timeout
+                finding.id,
+                finding.repro,
+                parser,
+                out,
+                env=env,
+                plugins=args.plugin,
+                jobs=args.jobs,
+                timeout=args.rerun_timeout,
             )
         )
         console.print(f"  cause: {results[-1].cause}", highlight=False)

@@ -1,6 +1,7 @@
 """A stand-in for NVIDIA's compute-sanitizer (tests/test_sanitize.py): it takes the options the suite passes, runs
 the command after them, then writes the report of FAKE_SANITIZER_REPORT (a file) to its --log-file, with %p
-replaced by its own pid, and exits as the command did. Not the tool: it instruments nothing."""
+replaced by its own pid, and exits as the command did; where FAKE_SANITIZER_NOTE_REPLAY names a file, it writes there
+the KDA_AUTOTUNE_REPLAY it was given. Not the tool: it instruments nothing."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ def main(argv: list[str]) -> int:
         options[argv[i]] = argv[i + 1] if argv[i] in TAKES_A_VALUE else ""
         i += 2 if argv[i] in TAKES_A_VALUE else 1
     code = subprocess.call(argv[i:])
+    noted = os.environ.get("FAKE_SANITIZER_NOTE_REPLAY")
+    if noted:  # what the rerun was told to replay (tests/test_sanitize.py)
+        Path(noted).write_text(os.environ.get("KDA_AUTOTUNE_REPLAY", ""))
     report = Path(os.environ["FAKE_SANITIZER_REPORT"]).read_text()
     log = options.get("--log-file")
     text = report.replace("TOOL", options.get("--tool", "memcheck"))
