@@ -705,6 +705,32 @@ def test_an_interrupted_compile_stage_says_and_keeps_what_it_compiled(
     )
 
 
+def test_a_night_records_its_autotune_choices_in_the_store_unless_told_where(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash that follows autotune's choice does not come back in a rerun that tunes afresh: every process of a
+    night is told to record its choices (KDA_AUTOTUNE_RECORD), into STORE/autotune/<run> unless the caller set a
+    folder, and the night file says where (sanitize and triage replay it with --autotune-replay)."""
+    from kda_conformance.cli import nightly
+
+    told: list[dict[str, str]] = []
+
+    def pytest_run_here(command, env, console) -> int:
+        told.append(env)
+        return 0
+
+    monkeypatch.setattr(nightly, "_run_pytest", pytest_run_here)
+    monkeypatch.delenv("KDA_AUTOTUNE_RECORD", raising=False)
+    argv = ["nightly", "--store", str(tmp_path), "--device", "cpu", "--profile", "smoke", "--backend", "torch_chunk"]
+    main([*argv, "--run-id", "rec"])
+    assert told[-1]["KDA_AUTOTUNE_RECORD"] == str(tmp_path / "autotune" / "rec")
+    night = json.loads((tmp_path / "runs" / "rec.night.json").read_text())
+    assert night["autotune_record"] == str(tmp_path / "autotune" / "rec")
+    monkeypatch.setenv("KDA_AUTOTUNE_RECORD", str(tmp_path / "mine"))
+    main([*argv, "--run-id", "rec2"])
+    assert told[-1]["KDA_AUTOTUNE_RECORD"] == str(tmp_path / "mine")
+
+
 def test_hypothesis_replaying_a_failure_that_does_not_repeat_gets_the_same_failure(tmp_path: Path) -> None:
     """Hypothesis reruns a failing example once more at the end; a kernel whose wrong answer does not repeat
     (SGLang's garbage after a zero-length member on the H200) made that rerun pass, and the test ended in

@@ -43,9 +43,10 @@ from kda_conformance.running.option_values import DEFAULT_CASE_TIMEOUT, PURPOSE_
 from kda_conformance.running.options import OPTIONS, add_options, pytest_argv
 from kda_conformance.running.quarantine import Quarantine
 from kda_conformance.running.stages import COMPILE_VARIABLE
+from kda_kernels.autotune_replay import RECORD_VARIABLE
 from kda_reports.history import read_expected, tonight_departures
 from kda_reports.reach import backend_coverage, missed_lines
-from kda_reports.runfile import read_run, run_file
+from kda_reports.runfile import read_run, run_file, run_stem
 from kda_reports.store import load_store
 
 CONFORMANCE = Path(__file__).resolve().parent.parent
@@ -197,6 +198,14 @@ def _night(args: argparse.Namespace, console: Console) -> int:
         "TRITON_CACHE_AUTOTUNING": os.environ.get("TRITON_CACHE_AUTOTUNING", "1"),
         PURPOSE_VARIABLE: "nightly",
     }
+    # Every process of the night (its compile stage's too) writes the autotune choices it made: a failure that
+    # follows autotune's choice comes back in a sanitize or triage rerun given them (--autotune-replay), not in
+    # one that tunes afresh (GLM-5.3-Flash's AMD copy on an H100, the results journal). A folder per part: each
+    # host of a sharded night writes its own, of its own GPU model.
+    own = Path(args.out) / "autotune" / run_stem(config.run_id, config.part)
+    recorded = os.environ.get(RECORD_VARIABLE) or str(own)
+    env[RECORD_VARIABLE] = recorded
+    say(console, f"autotune choices recorded in {recorded} (sanitize and triage take it as --autotune-replay)")
     if plan is not None:
         say(console, plan.line())
         env[WORKERS_VARIABLE] = str(plan.workers_per_gpu)
@@ -216,6 +225,7 @@ def _night(args: argparse.Namespace, console: Console) -> int:
         "memory_plan": plan.line() if plan is not None else "",
         "kernel_configs": len(config.kernel_configs(planned)),
         "compile": compiled,
+        "autotune_record": recorded,
         **({"compile_only": True} if only else {}),
         "cache": {
             "dir": str(cache),
