@@ -78,6 +78,8 @@ def test_the_github_nightly_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
                 assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
         upload = next(s for s in shard_job["steps"] if s.get("uses", "").startswith("actions/upload-artifact"))
         assert upload["if"] == "always()" and upload["with"]["path"] == "store/runs"
+        uploads = [s["with"]["path"] for s in shard_job["steps"] if s.get("uses", "").startswith("actions/upload")]
+        assert uploads == ["store/runs", "store/autotune"]  # the autotune choices too, for --autotune-replay
         # download-artifact with a pattern puts each artifact in a folder of its name
         shutil.copytree(folder / "store" / "runs", merge / "parts" / f"kda-store-{shard}")
     for step in merge_job["steps"]:
@@ -112,7 +114,8 @@ def test_the_buildkite_nightly_runs_end_to_end_on_the_cpu(tmp_path: Path) -> Non
         done = _run(commands(shard_step), folder, {**env, "BUILDKITE_PARALLEL_JOB": str(job),
                                                   "BUILDKITE_PARALLEL_JOB_COUNT": count})  # fmt: skip
         assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
-        assert shard_step["artifact_paths"] == ["store/runs/*"]
+        # The shard's part of the store, and the autotune choices its processes made (for --autotune-replay).
+        assert shard_step["artifact_paths"] == ["store/runs/*", "store/autotune/**/*"]
         shutil.copytree(folder / "store" / "runs", merge / "store" / "runs", dirs_exist_ok=True)
     done = _run(commands(merge_step), merge, env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
