@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 FOLDER = Path(__file__).with_name("autotune")
 REPLAY_VARIABLE = "KDA_AUTOTUNE_REPLAY"  # "0": tune as Triton does; a path: replay that file
 RECORD_VARIABLE = "KDA_AUTOTUNE_RECORD"  # a folder: each process writes the choices it met there
+PART = "autotune-{pid}.json"  # what each recording process names its file in that folder
 
 Choices = dict[str, dict[str, dict]]  # kernel -> key id (``key_id``) -> config
 
@@ -141,7 +142,7 @@ def _record() -> None:
     if count == _recorded_count[0]:
         return
     _recorded_count[0] = count
-    path = Path(folder) / f"autotune-{os.getpid()}.json"
+    path = Path(folder) / PART.format(pid=os.getpid())
     path.parent.mkdir(parents=True, exist_ok=True)
     import torch  # here: merging and reading replay files (kda-conformance autotune, shards) needs no torch
 
@@ -149,6 +150,11 @@ def _record() -> None:
     part = path.with_suffix(".tmp")
     part.write_text(json.dumps({"device": device, "triton": _triton_version(), "choices": choices}))
     part.replace(path)  # a process that dies mid-write leaves the previous part whole
+
+
+def parts(folder: Path) -> list[Path]:
+    """The part files a recording into ``folder`` wrote (one per process), in order; none where it is no folder."""
+    return sorted(Path(folder).glob(PART.format(pid="*"))) if Path(folder).is_dir() else []
 
 
 def recorded_choices() -> Choices:

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def execute(args: argparse.Namespace, console: Console) -> int:
-    parts = sorted(args.parts.glob("autotune-*.json")) if args.parts.is_dir() else []
+    parts = autotune_replay.parts(args.parts)
     if not parts:
         say(
             console,

@@ -203,7 +203,7 @@ def _night(args: argparse.Namespace, console: Console) -> int:
     # one that tunes afresh (GLM-5.3-Flash's AMD copy on an H100, the results journal). A folder per part: each
     # host of a sharded night writes its own, of its own GPU model.
     own = Path(args.out) / "autotune" / run_stem(config.run_id, config.part)
-    recorded = os.environ.get(RECORD_VARIABLE) or str(own)
+    recorded = env.get(RECORD_VARIABLE) or str(own)
     env[RECORD_VARIABLE] = recorded
     say(console, f"autotune choices recorded in {recorded} (sanitize and triage take it as --autotune-replay)")
     if plan is not None:

@@ -15,7 +15,7 @@ from kda_cases.files import atomic_write_text
 from kda_conformance.cli.common import say
 from kda_conformance.cli.exits import NOTHING_RAN
 from kda_conformance.cli.findings import store_findings
-from kda_conformance.cli.triage import add_rerun_arguments, plugins_missing, rerun_environment
+from kda_conformance.cli.triage import add_rerun_arguments, plugins_missing, rerun_setup
 from kda_conformance.judging.repro import BUDGET_CHECK, repro_line
 from kda_conformance.repro.sanitize import (
     DEFAULT_TOOLS,
@@ -98,15 +98,11 @@ def execute(args: argparse.Namespace, console: Console) -> int:
         )
     )
     lines = [(f.id, f.repro) for f in chosen if f.repro] + _sample(store.records, args.sample)
-    out = args.out or (args.store if args.store.is_dir() else args.store.parent) / "sanitize"
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        env, replaying = rerun_environment(args, out)
-    except ValueError as exc:
-        say(console, str(exc), "error:", "red")
+    setup = rerun_setup(args, store.records, "sanitize", console)
+    if setup is None:
         return 2
+    out, env, runs = setup
     parser, results = build_parser(), []
-    runs = ", ".join(sorted(store.records["run_id"].astype(str).unique())) + replaying
     tools = tuple(dict.fromkeys(args.tool)) or DEFAULT_TOOLS
     for finding_id, repro in lines:
         if plugins_missing(finding_id, repro, args.plugin, parser, console):

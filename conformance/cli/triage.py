@@ -9,6 +9,7 @@ import os
 import shlex
 from pathlib import Path
 
+import pandas as pd
 from rich.console import Console
 
 from kda_cases.case import Case
@@ -67,6 +68,22 @@ def add_rerun_arguments(parser: argparse.ArgumentParser, command: str, default_f
     )
 
 
+def rerun_setup(
+    args: argparse.Namespace, records: pd.DataFrame, command: str, console: Console
+) -> tuple[Path, dict[str, str], str] | None:
+    """What the commands that rerun findings share before their first rerun: the folder their pages go to (made),
+    the reruns' environment, and the runs the pages say they read; None (said) where ``--autotune-replay`` holds
+    no choices."""
+    out = args.out or (args.store if args.store.is_dir() else args.store.parent) / command
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        env, replaying = rerun_environment(args, out)
+    except ValueError as exc:
+        say(console, str(exc), "error:", "red")
+        return None
+    return out, env, ", ".join(sorted(records["run_id"].astype(str).unique())) + replaying
+
+
 def rerun_environment(args: argparse.Namespace, out: Path) -> tuple[dict[str, str], str]:
     """The reruns' environment and what the pages say of it: this one, with ``--autotune-replay``'s choices in
     KDA_AUTOTUNE_REPLAY where given. Raises ValueError naming the option where it holds no choices."""
@@ -75,7 +92,7 @@ def rerun_environment(args: argparse.Namespace, out: Path) -> tuple[dict[str, st
     if given is None:
         return env, ""
     if given.is_dir():
-        parts = sorted(given.glob("autotune-*.json"))
+        parts = autotune_replay.parts(given)
         if not parts:
             raise ValueError(f"--autotune-replay {given}: no autotune-<pid>.json in it (KDA_AUTOTUNE_RECORD's parts)")
         try:
@@ -134,15 +151,11 @@ def execute(args: argparse.Namespace, console: Console) -> int:
     if unknown:
         say(console, f"--finding {', '.join(unknown)}: no such finding in the store", "error:", "red")
         return 2
-    out = args.out or (args.store if args.store.is_dir() else args.store.parent) / "triage"
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        env, replaying = rerun_environment(args, out)
-    except ValueError as exc:
-        say(console, str(exc), "error:", "red")
+    setup = rerun_setup(args, store.records, "triage", console)
+    if setup is None:
         return 2
+    out, env, runs = setup
     parser, results = build_parser(), []
-    runs = ", ".join(sorted(store.records["run_id"].astype(str).unique())) + replaying
     for finding in chosen:
         if not finding.repro:
             continue
