@@ -256,6 +256,12 @@ class Backend(ABC):
     # put back after the call and is the backend's failure (kernels/world.py). Never a ``KDA_*`` variable.
     sets_environment: tuple[str, ...] = ()
 
+    def scratch_bytes_per_token(self, case: Case) -> int:
+        """Device memory its forward call allocates per token of ``case``'s shape beyond its inputs, its output and
+        a float32 state per 64 tokens (what every chunk kernel keeps), in bytes: the memory plans of batches of
+        millions of tokens (offsets past 2^31) read it. 0 where nothing more is known."""
+        return 0
+
     @property
     def library_tolerance(self) -> LibraryTolerance | None:
         """The tolerance the first of its libraries that states one asserts in its own tests."""

@@ -5,6 +5,10 @@ offsets wrap past the threshold is caught, the baseline passes, and a batch that
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +22,9 @@ from kda_conformance.running.run import Run
 from kda_kernels import registry
 from kda_kernels.protocol import BackendOutput
 from kda_kernels.torch_chunk import TorchChunk
+
+SCRATCH_PROBE = Path(__file__).with_name("scratch_probe.py")
+H200 = 139.8 * 2**30
 
 CPU = torch.device("cpu")
 LOW = 2**12
@@ -138,6 +145,25 @@ def test_a_batch_that_would_not_fit_the_device_is_a_skip_saying_how_much(check, 
     assert skipped.verdict == "skip" and "needs about" in skipped.reason and "GiB" in skipped.reason, skipped
 
 
+class AllocatesAMegabyteAToken(TorchChunk):
+    """The baseline, declaring that its call allocates a MiB per token beyond its tensors."""
+
+    name = "test_allocates_a_megabyte_a_token"
+
+    def scratch_bytes_per_token(self, case: Case) -> int:
+        return 2**20
+
+
+def test_the_plan_counts_what_the_backend_allocates(check, tmp_path, monkeypatch) -> None:
+    """A batch whose tensors fit (about 60 KiB of 1 MiB) but whose backend's own allocations do not is a skip."""
+    monkeypatch.setattr(offsets, "device_memory", lambda device: 2**20)
+    case = Case(seq_lens=(40,), num_heads=2, num_v_heads=2, head_k_dim=16, head_v_dim=16)
+    run = Run(build_config(device="cpu", out=tmp_path), journal=False)
+    assert all(f.verdict == "pass" for f in run_check(check, case, registry.get("torch_chunk"), CPU, {}, run))
+    [skipped] = run_check(check, case, AllocatesAMegabyteAToken(), CPU, {}, run)
+    assert skipped.verdict == "skip" and "needs about 0.2 GiB" in skipped.reason, skipped
+
+
 def test_a_case_too_narrow_to_reach_the_threshold_gets_more_heads(check, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(offsets, "MAX_FILLER_TOKENS", 64)
     case = Case(seq_lens=(40,), num_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16)  # 257 tokens of filler
@@ -150,10 +176,12 @@ def test_a_case_too_narrow_to_reach_the_threshold_gets_more_heads(check, tmp_pat
     assert found and all(f.verdict == "pass" for f in found), found
 
 
-def test_grouped_value_heads_become_equal_heads_that_fit_an_h100_in_bf16() -> None:
+def test_grouped_value_heads_become_equal_heads_with_half_the_filler() -> None:
     """On the H100 every 2^31 draw of FLA's chunk kernel was skipped: at H4/8 K = V = 128 the batch planned
     88.3 GiB, past 80 % of the card's 79.2 GiB. Prepared, the same draw has 8 query heads and half the filler,
-    and plans 52.1 GiB in bf16 (fp32 still needs an H200: its draws are skipped there and others drawn)."""
+    and its tensors and states plan 52.2 GiB in bf16. FLA's chunk kernel allocates more than those (it ran out
+    of an H100's memory at 80.6 GiB, the results journal's fifteenth session): with its own allocations the
+    batch plans 92.1 GiB, a skip on an H100 that says so, a run on an H200."""
     h100 = 79.2 * 2**30
     drawn = Case(seq_lens=(64,), num_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128, dtype="bf16")
     assert offsets.planned_bytes(drawn.replace(packed=True), offsets.filler_tokens(drawn)) / 2**30 == pytest.approx(
@@ -165,3 +193,21 @@ def test_grouped_value_heads_become_equal_heads_that_fit_an_h100_in_bf16() -> No
     assert offsets.planned_bytes(ready, offsets.filler_tokens(ready)) < offsets.MEMORY_SHARE * h100
     fp32 = ready.replace(dtype="fp32")
     assert offsets.planned_bytes(fp32, offsets.filler_tokens(fp32)) > offsets.MEMORY_SHARE * h100
+    fla = registry.get("fla_chunk").scratch_bytes_per_token(ready)
+    fla_plan = offsets.planned_bytes(ready, offsets.filler_tokens(ready), fla)
+    assert fla_plan / 2**30 == pytest.approx(92.1, abs=0.1)
+    assert offsets.MEMORY_SHARE * h100 < fla_plan < offsets.MEMORY_SHARE * H200
+
+
+@pytest.mark.slow
+def test_the_plan_holds_what_fla_chunk_forward_allocates() -> None:
+    """The plan's share of FLA's chunk kernel (its own allocations and a float32 state per 64 tokens) is at
+    least what the kernel allocates per token and head, measured in the interpreter, and not far above it."""
+    pytest.importorskip("fla")
+    done = subprocess.run(
+        [sys.executable, str(SCRATCH_PROBE), "64", "64"], capture_output=True, text=True, timeout=600, check=True
+    )
+    measured = json.loads(done.stdout.strip().splitlines()[-1])["bytes_per_token_head"]
+    case = Case(seq_lens=(512,), num_heads=1, num_v_heads=1, head_k_dim=64, head_v_dim=64)
+    planned = registry.get("fla_chunk").scratch_bytes_per_token(case) + 64 * 64 * 4 / 64
+    assert measured <= planned <= 1.25 * measured, (measured, planned)

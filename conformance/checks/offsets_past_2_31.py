@@ -74,9 +74,10 @@ def control_filler_tokens(case: Case, chunk_tokens: int = 64) -> int:
     return max(1, THRESHOLD // CONTROL_SHARE // widest - case.total_tokens)
 
 
-def planned_bytes(case: Case, filler: int) -> int:
+def planned_bytes(case: Case, filler: int, scratch_per_token: int = 0) -> int:
     """What the batch behind the filler needs: its token tensors twice (the guarded call gets copies of its
-    inputs), its output, and a chunk kernel's states."""
+    inputs), its output, a chunk kernel's states, and what else the backend's call allocates per token
+    (``Backend.scratch_bytes_per_token``)."""
     tokens = filler + case.total_tokens
     width = TORCH_DTYPES[case.dtype].itemsize
     gate = 4 if case.gate_dtype == "fp32" else width
@@ -84,7 +85,7 @@ def planned_bytes(case: Case, filler: int) -> int:
     inputs += case.num_v_heads * case.head_k_dim * gate + case.num_v_heads * 4
     output = case.num_v_heads * case.head_v_dim * width
     states = math.ceil(tokens / 64) * case.num_v_heads * case.head_k_dim * case.head_v_dim * 4
-    return tokens * (2 * inputs + output) + states
+    return tokens * (2 * inputs + output + scratch_per_token) + states
 
 
 def prepare(case: Case, backend: Backend) -> Case:
@@ -94,8 +95,8 @@ def prepare(case: Case, backend: Backend) -> Case:
 
     Equal heads because grouped value heads cost memory and add no offset: the filler is set by the narrower
     of q and v per token, so with 8 value heads to 4 query heads v, g and the output run twice past 2^31 while
-    q crosses it (FLA's chunk kernel at H4/8 K = V = 128 in bf16 planned 88 GiB, past 80 % of an H100; at
-    H8/8, 52 GiB)."""
+    q crosses it (at H4/8 K = V = 128 in bf16 the tensors and states alone planned 88 GiB; at H8/8, 52 GiB,
+    92 GiB with FLA's chunk kernel's own allocations: an H200's share holds it, an H100's does not)."""
     if not case.packed or case.checkpoints:
         case = case.replace(packed=True, checkpoints=())
     if case.num_heads != case.num_v_heads:
@@ -120,7 +121,8 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge:
     support = backend.supports(batch_case)
     if not support:
         raise NotApplicable(f"{backend.name} does not take the batch behind the filler: {support.reason}")
-    needed, memory = planned_bytes(case, filler), device_memory(inputs.device)
+    needed = planned_bytes(case, filler, backend.scratch_bytes_per_token(case))
+    memory = device_memory(inputs.device)
     if memory is not None and needed > MEMORY_SHARE * memory:
         raise NotApplicable(
             f"the batch behind {filler} tokens of filler needs about {needed / 2**30:.1f} GiB, more than "

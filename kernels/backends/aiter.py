@@ -44,7 +44,7 @@ from kda_cases.devices import gpu_arch
 from kda_cases.dtypes import stored
 from kda_cases.materialize import KDAInputs
 from kda_kernels import triton_interpret
-from kda_kernels.backends.fla import FLA_CHUNK_FAMILY
+from kda_kernels.backends.fla import FLA_CHUNK_FAMILY, fla_chunk_scratch_bytes_per_token
 from kda_kernels.envelope import CHUNK_KDA, FLASH_KDA, SAFE_LOWER_BOUND_RANGE
 from kda_kernels.libraries import AITER
 from kda_kernels.protocol import Backend, BackendOutput, Support, Unsupported, WorkingPrecision
@@ -307,6 +307,7 @@ class AiterFlashKDAUnsegmented(AiterFlashKDA):
 class AiterDefault(AiterBackend):
     name = "aiter_default"
     family = FLA_CHUNK_FAMILY
+    scratch_bytes_per_token = staticmethod(fla_chunk_scratch_bytes_per_token)
     description = "AITER chunk_kimi_delta_attn, the FLA-derived default pipeline (FlashKDA switched off)"
     # Its intra-chunk inverse's dots are TF32 on NVIDIA by its own code, as FLA's are; its FlashKDA path pins
     # IEEE dots (flash_kda.py), so only the default pipeline declares TF32.

@@ -35,6 +35,19 @@ FLA_ENVIRONMENT = ("FLA_DISABLE_BACKEND_DISPATCH", triton_interpret.VARIABLE, "T
 
 # FLA's chunk kernels and every copy of them (AITER's default pipeline, vLLM's, SGLang's): one lineage.
 FLA_CHUNK_FAMILY = "FLA chunk (Triton)"
+
+
+def fla_chunk_scratch_bytes_per_token(case: Case) -> int:
+    """What FLA's chunk forward (and every copy of it) allocates per token beyond its inputs, output and states:
+    per value head, the gate's float32 cumulative sum, the normalized q and k, w, u, the gated k and the new v
+    (about 8 x (K + V) bytes together), and two float32 64-wide blocks of the intra-chunk matrices (512 bytes).
+    With the plan's float32 state per 64 tokens that is 1,792 and 3,584 bytes per token and head at K = V = 64
+    and 128, where fla-core 0.6.0 allocated 1,608 and 3,144 (tests/scratch_probe.py, in the Triton
+    interpreter; on an H100 the 2^31 batch of H8/8 K = V = 128 bf16 wanted at least 80.6 GiB, the old plan's
+    52.1)."""
+    return case.num_v_heads * (8 * (case.head_k_dim + case.head_v_dim) + 2 * 64 * 4)
+
+
 # FLA's chunk pipeline chooses TF32 for its float32 matmuls on NVIDIA Ampere and later, in its own code: the
 # intra-chunk inverse's dots by a hard-coded precision that TRITON_F32_DEFAULT cannot reach, its other float32
 # dots (every dot of an fp32 call) at Triton's default, TF32. Its recurrent kernel has no dots.
@@ -102,6 +115,7 @@ class FlaChunk(Backend):
     sets_environment = FLA_ENVIRONMENT
     working_precision = TF32_DOTS
     family = FLA_CHUNK_FAMILY
+    scratch_bytes_per_token = staticmethod(fla_chunk_scratch_bytes_per_token)
 
     def __init__(self, chunk_size: int = 64) -> None:
         if chunk_size not in (32, 64):

@@ -28,7 +28,7 @@ from kda_cases.envelope import Envelope
 from kda_cases.materialize import KDAInputs
 from kda_kernels import libraries as libs
 from kda_kernels import server_layers, server_stubs, triton_interpret
-from kda_kernels.backends.fla import FLA_CHUNK_FAMILY
+from kda_kernels.backends.fla import FLA_CHUNK_FAMILY, fla_chunk_scratch_bytes_per_token
 from kda_kernels.envelope import CHUNK_KDA
 from kda_kernels.guard import suite_work
 from kda_kernels.protocol import (
@@ -98,6 +98,7 @@ def call(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs):
 
 class VendoredBackend(Backend):
     family = FLA_CHUNK_FAMILY  # every server's copy is FLA's chunk kernels
+    scratch_bytes_per_token = staticmethod(fla_chunk_scratch_bytes_per_token)
     """Common ground: loading the tree, availability on the device, the envelope the server's layer has."""
 
     tree: Tree
