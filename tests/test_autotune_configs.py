@@ -17,6 +17,7 @@ from kda_cases.case import Case  # noqa: E402
 from kda_conformance.checks import get_check, run_check  # noqa: E402
 from kda_conformance.checks.autotune_configs import describe  # noqa: E402
 from kda_conformance.running.config import build_config  # noqa: E402
+from kda_conformance.running.faults import DeviceLost  # noqa: E402
 from kda_conformance.running.run import Run  # noqa: E402
 from kda_kernels import autotune_replay as replay  # noqa: E402
 from kda_kernels import registry  # noqa: E402
@@ -90,6 +91,34 @@ def test_each_configuration_is_pinned_once_and_the_wrong_one_is_named(tuned: Non
     # The winner is back: the next call launches BLOCK 32 with no benchmark.
     TUNED.run(None, 40)
     assert JIT.launched[-1] == 32 and len(JIT.launched) == 8
+
+
+class FaultsWithOneConfiguration(TorchChunk):
+    """The baseline, but the device is lost (an illegal memory access) when the wrong BLOCK is launched."""
+
+    name = "test_faults_with_one_configuration"
+
+    def run(self, inputs):
+        out = super().run(inputs)
+        TUNED.run(None, inputs.case.total_tokens)
+        if JIT.launched[-1] == WRONG_BLOCK:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return out
+
+
+def test_a_configuration_that_loses_the_device_is_named_in_the_record(tuned: None, tmp_path) -> None:
+    """A configuration that faults ends the process (the device is lost), and the error it leaves names the
+    configuration that was pinned: on an H100 vLLM's GLM AMD copy faulted only after autotune chose four and five
+    stages."""
+    registry.register(FaultsWithOneConfiguration.name, FaultsWithOneConfiguration, replace=True)
+    check = dataclasses.replace(get_check("autotune_configs"), devices=("cpu", "cuda"))
+    case = Case(seq_lens=(40,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
+    run = Run(build_config(device="cpu", out=tmp_path), journal=False)
+    with pytest.raises(DeviceLost) as lost:
+        run_check(check, case, registry.get(FaultsWithOneConfiguration.name), torch.device("cpu"), {}, run)
+    [error] = lost.value.findings
+    assert error.verdict == "error" and "illegal memory access" in error.reason, error
+    assert error.reason.endswith("; with scale_tail BLOCK=64 warps=4 stages=3 pinned (3 of 3 configurations tried)")
 
 
 def test_past_its_time_the_configurations_left_are_said_not_judged(tuned: None, tmp_path, monkeypatch) -> None:

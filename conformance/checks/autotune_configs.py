@@ -72,7 +72,8 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge:
             with replay.pinned(kernel, pinned):
                 result = call_backend(backend, inputs)
         except Exception as exc:  # the configuration's own: named, and the others still run
-            if is_sticky(exc):  # the device is lost: nothing more runs in this process
+            if is_sticky(exc):  # the device is lost: nothing more runs in this process, but its record names why
+                exc.add_note(f"with {label} pinned ({tried} of {len(pending)} configurations tried)")
                 raise
             failed = judge.problem(f"with {label}", f"raised {type(exc).__name__}: {str(exc)[:300]}")
             findings.append(dataclasses.replace(failed, observed="configuration raised"))

@@ -133,6 +133,8 @@ def breach_findings(judge: Judge, findings: list[Finding]) -> list[Finding]:
 
 
 def raised_at(exc: BaseException) -> str:
-    """``Type: message (at file:line)``: an exception as a finding's reason, with the line that raised it."""
+    """``Type: message (at file:line)``: an exception as a finding's reason, with the line that raised it and
+    the notes added on its way up (a check says what it had set when the device was lost)."""
     last = traceback.extract_tb(exc.__traceback__)[-1]
-    return f"{type(exc).__name__}: {exception_text(exc)} (at {last.filename.rsplit('/', 1)[-1]}:{last.lineno})"
+    notes = "".join(f"; {note}" for note in getattr(exc, "__notes__", ()) if isinstance(note, str))
+    return f"{type(exc).__name__}: {exception_text(exc)} (at {last.filename.rsplit('/', 1)[-1]}:{last.lineno}){notes}"
