@@ -93,14 +93,13 @@ def test_each_configuration_is_pinned_once_and_the_wrong_one_is_named(tuned: Non
     assert JIT.launched[-1] == 32 and len(JIT.launched) == 8
 
 
-class FaultsWithOneConfiguration(TorchChunk):
-    """The baseline, but the device is lost (an illegal memory access) when the wrong BLOCK is launched."""
+class FaultsWithOneConfiguration(TunedBaseline):
+    """The tuned baseline, but the device is lost (an illegal memory access) when the wrong BLOCK is launched."""
 
     name = "test_faults_with_one_configuration"
 
     def run(self, inputs):
         out = super().run(inputs)
-        TUNED.run(None, inputs.case.total_tokens)
         if JIT.launched[-1] == WRONG_BLOCK:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return out
