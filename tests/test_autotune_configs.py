@@ -105,10 +105,8 @@ class FaultsWithOneConfiguration(TunedBaseline):
         return out
 
 
-def test_a_configuration_that_loses_the_device_is_named_in_the_record(tuned: None, tmp_path) -> None:
-    """A configuration that faults ends the process (the device is lost), and the error it leaves names the
-    configuration that was pinned: on an H100 vLLM's GLM AMD copy faulted only after autotune chose four and five
-    stages."""
+def _lost_device_error(tmp_path):
+    """The error finding the check leaves when the faulting double loses the device."""
     registry.register(FaultsWithOneConfiguration.name, FaultsWithOneConfiguration, replace=True)
     check = dataclasses.replace(get_check("autotune_configs"), devices=("cpu", "cuda"))
     case = Case(seq_lens=(40,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
@@ -117,7 +115,22 @@ def test_a_configuration_that_loses_the_device_is_named_in_the_record(tuned: Non
         run_check(check, case, registry.get(FaultsWithOneConfiguration.name), torch.device("cpu"), {}, run)
     [error] = lost.value.findings
     assert error.verdict == "error" and "illegal memory access" in error.reason, error
+    return error
+
+
+def test_a_configuration_that_loses_the_device_is_named_in_the_record(tuned: None, tmp_path) -> None:
+    """A configuration that faults ends the process (the device is lost), and the error it leaves names the
+    configuration that was pinned: on an H100 vLLM's GLM AMD copy faulted in processes that tuned, where the
+    configuration at fault is not known."""
+    error = _lost_device_error(tmp_path)
     assert error.reason.endswith("; with scale_tail BLOCK=64 warps=4 stages=3 pinned (3 of 3 configurations tried)")
+
+
+def test_a_fault_while_autotune_tunes_says_no_configuration_was_pinned(tuned: None, tmp_path, monkeypatch) -> None:
+    """Tuning launches every configuration, the faulting one too: the error says so, not a pinned one."""
+    monkeypatch.setitem(TIMES, WRONG_BLOCK, 0.5)  # the faulting configuration wins: the first call faults
+    said = "; with autotune's choices, before any configuration was pinned (tuning runs them all)"
+    assert _lost_device_error(tmp_path).reason.endswith(said)
 
 
 def test_past_its_time_the_configurations_left_are_said_not_judged(tuned: None, tmp_path, monkeypatch) -> None:

@@ -54,7 +54,12 @@ def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
 def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge: Judge) -> list[Finding]:
     inputs = truth.inputs
     with replay.launches() as kernels:
-        chosen = call_backend(backend, inputs)
+        try:
+            chosen = call_backend(backend, inputs)
+        except Exception as exc:
+            if is_sticky(exc):  # a kernel that tuned here ran every configuration: replay choices to pin one
+                exc.add_note("with autotune's choices, before any configuration was pinned (tuning runs them all)")
+            raise
     findings = judge.result(truth.reference, chosen, truth.budgets, "autotune's choices")
     tried, started = 0, time.monotonic()
     pending = [
