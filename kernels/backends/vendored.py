@@ -97,9 +97,10 @@ def call(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs):
 
 
 class VendoredBackend(Backend):
+    """Common ground: loading the tree, availability on the device, the envelope the server's layer has."""
+
     family = FLA_CHUNK_FAMILY  # every server's copy is FLA's chunk kernels
     scratch_bytes_per_token = staticmethod(fla_chunk_scratch_bytes_per_token)
-    """Common ground: loading the tree, availability on the device, the envelope the server's layer has."""
 
     tree: Tree
     chunk_tokens = 64
