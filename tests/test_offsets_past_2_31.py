@@ -155,13 +155,14 @@ class AllocatesAMegabyteAToken(TorchChunk):
 
 
 def test_the_plan_counts_what_the_backend_allocates(check, tmp_path, monkeypatch) -> None:
-    """A batch whose tensors fit (about 60 KiB of 1 MiB) but whose backend's own allocations do not is a skip."""
+    """A batch whose tensors fit (about 60 KiB of 1 MiB) but whose backend's own allocations do not is a skip
+    (its head dims raised to 64, which plans less with a MiB a token: 33 tokens of filler instead of 129)."""
     monkeypatch.setattr(offsets, "device_memory", lambda device: 2**20)
     case = Case(seq_lens=(40,), num_heads=2, num_v_heads=2, head_k_dim=16, head_v_dim=16)
     run = Run(build_config(device="cpu", out=tmp_path), journal=False)
     assert all(f.verdict == "pass" for f in run_check(check, case, registry.get("torch_chunk"), CPU, {}, run))
     [skipped] = run_check(check, case, AllocatesAMegabyteAToken(), CPU, {}, run)
-    assert skipped.verdict == "skip" and "needs about 0.2 GiB" in skipped.reason, skipped
+    assert skipped.verdict == "skip" and "behind 33 tokens of filler needs about 0.1 GiB" in skipped.reason, skipped
 
 
 def test_a_case_too_narrow_to_reach_the_threshold_gets_more_heads(check, tmp_path, monkeypatch) -> None:
@@ -197,6 +198,48 @@ def test_grouped_value_heads_become_equal_heads_with_half_the_filler() -> None:
     fla_plan = offsets.planned_bytes(ready, offsets.filler_tokens(ready), fla)
     assert fla_plan / 2**30 == pytest.approx(92.1, abs=0.1)
     assert offsets.MEMORY_SHARE * h100 < fla_plan < offsets.MEMORY_SHARE * H200
+
+
+class DeclaresFlaAllocations(TorchChunk):
+    """The baseline, declaring FLA's chunk kernel's own allocations per token (8(K + V) + 512 bytes a head)."""
+
+    name = "test_declares_fla_allocations"
+
+    def scratch_bytes_per_token(self, case: Case) -> int:
+        return registry.get("fla_chunk").scratch_bytes_per_token(case)
+
+
+class TakesOnlyHeadDim32(DeclaresFlaAllocations):
+    name = "test_takes_only_head_dim_32"
+    envelope = dataclasses.replace(TorchChunk.envelope, head_dims=(32,))
+
+
+def test_narrow_head_dims_are_raised_where_that_plans_less_memory() -> None:
+    """At H9/9 K32 V64 bf16 FLA's chunk kernel's allocations planned 136.5 GiB (a skip even on an H200): its
+    allocations per token and head do not shrink with the head dims, and narrow heads need a long filler. With K
+    and V at 64 the batch plans 92.3 GiB. Where the backend allocates nothing of its own, the narrow case plans
+    less and is kept; a head dim outside the backend's envelope is never chosen."""
+    drawn = Case(seq_lens=(300,), num_heads=9, num_v_heads=9, head_k_dim=32, head_v_dim=64, dtype="bf16")
+
+    def plan(case: Case, backend) -> float:
+        return offsets.planned_bytes(case, offsets.filler_tokens(case), backend.scratch_bytes_per_token(case)) / 2**30
+
+    fla_like = DeclaresFlaAllocations()
+    assert plan(drawn.replace(packed=True), fla_like) == pytest.approx(136.5, abs=0.1)
+    ready = offsets.prepare(drawn, fla_like)
+    assert (ready.head_k_dim, ready.head_v_dim) == (64, 64)
+    assert (
+        plan(ready, fla_like) == pytest.approx(92.3, abs=0.1) and plan(ready, fla_like) < offsets.MEMORY_SHARE * 139.8
+    )
+    assert offsets.prepare(ready, fla_like) == ready
+    uneven = offsets.prepare(drawn.replace(head_k_dim=64, head_v_dim=128), fla_like)
+    assert (uneven.head_k_dim, uneven.head_v_dim) == (128, 128)  # 128.3 GiB as drawn, 92.1 at K = V = 128
+    plain = offsets.prepare(drawn, registry.get("torch_chunk"))  # 56.5 GiB as drawn, 44.3 at 64: both fit; the cheaper
+    assert (plain.head_k_dim, plain.head_v_dim) == (64, 64)
+    narrow = Case(seq_lens=(300,), num_heads=9, num_v_heads=9, head_k_dim=32, head_v_dim=32, dtype="bf16")
+    assert offsets.prepare(narrow, registry.get("torch_chunk")) == narrow.replace(packed=True)  # its states grow more
+    only32 = offsets.prepare(narrow, TakesOnlyHeadDim32())
+    assert (only32.head_k_dim, only32.head_v_dim) == (32, 32)
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ from kda_conformance.running.blame import NotApplicable, call_backend
 from kda_conformance.running.faults import device_memory, is_sticky
 from kda_conformance.running.runnable import Drawn
 from kda_conformance.running.truth import CaseTruth
+from kda_kernels import guard
 from kda_kernels.protocol import Backend, BackendOutput
 from kda_reports.findings import Finding
 
@@ -47,6 +48,10 @@ CONTROL_SHARE = 8
 # The longest filler it builds: a case of narrow heads (one head of 32) would need 64M tokens to pass 2^31, minutes
 # of a chunk kernel's time; ``prepare`` widens such a case's heads instead.
 MAX_FILLER_TOKENS = 2**23
+# Head dims ``prepare`` may raise narrow ones to. The filler is set by q's and v's widths, and what a kernel
+# allocates per token and head does not shrink with them (FLA's chunk kernel: 8(K + V) + 512 bytes): at H9/9
+# K32 V64 bf16 the batch planned 136.5 GiB with FLA's allocations, past an H200's share, and 92.3 at K = V = 64.
+WIDE_HEAD_DIM = 64
 
 
 def filler_tokens(case: Case) -> int:
@@ -91,7 +96,8 @@ def planned_bytes(case: Case, filler: int, scratch_per_token: int = 0) -> int:
 def prepare(case: Case, backend: Backend) -> Case:
     """Packed (the filler is a sequence of the batch), without checkpoints, with as many query heads as value
     heads, and wide enough that at most ``MAX_FILLER_TOKENS`` tokens of filler pass the threshold: the heads
-    multiplied where the drawn ones are too few or too narrow.
+    multiplied where the drawn ones are too few or too narrow; the head dims raised where that plans less memory
+    with the backend's own allocations.
 
     Equal heads because grouped value heads cost memory and add no offset: the filler is set by the narrower
     of q and v per token, so with 8 value heads to 4 query heads v, g and the output run twice past 2^31 while
@@ -105,7 +111,25 @@ def prepare(case: Case, backend: Backend) -> Case:
     if filler > MAX_FILLER_TOKENS:
         factor = math.ceil(filler / MAX_FILLER_TOKENS)
         case = case.replace(num_heads=case.num_heads * factor, num_v_heads=case.num_v_heads * factor)
-    return case
+    return _cheapest_head_dims(case, backend)
+
+
+def _cheapest_head_dims(case: Case, backend: Backend) -> Case:
+    """The case, or the same with its head dims raised (each to at least ``WIDE_HEAD_DIM``, or both to the wider
+    of the two), whichever batch plans the fewest bytes with the backend's own allocations and is inside its
+    envelope: narrow heads need a long filler, and a kernel's per-token allocations can outgrow the tensors."""
+    wide = max(case.head_k_dim, case.head_v_dim)
+    options = [case]
+    for k, v in ((max(case.head_k_dim, WIDE_HEAD_DIM), max(case.head_v_dim, WIDE_HEAD_DIM)), (wide, wide)):
+        if (k, v) != (case.head_k_dim, case.head_v_dim) and guard.supports(
+            backend, option := case.replace(head_k_dim=k, head_v_dim=v)
+        ):
+            options.append(option)
+
+    def plan(option: Case) -> int:
+        return planned_bytes(option, filler_tokens(option), backend.scratch_bytes_per_token(option))
+
+    return min(options, key=plan)  # the first of equals: the case as drawn
 
 
 def draw(data: st.DataObject, profile: Profile, backend: Backend) -> Drawn:
