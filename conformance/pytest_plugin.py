@@ -32,7 +32,7 @@ from kda_conformance.running.hypothesis_settings import (
     observe_examples,
     stop_observing,
 )
-from kda_conformance.running.interrupts import sigterm_as_interrupt
+from kda_conformance.running.interrupts import say_stopping, sigterm_as_interrupt
 from kda_conformance.running.memory import chosen_gpus, visible_device
 from kda_conformance.running.not_checked import NOT_CHECKED_EXIT
 from kda_conformance.running.option_values import PURPOSE_VARIABLE, ConfigError
@@ -418,6 +418,12 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     shards are balanced by it (running/shards.py)."""
     if _WRITES_RUN[0]:  # a worker's reports reach the controller, which counts them
         CLOCK.add_test(report.nodeid, report.duration)
+
+
+def pytest_keyboard_interrupt(excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+    """Heard before the session's files are written: a nightly that started this pytest waits for them instead
+    of interrupting again (running/interrupts.py)."""
+    say_stopping()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

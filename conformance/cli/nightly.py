@@ -38,6 +38,7 @@ from kda_conformance.running.compile import (
 )
 from kda_conformance.running.config import build_config
 from kda_conformance.running.faults import is_sticky
+from kda_conformance.running.interrupts import STOPPING_VARIABLE
 from kda_conformance.running.memory import WORKERS_VARIABLE, WorkerPlan, chosen_gpus, device_gib, plan_workers
 from kda_conformance.running.option_values import DEFAULT_CASE_TIMEOUT, PURPOSE_VARIABLE, ConfigError
 from kda_conformance.running.options import OPTIONS, add_options, pytest_argv
@@ -377,20 +378,31 @@ def _size_text(size: tuple[int, int]) -> str:
     return f"{size[0]} files, {size[1] / 2**20:.0f} MiB"
 
 
+# How long an interrupted nightly waits for its pytest to say it heard the interrupt too, before passing it on;
+# then how long pytest has to stop its workers and merge their parts.
+HEARD_WITHIN = 10.0
+MERGE_WITHIN = 120.0
+
+
 def _run_pytest(command: list[str], env: dict[str, str], console: Console) -> int:
     """pytest's exit code. Interrupted (Ctrl-C, a CI job's time limit), pytest is given the time to stop
-    its workers and merge what they measured, so that the dashboard shows the night as far as it got."""
-    process = subprocess.Popen(command, env=env)
-    try:
-        return process.wait()
-    except KeyboardInterrupt:
-        console.print("interrupted: pytest is writing the part of the night that ran", highlight=False)
+    its workers and merge what they measured, so that the dashboard shows the night as far as it got; the
+    interrupt is passed on only where pytest did not hear it (running/interrupts.py)."""
+    with tempfile.TemporaryDirectory(prefix="kda-night-") as folder:
+        heard = Path(folder) / "stopping"
+        process = subprocess.Popen(command, env={**env, STOPPING_VARIABLE: str(heard)})
         try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # the interrupt reached this process only: pass it on
-            process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        return 130
+            return process.wait()
+        except KeyboardInterrupt:
+            console.print("interrupted: pytest is writing the part of the night that ran", highlight=False)
+            deadline = time.monotonic() + HEARD_WITHIN
+            while process.poll() is None and not heard.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if process.poll() is None and not heard.exists():  # the interrupt reached this process only
+                process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=MERGE_WITHIN)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            return 130

@@ -5,16 +5,26 @@ leaves the journal's row for that call (running/journal.py), so a night cut by i
 call in flight to its kernel as "the process ended during the call". As a KeyboardInterrupt it unwinds
 through the executor, which settles the call (nothing of it is recorded), and the records so far are kept.
 A process stuck where Python never runs again (a hung kernel) still dies inside its call, as it should.
+
+A night's pytest says it heard an interrupt by touching the file ``STOPPING_VARIABLE`` names: the nightly
+that started it passes an interrupt on only where pytest did not hear it (a signal sent to the nightly's
+process alone), and never a second one into pytest's merge of its workers' parts (``timeout`` signals the
+whole process group: on an H100 the merge took more than 10 s, the nightly sent its own SIGINT, and the
+night's store kept only the workers' parts).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import FrameType
 from typing import Any
+
+STOPPING_VARIABLE = "KDA_STOPPING_FILE"
 
 # What signal.signal takes and returns: a handler, or SIG_DFL / SIG_IGN, or None (one set outside Python).
 Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
@@ -40,3 +50,11 @@ def sigterm_interrupts() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def say_stopping() -> None:
+    """Touch the file ``STOPPING_VARIABLE`` names, where it names one: this process heard the interrupt and
+    is writing what it measured."""
+    path = os.environ.get(STOPPING_VARIABLE)
+    if path:
+        Path(path).touch()
