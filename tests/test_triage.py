@@ -13,7 +13,7 @@ from suite_paths import ENV, PLUGINS
 
 from kda_cases.case import Case
 from kda_conformance.cli import build_parser, main
-from kda_conformance.repro.triage import SWITCHES, parse_repro, triage
+from kda_conformance.repro.triage import SWITCHES, Rerun, Triage, parse_repro, triage
 from kda_kernels import registry
 
 
@@ -129,6 +129,20 @@ def test_a_rerun_past_its_timeout_is_recorded_as_stopped(tmp_path: Path, plugins
     with pytest.raises(SystemExit) as refused:
         main(["triage", "--store", str(tmp_path), "--rerun-timeout", "0"])
     assert refused.value.code == 2
+
+
+def test_no_switch_clears_it_only_when_every_switch_that_applies_ran_to_its_end() -> None:
+    """On an H100 (night-1217) a graph-replay finding's IEEE-dots rerun was stopped after 12 s, the call's time
+    running out, and the cause read "no single switch clears it": that switch had not said."""
+    failed = Rerun("as it failed", exit=1)
+    stopped = Rerun("IEEE dots", exit=None, timed_out=12.0)
+    not_applied = Rerun("zero-length members removed", not_applied="no zero-length member")
+    cut = Triage("f", "aiter_flashkda", "graph_replay", "kda-1", (failed, stopped, not_applied))
+    assert cut.cause == "not established (no switch that ran clears it; IEEE dots stopped after 12 s)"
+    ran = Triage("f", "aiter_flashkda", "graph_replay", "kda-1", (failed, Rerun("IEEE dots", exit=1), not_applied))
+    assert ran.cause == "not established (no single switch clears it)"
+    cleared = Triage("f", "aiter_flashkda", "graph_replay", "kda-1", (failed, stopped, Rerun("an fp32 state", exit=0)))
+    assert cleared.cause == "an fp32 state"
 
 
 def test_every_rerun_gets_the_autotune_choices_it_is_told_to_replay(

@@ -106,7 +106,15 @@ class Triage:
         if not self.reproduces:
             return f"does not reproduce here (it {self.reruns[0].outcome})"
         clearing = self.clearing
-        return "; ".join(clearing) if clearing else "not established (no single switch clears it)"
+        if clearing:
+            return "; ".join(clearing)
+        # "No switch clears it" only where every switch that applies ran to its end: one stopped by its time
+        # limit (or never run) might have cleared it.
+        unfinished = [r for r in self.reruns[1:] if not r.not_applied and (r.timed_out is not None or r.exit is None)]
+        if unfinished:
+            said = ", ".join(f"{r.switch} {r.outcome}" for r in unfinished)
+            return f"not established (no switch that ran clears it; {said})"
+        return "not established (no single switch clears it)"
 
 
 @dataclass(frozen=True)
