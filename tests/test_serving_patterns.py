@@ -250,6 +250,31 @@ def test_an_entry_is_known_for_its_case_and_retired_only_over_a_whole_run(monkey
     assert stale_known_issues(pd.concat([passing, rows])).empty  # one case of the run reproduced it
 
 
+def test_an_observation_without_a_ratio_is_known_beside_the_error_its_entry_allows() -> None:
+    """A graph replay that differs from its eager call is one row without a ratio and comes with the replay's
+    errors against the truth: where an entry allows those errors on this case, the difference is the same cause
+    and known (on an H100, night-1217, AITER's FlashKDA path was known at 241x while its "replay differs from the
+    eager call" row made a new finding of its own). Alone, or beside an error past the entry's bound, it stays
+    a failure."""
+    issue = KnownIssue(
+        id="stale-boundaries",
+        backends=("fla_chunk",),
+        description="a replay gives the captured batch's answer",
+        upstream="-",
+        added="2026-12-07",
+        worst=241.0,
+        growth=1.5,
+        device="cuda",
+    )
+    differs = Finding("graph_replay", Case(seq_lens=(40,)), "fla_chunk", "cuda", "fail", reason="the replay differs")
+    both = apply_known([differs, _finding("fail", 241.0)], [issue])
+    assert [f.verdict for f in both] == ["known", "known"] and both[0].known_issue == "stale-boundaries"
+    [alone] = apply_known([differs], [issue])
+    assert alone.verdict == "fail"
+    beyond = apply_known([differs, _finding("fail", 400.0)], [issue])
+    assert [f.verdict for f in beyond] == ["fail", "fail"]
+
+
 def test_a_design_a_library_states_is_declared_not_in_the_ledger() -> None:
     """TF32 dots that FLA, AITER's default pipeline, Kimi K3's copy and SGLang choose in their own code are
     declared working precisions (their cost shown apart); the GLM-5.3-Flash copies, which ask for IEEE, keep a

@@ -211,6 +211,25 @@ def test_a_causal_leak_on_the_cases_of_a_broken_kernels_entry_is_known_and_no_ot
     assert passed.verdict == "pass" and not passed.known_issue
 
 
+def test_a_replay_that_differs_from_its_eager_call_is_the_cause_of_the_error_beside_it() -> None:
+    """On an H100 (night-1217) AITER's FlashKDA path failed the graph-replay check on one case with two kinds of
+    rows: the replay's errors against the truth (241x, the ledger's entry) and "the replay differs from the
+    eager call" (no ratio). The second made a new finding of its own; with today's ledger it is the entry's, on
+    that call only: alone in another case it stays new."""
+    entry = dataclasses.replace(_issue("stale-boundaries", ("aiter_flashkda",)), worst=241.0, checks=("graph_replay",))
+    replay = {"check": "graph_replay", "ratio": float("nan"), "rel_rms_ratio": float("nan")}
+    records = pd.DataFrame(
+        [
+            _record("r1", "aiter_flashkda", "fail", **replay, reason="the replay differs from the eager call"),
+            _record("r1", "aiter_flashkda", "fail", check="graph_replay", ratio=88.6, rel_rms_ratio=241.0),
+            _record("r1", "aiter_flashkda", "fail", **replay, tokens=64, reason="the replay differs"),
+        ]
+    )
+    found = {f.id: f for f in upstream_findings(records, (entry,))}
+    assert found["stale-boundaries"].status == "open" and found["stale-boundaries"].cases == 1
+    assert sorted(found) == ["new-aiter-flashkda-triton-past-the-limit-" + Case(seq_lens=(64,)).id, "stale-boundaries"]
+
+
 def test_a_launch_failures_entry_claims_its_crash_and_no_wrong_numbers_on_its_check() -> None:
     """On an H100 (2026-12-06) vLLM's copy gave wrong outputs (rel-RMS 0.92) behind 1,048,176 tokens of filler,
     its chunk states past 2^31 elements, and the entry of a launch that fails past 65,535 chunks (worst inf, so

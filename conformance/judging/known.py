@@ -4,7 +4,8 @@ An entry matches an issue: a backend on a family of cases (case fields, device, 
 what it observed), and the tensors it lists (all, by default). Applied to the findings of one check on one
 case, a failed finding that matches an entry becomes ``known`` while its worst error/limit stays within the
 entry's ``worst`` x ``growth``, and stays a failure (saying so) beyond it; an observation with no ratio to bound
-(a causal leak) is ``known`` only under an entry whose ``worst`` is inf, and an entry of crashes alone
+(a causal leak, a graph replay that differs from its eager call) is ``known`` only under an entry whose ``worst``
+is inf, or one that allows the error measured beside it in the same findings, and an entry of crashes alone
 (``worst = 0``: a launch that fails) claims no failure with numbers; a backend's error is ``known``
 where an entry names words of its message (``raises``; a crash an entry names, ``crashes``, stays an
 error: the findings page lists it under the entry); a finding of the same case that
@@ -181,6 +182,16 @@ def ledger() -> tuple[KnownIssue, ...]:
 def apply_known(findings: Iterable[Finding], issues: Iterable[KnownIssue] | None = None) -> list[Finding]:
     """The findings of one check on one case with the ledger applied (see the module's docstring)."""
     issues = ledger() if issues is None else tuple(issues)
+    findings = list(findings)
+    # The entries that allow a measured failure of this check on this case: the same check's observation with
+    # no ratio (a graph replay that differs from its eager call) comes with that error and is the same cause.
+    claimed = {
+        i.id
+        for f in findings
+        if f.verdict == "fail" and f.errors is not None and f.backend != SUITE_BACKEND
+        for i in issues
+        if i.allowed > 0 and i.matches(f) and (f.worst <= i.allowed or math.isinf(i.allowed))
+    }
     result = []
     for finding in findings:
         if finding.verdict == "error" and finding.backend != SUITE_BACKEND:
@@ -190,9 +201,11 @@ def apply_known(findings: Iterable[Finding], issues: Iterable[KnownIssue] | None
         if finding.errors is None:
             # A check's observation with no error over a limit (outputs before a token moved by later inputs, a
             # state a second call changed): only an entry that bounds nothing (worst inf, a broken kernel on
-            # its cases) claims it, as it claims any size of error there.
-            # A pass of that kind measured nothing an entry could still reproduce.
-            matching = [i for i in matching if math.isinf(i.allowed)] if finding.verdict == "fail" else []
+            # its cases) claims it, as it claims any size of error there, or one that allows this case's
+            # measured error on the same check. A pass of that kind measured nothing an entry could still
+            # reproduce.
+            wanted = [i for i in matching if math.isinf(i.allowed) or i.id in claimed]
+            matching = wanted if finding.verdict == "fail" else []
         elif finding.verdict == "fail":
             # An entry of crashes alone measured no numbers: a wrong result on its cases is some other cause.
             matching = [i for i in matching if i.allowed > 0]
@@ -201,7 +214,9 @@ def apply_known(findings: Iterable[Finding], issues: Iterable[KnownIssue] | None
         elif finding.verdict == "fail":
             # Several entries can match one failure (a dtype's rounding and a check's broken contract): the
             # failure is known when any of them allows it, and judged against the widest one otherwise.
-            allowing = [i for i in matching if finding.worst <= i.allowed or math.isinf(i.allowed)]
+            allowing = [
+                i for i in matching if finding.errors is None or finding.worst <= i.allowed or math.isinf(i.allowed)
+            ]
             if allowing:
                 issue = allowing[0]
                 reason = f"known issue {issue.id}: {issue.description} ({issue.upstream})"

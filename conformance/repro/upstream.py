@@ -251,9 +251,23 @@ def _claimed(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> pd.Series
             continue
         worst = worst_ratio(float(row.get("ratio", float("nan"))), float(row.get("rel_rms_ratio", float("nan"))))
         for issue in ledger:
-            if _claims(issue, row) and worst <= issue.allowed:
+            if _claims(issue, row) and (worst <= issue.allowed or (math.isnan(worst) and math.isinf(issue.allowed))):
                 matched.at[index] = issue.id
                 break
+    # An observation without a ratio (a replay that differs from its eager call) is the cause of the error
+    # measured beside it, on the same call of the same check: the entry that claims that error claims it
+    # (judging/known.py apply_known, for the runs recorded before it did so).
+    call = [c for c in ("run_id", "case_id", "backend", "check") if c in records]
+    by_id = {issue.id: issue for issue in ledger}
+    for index, row in records[records["verdict"].eq("fail") & (matched == "")].iterrows():
+        if not math.isnan(
+            worst_ratio(float(row.get("ratio", float("nan"))), float(row.get("rel_rms_ratio", float("nan"))))
+        ):
+            continue
+        same = (records[call] == row[call]).all(axis=1) & (matched != "")
+        beside = [by_id[known] for known in matched[same] if known in by_id and _claims(by_id[known], row)]
+        if beside:
+            matched.at[index] = beside[0].id
     return matched
 
 
