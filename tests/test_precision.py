@@ -78,6 +78,21 @@ def test_the_cost_of_a_declaration_and_a_needless_one_are_reported(records: pd.D
     assert "undeclared_bf16_state" not in costs.index
 
 
+def test_a_declaration_is_unnecessary_only_on_the_input_dtypes_judged() -> None:
+    """On an H100 (night-1217) every fp32 configuration of FLA's chunk-32 path crashed, and the page called its
+    TF32 declaration unnecessary from bf16 and fp16 records alone: it now says which were judged."""
+    rows = [
+        {"backend": "b", "precision": "tf32-truncated dots", "verdict": "pass", "strict_ratio": 0.9, "ratio": 0.5,
+         "rel_rms_ratio": 0.4, "case_dtype": dtype}
+        for dtype in ("bf16", "fp16")
+    ]  # fmt: skip
+    note = precision_costs(pd.DataFrame(rows)).set_index("backend").loc["b", "note"]
+    assert note.endswith("the declaration is unnecessary on bf16, fp16 inputs; no fp32 record was judged"), note
+    every = [*rows, {**rows[0], "case_dtype": "fp32"}]
+    note = precision_costs(pd.DataFrame(every)).set_index("backend").loc["b", "note"]
+    assert note.endswith("the declaration is unnecessary"), note
+
+
 def test_the_declared_baseline_keeps_its_state_in_the_declared_dtype() -> None:
     case = Case(seq_lens=(50,), dtype="fp32", initial_state="random", head_k_dim=16, head_v_dim=16)
     inputs = materialize(case, torch.device("cpu"))
