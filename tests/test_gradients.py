@@ -9,15 +9,20 @@ chunk sizes) passes it.
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from suite_paths import import_plugin, pytest_run
 
 from kda_cases.case import Case
-from kda_cases.dtypes import GRADIENT_TENSORS, stored_dtype
+from kda_cases.dtypes import GRADIENT_TENSORS, UNIT_ROUNDOFF, stored_dtype
 from kda_cases.materialize import KDAOptions, materialize
 from kda_conformance.checks import get_check, run_check
+from kda_conformance.judging.tolerance import DEFAULT_RULE
 from kda_conformance.running.blame import NOT_APPLICABLE
 from kda_conformance.running.config import RunConfig
 from kda_conformance.running.gradient_truth import gradient_truth, upstream_gradients
@@ -167,6 +172,43 @@ def test_a_sequence_run_alone_is_held_to_what_the_baseline_errs_on_it(run: Run, 
     findings = run_check(get_check("gradients"), SHORT_LAST, registry.get(backend), CPU, {}, run)
     assert "sequence 2 dg alone" in {f.subject for f in findings}
     assert all(f.verdict == "pass" for f in findings), [f for f in findings if f.verdict != "pass"]
+
+
+def test_a_parts_rounding_floor_is_its_own_magnitude_over_its_scale() -> None:
+    """A sequence's part of dg is measured against the whole gradient's scale, and the stored dtype's share of
+    its rel-RMS floor is the part's own RMS over that scale. On an H100 (night-1217) a 5-token sequence's dg had
+    RMS 0.102 where the whole's was about half that, and its floor was taken from the whole's: FLA, one bf16 ulp
+    off at one element, was held below the rounding of the part's own values."""
+    from kda_conformance.running.gradient_truth import _budgets
+    from kda_reports.findings import Errors
+
+    case = Case(seq_lens=(5, 5), packed=True, dtype="bf16")
+    whole = {"dg": torch.full((1, 10, 1, 4), 0.05, dtype=torch.float64)}
+    part = {"dg": torch.full((1, 5, 1, 4), 0.1, dtype=torch.float64)}
+    tiny = {"dg": Errors(1e-9, 1e-9, 1e-9, 0, True)}  # the baseline: every limit set by its floor
+    scales = {"dg": (10.0, 2.0)}
+    on_whole = _budgets(case, whole, tiny, scales, DEFAULT_RULE)["dg"].rel_rms
+    on_part = _budgets(case, whole, tiny, scales, DEFAULT_RULE, 0.0, part)["dg"].rel_rms
+    assert on_whole.binding == on_part.binding == "floor"
+    assert on_part.value - on_whole.value == pytest.approx(UNIT_ROUNDOFF["bf16"] * (0.1 - 0.05) / 2.0, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_flas_failing_dg_on_a_short_last_sequence_is_one_bf16_ulp_at_one_element() -> None:
+    """The nightly's T23seq/565 bf16 case failed FLA's backward on an H100 (night-1217, seed 5404): its last
+    sequence (5 tokens) run alone, dg rel-RMS 3.79e-4 over a limit of 1.45e-4. Under the CPU interpreter FLA
+    gives the same numbers, bit for bit; 99.99 % of that sequence's squared error is one element, 8.25 where the
+    float64 value is 8.1877: one bf16 ulp (0.0625) off, where the baseline rounds it to nearest."""
+    pytest.importorskip("fla")
+    case = Path(__file__).parents[1] / "docs" / "results" / "h100-gradients-2026-12-07" / "case.json"
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("gradient_probe.py")), str(case), "22"],
+        capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["error_rms"] == pytest.approx(7.786e-4, rel=1e-3) and found["worst_index"] == [0, 2, 0, 33]
+    assert found["worst_error"] == pytest.approx(found["ulp_there"], rel=0.01) and found["ulp_there"] == 0.0625
+    assert found["worst_share_of_rms"] > 0.999 and abs(found["baseline_error_there"]) < found["ulp_there"] / 2
 
 
 def test_a_backward_that_varies_warns_and_one_that_reads_scratch_fails(run: Run) -> None:
