@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,7 +38,7 @@ from kda_conformance.running.compile import (
 )
 from kda_conformance.running.config import build_config
 from kda_conformance.running.faults import is_sticky
-from kda_conformance.running.interrupts import STOPPING_VARIABLE
+from kda_conformance.running.interrupts import STOPPING_VARIABLE, interrupt_tree
 from kda_conformance.running.memory import WORKERS_VARIABLE, WorkerPlan, chosen_gpus, device_gib, plan_workers
 from kda_conformance.running.option_values import DEFAULT_CASE_TIMEOUT, PURPOSE_VARIABLE, ConfigError
 from kda_conformance.running.options import OPTIONS, add_options, pytest_argv
@@ -112,6 +112,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="the compile stage's time budget: past it the stage stops, and the cases of the kernel configurations "
         'it did not compile are skipped ("not compiled") while the rest of the night runs (default: none)',
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=_positive_seconds,
+        default=None,
+        metavar="S",
+        help=f"the night's wall-clock limit (a CI job's, a lent machine's): the compile stage gets at most "
+        f"{COMPILE_SHARE:.0%}% of it (a smaller --compile-budget stands), and the tests are stopped as Ctrl-C stops "
+        f"them {WRITE_SHARE:.0%}% of it (at least {MIN_WRITE_SECONDS:.0f} s) before its end, so that the run, the "
+        "night file and the dashboard are written in time; exit 2 when it stopped them (default: none)",
     )
     parser.add_argument(
         "--compile-cache",
@@ -217,7 +227,11 @@ def _night(args: argparse.Namespace, console: Console) -> int:
     if compiled:  # the pytest session writes it into the run's timing file (running/stages.py)
         stage = {key: compiled[key] for key in ("seconds", "jobs", "wall_seconds")}
         env[COMPILE_VARIABLE] = json.dumps(stage)
-    returncode = 0 if only else _run_pytest(command, env, console)
+    deadline = None
+    if args.time_limit is not None:
+        deadline = started + args.time_limit - max(MIN_WRITE_SECONDS, WRITE_SHARE * args.time_limit)
+    returncode = 0 if only else _run_pytest(command, env, console, deadline)
+    stopped = deadline is not None and not only and time.monotonic() >= deadline
     cache_after = folder_size(cache)
     night = {
         "part": config.part or "",
@@ -228,6 +242,7 @@ def _night(args: argparse.Namespace, console: Console) -> int:
         "compile": compiled,
         "autotune_record": recorded,
         **({"compile_only": True} if only else {}),
+        **({"time_limit": args.time_limit, "stopped_at_time_limit": stopped} if args.time_limit is not None else {}),
         "cache": {
             "dir": str(cache),
             "state": "warm" if cache_before[0] else "cold",
@@ -243,6 +258,23 @@ def _night(args: argparse.Namespace, console: Console) -> int:
     _coverage_lines(config, console)
     # pytest's exit codes: 1 when a test failed; an interrupted or broken night is not a kernel failure.
     return after_run(args.out, args.window, args.growth, console, returncode)
+
+
+def compile_budget(args: argparse.Namespace) -> float | None:
+    """The compile stage's budget: --compile-budget, and under --time-limit at most its COMPILE_SHARE."""
+    shares = [] if args.time_limit is None else [COMPILE_SHARE * args.time_limit]
+    budgets = [b for b in (args.compile_budget, *shares) if b is not None]
+    return min(budgets) if budgets else None
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not seconds > 0 or math.isinf(seconds):
+        raise argparse.ArgumentTypeError(f"a number of seconds above 0, got {text!r}")
+    return seconds
 
 
 def _plan(args: argparse.Namespace, config, planned: list[Case]) -> WorkerPlan | None:
@@ -301,7 +333,7 @@ def _compile_stage(
         with tempfile.TemporaryDirectory(prefix="kda-compile-") as folder:
             # In the night's environment: the compile processes write the cache the night's workers read.
             results = run_jobs(
-                jobs, processes, str(config.device), config.plugins, Path(folder), gpus, args.compile_budget, env,
+                jobs, processes, str(config.device), config.plugins, Path(folder), gpus, compile_budget(args), env,
                 progress,
             )  # fmt: skip
     except StageInterrupted as stopped:  # what compiled is said and kept in the night file, then the night ends
@@ -382,27 +414,46 @@ def _size_text(size: tuple[int, int]) -> str:
 # then how long pytest has to stop its workers and merge their parts.
 HEARD_WITHIN = 10.0
 MERGE_WITHIN = 120.0
+# Under --time-limit S: the compile stage's share of S at most, and what is kept back at the end for pytest to
+# merge its workers' parts and for the night file and the dashboard (a share of S, at least MIN_WRITE_SECONDS).
+COMPILE_SHARE = 0.5
+WRITE_SHARE = 0.1
+MIN_WRITE_SECONDS = 30.0
 
 
-def _run_pytest(command: list[str], env: dict[str, str], console: Console) -> int:
+def _run_pytest(command: list[str], env: dict[str, str], console: Console, deadline: float | None = None) -> int:
     """pytest's exit code. Interrupted (Ctrl-C, a CI job's time limit), pytest is given the time to stop
     its workers and merge what they measured, so that the dashboard shows the night as far as it got; the
-    interrupt is passed on only where pytest did not hear it (running/interrupts.py)."""
+    interrupt is passed on only where pytest did not hear it (running/interrupts.py). At ``deadline`` (a
+    ``time.monotonic()`` value: --time-limit) pytest and its workers are interrupted as a Ctrl-C would, and its
+    code is returned (2: interrupted)."""
     with tempfile.TemporaryDirectory(prefix="kda-night-") as folder:
         heard = Path(folder) / "stopping"
         process = subprocess.Popen(command, env={**env, STOPPING_VARIABLE: str(heard)})
         try:
-            return process.wait()
+            try:
+                return process.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                console.print(
+                    "time limit: the tests are stopped; pytest is writing the part of the night that ran",
+                    highlight=False,
+                )
+                interrupt_tree(process.pid)
+                return _wait_or_kill(process)
         except KeyboardInterrupt:
             console.print("interrupted: pytest is writing the part of the night that ran", highlight=False)
-            deadline = time.monotonic() + HEARD_WITHIN
-            while process.poll() is None and not heard.exists() and time.monotonic() < deadline:
+            until = time.monotonic() + HEARD_WITHIN
+            while process.poll() is None and not heard.exists() and time.monotonic() < until:
                 time.sleep(0.1)
             if process.poll() is None and not heard.exists():  # the interrupt reached this process only
-                process.send_signal(signal.SIGINT)
-            try:
-                process.wait(timeout=MERGE_WITHIN)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+                interrupt_tree(process.pid)
+            _wait_or_kill(process)
             return 130
+
+
+def _wait_or_kill(process: subprocess.Popen) -> int:
+    try:
+        return process.wait(timeout=MERGE_WITHIN)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()

@@ -58,3 +58,31 @@ def say_stopping() -> None:
     path = os.environ.get(STOPPING_VARIABLE)
     if path:
         Path(path).touch()
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (its children, theirs, ...), read from Linux's /proc; none where there is no
+    /proc to read."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # a process that ended while it was read
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def interrupt_tree(pid: int) -> None:
+    """SIGINT to ``pid`` and every process below it, as a terminal's Ctrl-C reaches a process group: a night's
+    pytest and its pytest-xdist workers hear it together, each writing its part of the run."""
+    for target in [pid, *descendants(pid)]:
+        try:
+            os.kill(target, signal.SIGINT)
+        except ProcessLookupError:
+            pass
