@@ -715,7 +715,7 @@ def test_a_night_records_its_autotune_choices_in_the_store_unless_told_where(
 
     told: list[dict[str, str]] = []
 
-    def pytest_run_here(command, env, console) -> int:
+    def pytest_run_here(command, env, console, deadline=None) -> int:
         told.append(env)
         return 0
 
