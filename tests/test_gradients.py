@@ -211,6 +211,29 @@ def test_flas_failing_dg_on_a_short_last_sequence_is_one_bf16_ulp_at_one_element
     assert found["worst_share_of_rms"] > 0.999 and abs(found["baseline_error_there"]) < found["ulp_there"] / 2
 
 
+# bf16 cases where dg's rounding is near its floor: the committed H100 case and two small ones.
+NEAR_THE_FLOOR = [
+    Case(seq_lens=(70, 30), packed=True, initial_state="random", dtype="bf16", num_heads=2, num_v_heads=2,
+         head_k_dim=32, head_v_dim=32),
+    Case(seq_lens=(200,), dtype="bf16", num_heads=2, num_v_heads=4, head_k_dim=64, head_v_dim=64,
+         gate_regime="strong"),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", NEAR_THE_FLOOR, ids=lambda c: c.label)
+def test_dgs_cumulative_sum_carried_in_bf16_is_caught_in_bf16_cases(run: Run, case: Case) -> None:
+    """What a looser gradient floor would cost (``python tests/floor_probe.py 2``, on the CPU): with a floor of one
+    ulp per element (two unit roundoffs), under which FLA's one-ulp dg error on the committed H100 case passes,
+    this planted bug failed one of three bf16 cases (1.29x; 0.88x on the H100 case, and 1.27x on the third,
+    which fresh draws judged marginal); with today's floor it fails all three (1.59x to 2.44x)."""
+    import_plugin("kda_planted_backward")
+    findings = run_check(get_check("gradients"), case, registry.get("planted_bwd_dg_cumsum_bf16"), CPU, {}, run)
+    assert any(f.failed for f in findings if f.tensor == "dg"), [f for f in findings if f.tensor == "dg"]
+    clean = run_check(get_check("gradients"), case, registry.get("torch_chunk"), CPU, {}, run)
+    assert all(f.verdict == "pass" for f in clean), [f for f in clean if f.verdict != "pass"]
+
+
 def test_a_backward_that_varies_warns_and_one_that_reads_scratch_fails(run: Run) -> None:
     check = get_check("gradients")
     fp32 = REACHES_ALL.replace(dtype="fp32")  # its noise is below a bf16 gradient's last bit

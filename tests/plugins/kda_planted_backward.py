@@ -19,10 +19,11 @@ from collections.abc import Callable
 
 import torch
 
+from kda_cases.dtypes import GRADIENT_TENSORS, TORCH_DTYPES, stored_dtype
 from kda_cases.materialize import KDAInputs
 from kda_kernels.registry import register
 from kda_kernels.torch_chunk import TorchChunk
-from kda_reference.gradients import Gradients
+from kda_reference.gradients import Gradients, kda_gradients
 
 # name -> (the bug it models, the gradient it breaks)
 BACKWARD_ZOO: dict[str, tuple[str, str]] = {}
@@ -141,3 +142,36 @@ class _ReadsScratch(TorchChunk):
 
 register(_VariesBackward.name, _VariesBackward)
 register(_ReadsScratch.name, _ReadsScratch)
+
+
+class _GateCumsumInBf16(TorchChunk):
+    """A precision bug a floor policy must keep catching: dg's reverse cumulative sum within each chunk carried in
+    bf16 (an accumulator declared in the input dtype), where the baseline carries it in float32. Its error is
+    every element's, of a few unit roundoffs: in bf16 cases about the size of one element one ulp off, which a
+    looser floor would let through (the results journal, seventeenth session)."""
+
+    name = "planted_bwd_dg_cumsum_bf16"
+    description = "dg's reverse cumulative sum carried in bf16"
+
+    def run_backward(self, inputs: KDAInputs, d_o: torch.Tensor, d_final: torch.Tensor | None) -> Gradients:
+        case = inputs.case
+        found = kda_gradients(
+            inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.options, d_o, d_final,
+            working_dtype=TORCH_DTYPES[case.dtype], chunk_size=self.chunk_size, tf32_dots=self.tf32_dots,
+        )  # fmt: skip
+        dg = found.g.float()
+        carried = dg.clone()
+        for row, start, end in case.row_spans:
+            for c0 in range(start, end, CHUNK):
+                c1 = min(end, c0 + CHUNK)
+                step = dg[row, c0:c1].clone()  # the gradient of the cumulative decay, token by token
+                step[:-1] -= dg[row, c0 + 1 : c1]
+                total = torch.zeros_like(step[0], dtype=torch.bfloat16)
+                for t in range(c1 - c0 - 1, -1, -1):
+                    total = (total.float() + step[t]).bfloat16()
+                    carried[row, c0 + t] = total.float()
+        found = replaced(found, g=carried)
+        return Gradients(**{n: x.to(stored_dtype(case, GRADIENT_TENSORS[n])) for n, x in found.items()})
+
+
+register(_GateCumsumInBf16.name, _GateCumsumInBf16)
