@@ -74,7 +74,7 @@ def _night(tmp_path: Path, writing_seconds: float, interruptible: dict[str, Any]
 
 
 def test_an_interrupt_the_whole_group_heard_is_not_sent_again(tmp_path: Path, interruptible: dict) -> None:
-    parent, log = _night(tmp_path, 11.0, interruptible)  # longer than the 10 s the nightly waited
+    parent, log = _night(tmp_path, 3.0, interruptible)  # longer than the 1 s the nightly waits here
     os.killpg(parent.pid, signal.SIGINT)  # as `timeout` and a terminal's Ctrl-C: the whole process group
     output, _ = parent.communicate(timeout=60)
     assert log.read_text() == "written", output
