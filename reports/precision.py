@@ -13,10 +13,10 @@ import math
 
 import pandas as pd
 
+from kda_cases.case import DTYPES
+
 # Verdicts of records past the declared limits: findings, apart from what the design costs.
 BEYOND_DESIGN = ("fail", "known", "error")
-# The input dtypes a declaration's cost is read on: where none of one was judged, nothing is said of it.
-INPUT_DTYPES = ("fp32", "bf16", "fp16")
 COLUMNS = ["backend", "precision", "records", "over_strict", "worst_strict", "worst_declared", "by_dtype", "note"]
 
 
@@ -49,10 +49,10 @@ def precision_costs(records: pd.DataFrame) -> pd.DataFrame:
                 f"declared {precision}, but all {len(strict)} records pass the strict limits (worst {worst:.3g}x): "
                 "the declaration is unnecessary"
             )
-            judged_dtypes = set(part["case_dtype"].astype(str)) if "case_dtype" in part else set(INPUT_DTYPES)
-            unjudged = [d for d in INPUT_DTYPES if d not in judged_dtypes]
+            judged_dtypes = set(part["case_dtype"].astype(str)) if "case_dtype" in part else set(DTYPES)
+            unjudged = [d for d in DTYPES if d not in judged_dtypes]
             if unjudged:  # on an H100 fla_chunk32's fp32 configurations all crashed: its TF32 went unmeasured
-                judged_text = ", ".join(d for d in INPUT_DTYPES if d in judged_dtypes)
+                judged_text = ", ".join(d for d in DTYPES if d in judged_dtypes)
                 note += f" on {judged_text} inputs; no {' or '.join(unjudged)} record was judged"
         left_out = int(beyond.sum())
         if left_out:

@@ -190,7 +190,7 @@ def apply_known(findings: Iterable[Finding], issues: Iterable[KnownIssue] | None
         for f in findings
         if f.verdict == "fail" and f.errors is not None and f.backend != SUITE_BACKEND
         for i in issues
-        if i.allowed > 0 and i.matches(f) and (f.worst <= i.allowed or math.isinf(i.allowed))
+        if i.allowed > 0 and i.matches(f) and _allows(i, f)
     }
     result = []
     for finding in findings:
@@ -214,9 +214,7 @@ def apply_known(findings: Iterable[Finding], issues: Iterable[KnownIssue] | None
         elif finding.verdict == "fail":
             # Several entries can match one failure (a dtype's rounding and a check's broken contract): the
             # failure is known when any of them allows it, and judged against the widest one otherwise.
-            allowing = [
-                i for i in matching if finding.errors is None or finding.worst <= i.allowed or math.isinf(i.allowed)
-            ]
+            allowing = [i for i in matching if finding.errors is None or _allows(i, finding)]
             if allowing:
                 issue = allowing[0]
                 reason = f"known issue {issue.id}: {issue.description} ({issue.upstream})"
@@ -238,6 +236,12 @@ def apply_known(findings: Iterable[Finding], issues: Iterable[KnownIssue] | None
         else:
             result.append(finding)
     return result
+
+
+def _allows(issue: KnownIssue, finding: Finding) -> bool:
+    """Whether ``issue`` allows the error ``finding`` measured: within its worst x growth, or any where it bounds
+    nothing."""
+    return finding.worst <= issue.allowed or math.isinf(issue.allowed)
 
 
 def _known_error(finding: Finding, issues: tuple[KnownIssue, ...]) -> Finding:

@@ -49,7 +49,7 @@ from kda_conformance.running.run import NOT_LAUNCHED, Run
 from kda_kernels import guard, registry
 from kda_kernels.guard import BackendFault
 from kda_kernels.protocol import Backend
-from kda_reports.findings import FAILED, message_kind, worst_ratio, worst_ratios, worst_tier
+from kda_reports.findings import FAILED, message_kind, worst_ratios, worst_tier
 
 STATUSES = ("open", "new", "fixed", "not seen")
 # Not a kernel's finding: the suite's own failures and the machine's.
@@ -241,6 +241,7 @@ def _claimed(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> pd.Series
         return pd.Series("", index=records.index, dtype=str)
     taken_over = {old: issue.id for issue in ledger for old in issue.replaces}
     matched = matched.map(lambda known: taken_over.get(known, known))
+    worsts = worst_ratios(records)
     unclaimed = records[records["verdict"].isin(["fail", "error"]) & (matched == "")]
     for index, row in unclaimed.iterrows():
         if row["verdict"] == "error":  # an error is an entry's where the entry names words of its message
@@ -249,7 +250,7 @@ def _claimed(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> pd.Series
             if claims:
                 matched.at[index] = claims[0].id
             continue
-        worst = worst_ratio(float(row.get("ratio", float("nan"))), float(row.get("rel_rms_ratio", float("nan"))))
+        worst = float(worsts[index])
         for issue in ledger:
             if _claims(issue, row) and (worst <= issue.allowed or (math.isnan(worst) and math.isinf(issue.allowed))):
                 matched.at[index] = issue.id
@@ -259,11 +260,7 @@ def _claimed(records: pd.DataFrame, ledger: tuple[KnownIssue, ...]) -> pd.Series
     # (judging/known.py apply_known, for the runs recorded before it did so).
     call = [c for c in ("run_id", "case_id", "backend", "check") if c in records]
     by_id = {issue.id: issue for issue in ledger}
-    for index, row in records[records["verdict"].eq("fail") & (matched == "")].iterrows():
-        if not math.isnan(
-            worst_ratio(float(row.get("ratio", float("nan"))), float(row.get("rel_rms_ratio", float("nan"))))
-        ):
-            continue
+    for index, row in records[records["verdict"].eq("fail") & (matched == "") & worsts.isna()].iterrows():
         same = (records[call] == row[call]).all(axis=1) & (matched != "")
         beside = [by_id[known] for known in matched[same] if known in by_id and _claims(by_id[known], row)]
         if beside:
