@@ -105,6 +105,34 @@ class FaultsWithOneConfiguration(TunedBaseline):
         return out
 
 
+class TooLargeForOneConfiguration(TunedBaseline):
+    """The tuned baseline, but BLOCK 16 asks more shared memory than the GPU has, as Triton says when it compiles
+    (on an H100, GLM-5.3-Flash's AMD copy at K = V = 256 fp16 with 4 stages: 282,624 bytes of 232,448)."""
+
+    name = "test_too_large_for_one_configuration"
+
+    def run(self, inputs):
+        out = super().run(inputs)
+        if JIT.launched[-1] == 16:
+            raise triton.runtime.errors.OutOfResources(282624, 232448, "shared memory")
+        return out
+
+
+def test_a_configuration_this_gpu_cannot_launch_is_a_skip_that_says_why(tuned: None, tmp_path) -> None:
+    """Triton's autotuner never chooses a configuration that is out of resources here: the check skips it naming
+    the resource, and still names the one that computes wrong."""
+    registry.register(TooLargeForOneConfiguration.name, TooLargeForOneConfiguration, replace=True)
+    check = dataclasses.replace(get_check("autotune_configs"), devices=("cpu", "cuda"))
+    case = Case(seq_lens=(40,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
+    run = Run(build_config(device="cpu", out=tmp_path), journal=False)
+    findings = run_check(check, case, registry.get(TooLargeForOneConfiguration.name), torch.device("cpu"), {}, run)
+    [skipped] = [f for f in findings if f.verdict == "skip"]
+    assert skipped.subject == "with scale_tail BLOCK=16 warps=4 stages=3"
+    assert skipped.observed == "configuration does not fit this GPU"
+    assert "autotune never chooses it here: out of resource: shared memory, Required: 282624" in skipped.reason
+    assert {f.subject for f in findings if f.failed} == {"with scale_tail BLOCK=64 warps=4 stages=3"}
+
+
 def _lost_device_error(tmp_path):
     """The error finding the check leaves when the faulting double loses the device."""
     registry.register(FaultsWithOneConfiguration.name, FaultsWithOneConfiguration, replace=True)

@@ -6,7 +6,10 @@ Which configuration autotune picks depends on the machine, the cache and the tim
 another GPU may never have won here; vLLM's ROCm Kimi path found a ``num_stages=4`` configuration that raced
 and wrote values near 1e38. The call is made once with autotune's choices (which also lists the autotuned
 kernels it launched), then once per (kernel, configuration) through kernels/autotune_replay.py's ``pinned``.
-A backend that launches no autotuned kernel (a CUDA extension, the PyTorch baseline) passes, saying so. On a
+A configuration that cannot launch on this GPU (Triton's ``OutOfResources``: more shared memory than the GPU
+has, as GLM-5.3-Flash's copy of ``chunk_gated_delta_rule_fwd_kernel_h`` asks at K = V = 256 with 4 stages on an
+H100) is one Triton's own autotuner times as infinitely slow and never chooses here: a skip that says so, not a
+finding. A backend that launches no autotuned kernel (a CUDA extension, the PyTorch baseline) passes, saying so. On a
 GPU only: Triton's CPU interpreter launches each kernel's first configuration (kernels/triton_interpret.py).
 """
 
@@ -34,6 +37,19 @@ NAME = "autotune_configs"
 # The check's time on one case: every configuration is a compile (seconds to a minute on a GPU host), and a
 # chunk pipeline has dozens; the ones left when it runs out are said, never judged.
 SECONDS = 300.0
+# What Triton's autotuner catches while it benchmarks and times as infinitely slow, so that it never chooses the
+# configuration on this GPU (triton/runtime/autotuner.py, ``Autotuner._bench``).
+NEVER_CHOSEN = ("OutOfResources", "CompileTimeAssertionFailure", "PTXASError")
+
+
+def never_chosen_here(exc: BaseException) -> bool:
+    """``exc`` (or what it was raised from) is one of Triton's errors of a configuration this GPU cannot run."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if any(cls.__name__ in NEVER_CHOSEN and cls.__module__.startswith("triton") for cls in type(seen).__mro__):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def describe(kernel: str, config: dict) -> str:
@@ -80,6 +96,11 @@ def run(truth: CaseTruth, backend: Backend, params: Mapping[str, object], judge:
             if is_sticky(exc):  # the device is lost: nothing more runs in this process, but its record names why
                 exc.add_note(f"with {label} pinned ({tried} of {len(pending)} configurations tried)")
                 raise
+            if never_chosen_here(exc):
+                said = f"does not run on this GPU, so autotune never chooses it here: {str(exc)[:300]}"
+                skipped = dataclasses.replace(judge.outcome("skip", said), subject=f"with {label}")
+                findings.append(dataclasses.replace(skipped, observed="configuration does not fit this GPU"))
+                continue
             failed = judge.problem(f"with {label}", f"raised {type(exc).__name__}: {str(exc)[:300]}")
             findings.append(dataclasses.replace(failed, observed="configuration raised"))
             continue
