@@ -2,8 +2,9 @@
 with the working-precision baseline and the output dtype's resolution there.
 
 ``python tests/gradient_probe.py CASE.json SEQUENCE [GRADIENT] [BACKEND]`` (gradient ``dg``, backend
-``fla_chunk`` by default) prints one JSON line: the backend's and the baseline's error RMS over the sequence, and
-at the backend's worst element the float64 value, both errors, and one ulp of the gradient's dtype at that value.
+``fla_chunk`` by default) prints one JSON line: the backend's and the baseline's error RMS over the sequence, at
+the backend's worst element the float64 value, both errors and one ulp of the gradient's dtype at that value,
+and the backend's rel-RMS there beside the limit the gradients check holds that sequence alone to.
 On the CPU a Triton backend runs under the interpreter (set here), which FLA's kernels compute bit for bit as an
 H100 did for the case this was written for (docs/results/2026-12-07.md, seventeenth session). A fresh process
 per call: the interpreter is process-wide.
@@ -26,7 +27,14 @@ def main(path: str, sequence: int, gradient: str = "dg", backend_name: str = "fl
     from kda_cases.case import Case
     from kda_cases.materialize import materialize
     from kda_conformance.checks._derived import alone_inputs
-    from kda_conformance.running.gradient_truth import alone_sequences, by_tensor, upstream_gradients
+    from kda_conformance.judging.metrics import measure
+    from kda_conformance.running.gradient_truth import (
+        alone_sequences,
+        by_tensor,
+        gradient_truth,
+        part_scale,
+        upstream_gradients,
+    )
     from kda_kernels import registry, triton_interpret
     from kda_kernels.torch_chunk import TorchChunk
     from kda_reference.gradients import kda_gradients
@@ -42,6 +50,9 @@ def main(path: str, sequence: int, gradient: str = "dg", backend_name: str = "fl
     base = by_tensor(TorchChunk(64).run_backward(alone, *upstream))[gradient]
     want = by_tensor(kda_gradients(alone.q, alone.k, alone.v, alone.g, alone.beta, alone.options, *upstream))[gradient]
     error, base_error = got.double() - want, base.double() - want
+    truth = gradient_truth(inputs)
+    rel_rms = measure(gradient, got, want, part_scale(truth.reference, truth.scales, gradient)).errors.rel_rms
+    limit = truth.sequence_budgets[sequence][gradient].rel_rms
     worst = int(error.abs().argmax())
     value = float(want.flatten()[worst])
     ulp = float(torch.tensor(abs(value), dtype=got.dtype).nextafter(torch.tensor(float("inf"), dtype=got.dtype)))
@@ -58,6 +69,9 @@ def main(path: str, sequence: int, gradient: str = "dg", backend_name: str = "fl
         "baseline_error_there": float(base_error.flatten()[worst]),
         "ulp_there": ulp,
         "worst_share_of_rms": float(error.flatten()[worst] ** 2 / error.pow(2).sum()),
+        "rel_rms": rel_rms,
+        "rel_rms_limit": limit.value,
+        "limit_set_by": limit.binding,
     }
 
 

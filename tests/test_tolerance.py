@@ -182,3 +182,31 @@ def test_a_sequence_run_alone_is_located_in_that_sequence_of_the_case() -> None:
     state = torch.zeros(1, 1, 4, 2, dtype=F64)
     where = judge.tensor("final_state", state + 1.0, state, fixed_budget(1e-3), alone=1).first_bad
     assert where is not None and (where.sequence, where.head) == (1, 0)
+
+
+def test_rel_rms_counts_the_largest_error_less_one_ulp_and_every_other_error_whole() -> None:
+    """FLA's chunk backward returned one dg element of a 5-token sequence as 8.25 where the exact value is 8.1877
+    (bf16 rounds it to 8.1875): 99.99 % of that part's squared error, which its rel-RMS limit failed at 1.88x.
+    One element on the other neighbour of its exact value is rounding; the rest of a larger error, and an error
+    spread over the elements, still count."""
+    want = torch.full((1, 5, 1, 4), 0.1, dtype=F64)
+    want[0, 2, 0, 3] = 8.1877
+    nearest = want.to(torch.bfloat16)
+    rounding = tensor_error("o", nearest, want).rel_rms
+
+    def rel_rms_with(value: float) -> float:
+        got = nearest.clone()
+        got[0, 2, 0, 3] = value
+        return tensor_error("o", got, want).rel_rms
+
+    assert rel_rms_with(8.25) == pytest.approx(rounding, rel=1e-12)  # one ulp (0.0625) up: the other neighbour
+    rms = float(want.pow(2).mean().sqrt())
+    two_ulps_left = math.sqrt(rounding**2 + (8.3125 - 8.1877 - 0.0625) ** 2 / want.numel() / rms**2)
+    assert rel_rms_with(8.3125) == pytest.approx(two_ulps_left, rel=1e-6)  # two up: one of them counts
+    got = nearest.clone()
+    got[0, 2, 0, 3] = 8.25
+    assert tensor_error("o", got, want).max_abs == pytest.approx(8.25 - 8.1877)  # max-abs is the whole error
+    level = torch.linspace(0.5, 0.9, 20, dtype=F64).reshape(1, 5, 1, 4)
+    spread = level.to(torch.bfloat16).nextafter(torch.tensor(math.inf, dtype=torch.bfloat16))  # each one ulp up
+    whole = float((spread.double() - level).pow(2).mean().sqrt() / level.pow(2).mean().sqrt())
+    assert tensor_error("o", spread, level).rel_rms > 0.9 * whole
