@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -12,6 +13,14 @@ import pytest
 # The tests' shared helpers (tests/support/suite_paths.py), importable by name from every test module.
 sys.path.insert(0, str(Path(__file__).with_name("support")))
 from suite_paths import import_plugin
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    # A worker per core keeps every core busy: torch's own threads in each worker (and, through OMP_NUM_THREADS,
+    # in the detection and nightly subprocesses the tests start) would only contend for the same cores.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
