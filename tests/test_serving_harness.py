@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from suite_paths import PLUGINS
+from suite_paths import PLUGINS, rel_rms_agrees_with_the_suite
 
 from kda_cases.case import Case
 from kda_cases.dtypes import bits
@@ -239,6 +239,7 @@ def test_a_standalone_test_holds_every_limit_the_suite_judged_and_names_its_chec
     assert main([*argv, "--write-test", str(test_file)]) == 0
     text = test_file.read_text()
     assert f"def test_{case.id.replace('-', '_')}_torch_chunk_budget():" in text and "check budget" in text
+    rel_rms_agrees_with_the_suite(text)
     data_path = test_file.with_suffix(".pt")
     data = torch.load(data_path, weights_only=True)
     truth = case_truth(case.replace(packed=True), torch.device("cpu"))

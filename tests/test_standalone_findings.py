@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from suite_paths import alone_in
+from suite_paths import alone_in, rel_rms_agrees_with_the_suite
 
 from kda_cases.case import Case
 from kda_cases.materialize import materialize
@@ -107,6 +107,7 @@ def test_a_written_file_imports_nothing_of_the_suite_fails_and_skips_without_its
     skips = subprocess.run(pytest_file, cwd=alone, env=bare, capture_output=True, text=True)
     assert skips.returncode == 0 and "needs fake-kda (the suite's tests/doubles/fake_kda" in skips.stdout, skips.stdout
     text = file.read_text()
+    rel_rms_agrees_with_the_suite(text)
     for said in ("What goes wrong:", "Measured with kda-conformance", "LIMITS = {", "LIBRARY_TOLERANCE = {'o': 0.005",
                  "MEASURED = {", "# o: max-abs limit", "Case (kda-conformance --case):"):  # fmt: skip
         assert said in text, said

@@ -204,6 +204,18 @@ TINY = torch.finfo(torch.float64).tiny
 TOKENS = ("q", "k", "v", "g", "beta")
 
 
+def rms_past_one_ulp(err, want, dtype):
+    # The RMS of err, its largest counted less one ulp of dtype at that element's exact value: one element on
+    # the other neighbour of its exact value is rounding (kda-conformance docs/tolerance.md).
+    worst = int(err.argmax())
+    largest = float(err.flatten()[worst])
+    exact = want.flatten()[worst].abs().to(dtype)
+    ulp = float(exact.nextafter(torch.tensor(math.inf, dtype=dtype))) - float(exact)
+    ulp = ulp if math.isfinite(ulp) else 0.0
+    total = float(err.pow(2).sum()) - largest**2 + max(largest - ulp, 0.0) ** 2
+    return math.sqrt(max(total, 0.0) / err.numel())
+
+
 def first_bad(name, bad):
     at = bad.nonzero()[0].tolist()
     if name in ("final_state", "dh0"):
@@ -225,7 +237,7 @@ def held(name, got, want, problems, lines, scale=0.0):
     nonfinite = int((~got.isfinite()).sum())
     ref = max(float(want.pow(2).mean().sqrt()) if want.numel() else 0.0, scale, TINY)
     max_abs = math.inf if nonfinite else (float(err.max()) if err.numel() else 0.0)
-    rel_rms = math.inf if nonfinite else (float(err.pow(2).mean().sqrt()) / ref if err.numel() else 0.0)
+    rel_rms = math.inf if nonfinite else (rms_past_one_ulp(err, want, got.dtype) / ref if err.numel() else 0.0)
     if name not in LIMITS:  # a crash's finding: the call runs, and its result is whole and finite
         problems += [f"{{name}}: {{nonfinite}} non-finite values"] if nonfinite else []
         lines.append(f"{{name}}: max-abs {{max_abs:.3e}}, rel-RMS {{rel_rms:.3e}} (no limits recorded)")

@@ -4,6 +4,7 @@ while. tests/conftest.py puts this folder on sys.path, so a test imports it by n
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import os
@@ -58,3 +59,26 @@ def alone_in(folder: Path, source: str, name: str) -> list[str]:
     folder.mkdir(exist_ok=True)
     (folder / name).write_text(source)
     return [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:randomly", name]
+
+
+def rel_rms_agrees_with_the_suite(source: str) -> None:
+    """A standalone file's ``rms_past_one_ulp`` (the file never imports the suite) gives the suite's rel-RMS
+    numerator (``metrics._rms_past_one_ulp_at_the_worst``) on one element one ulp off, two ulps off, and an error
+    spread over every element, in bf16 and fp32."""
+    import math
+
+    import torch
+
+    from kda_conformance.judging.metrics import _rms_past_one_ulp_at_the_worst
+
+    [helper] = [node for node in ast.parse(source).body if getattr(node, "name", "") == "rms_past_one_ulp"]
+    namespace = {"math": math, "torch": torch}
+    exec(compile(ast.Module([helper], type_ignores=[]), "<written file>", "exec"), namespace)
+    want = torch.linspace(-2.0, 8.1877, 40, dtype=torch.float64)
+    for dtype in (torch.bfloat16, torch.float32):
+        nearest = want.to(dtype)
+        for got in (nearest.clone(), nearest * (1 + 2**-7), nearest.clone().index_fill_(0, torch.tensor([39]), 8.25)):
+            err = (got.double() - want).abs()
+            ours = _rms_past_one_ulp_at_the_worst(err, want, dtype)
+            theirs = namespace["rms_past_one_ulp"](err, want, dtype)
+            assert math.isclose(ours, theirs, rel_tol=1e-12, abs_tol=1e-300), (dtype, ours, theirs)
