@@ -79,4 +79,11 @@ def test_the_shards_command_writes_the_cost_file_from_a_runs_test_seconds(tmp_pa
     assert costs.backends == {} and "no cost file" in costs.source
     (tmp_path / "nvidia-h200.json").write_text(out.read_text())
     assert shards.costs_for("NVIDIA H200", tmp_path).backends == data["backends"]
+    # An H100 has no file of its own here: the H200's stands in (the same architecture), and says so.
+    h100 = shards.costs_for("NVIDIA H100 80GB HBM3", tmp_path)
+    assert h100.backends == data["backends"]
+    assert "nvidia-h200.json (run night-a" in h100.source and "standing in for NVIDIA H100 80GB HBM3" in h100.source
+    (tmp_path / "nvidia-h100-80gb-hbm3.json").write_text(json.dumps({**data, "backends": {"fla_chunk": 1.0}}))
+    assert shards.costs_for("NVIDIA H100 80GB HBM3", tmp_path).backends == {"fla_chunk": 1.0}  # its own wins
+    assert shards.costs_for("NVIDIA A100-SXM4-80GB", tmp_path).backends == {}  # no stand-in named for it
     assert main(["shards", "--store", str(tmp_path / "store"), "--run-id", "night-b"]) == 2

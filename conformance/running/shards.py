@@ -29,6 +29,11 @@ from kda_kernels.autotune_replay import gpu_slug
 from kda_reports.runfile import number, read_object
 
 FOLDER = Path(__file__).with_name("shard_costs")
+# A GPU model with no cost file of its own takes the file of a model of the same architecture, where one is
+# measured: only the balance between backends is used, and the kernels, their compile stage (on the host's
+# CPU) and the SMs are the same; memory bandwidth differs. Not measured on the stand-in's own model: the
+# header line says whose costs they are. The H100 (sm_90) takes the H200's until a night of its own is written.
+STAND_INS = {"nvidia-h100-80gb-hbm3": "nvidia-h200"}
 
 
 def backend_of(nodeid: str) -> str:
@@ -58,7 +63,11 @@ def costs_for(device_name: str | None, folder: Path = FOLDER) -> Costs:
     """The cost file of this GPU model, or none (the CPU, a model never measured)."""
     if not device_name:
         return Costs({})
-    path = folder / f"{gpu_slug(device_name)}.json"
+    slug = gpu_slug(device_name)
+    path, stand_in = folder / f"{slug}.json", ""
+    if not path.exists() and slug in STAND_INS and (folder / f"{STAND_INS[slug]}.json").exists():
+        path = folder / f"{STAND_INS[slug]}.json"
+        stand_in = f", standing in for {device_name}, which has no cost file of its own (same architecture)"
     problems: list[str] = []
     data = read_object(path, problems)
     if data is None:
@@ -69,7 +78,7 @@ def costs_for(device_name: str | None, folder: Path = FOLDER) -> Costs:
         return Costs({}, f"{path.name}: backends is no mapping of seconds: each test weighs the same")
     return Costs(
         {str(k): float(v) for k, v in backends.items()},
-        f"{path.name} (run {data.get('run_id', '?')}, {data.get('date', '?')})",
+        f"{path.name} (run {data.get('run_id', '?')}, {data.get('date', '?')}{stand_in})",
     )
 
 
