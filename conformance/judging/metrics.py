@@ -39,26 +39,27 @@ class Measurement:
     per_index: torch.Tensor | None = None
 
 
-def _rms_past_one_ulp_at_the_worst(diff: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> float:
-    """The RMS of ``diff`` with its largest element's error less one ulp of ``dtype`` at that element's exact
-    value: a kernel that returns one element as the other neighbour of its exact value (FLA's chunk backward, dg
-    8.25 for 8.1877 in bf16 on a 5-token sequence, 99.99 % of that part's squared error) has rounded it, which
-    a small part's RMS makes look large and no kernel can be asked to avoid; an error spread over the elements
-    keeps all but one element's worth (docs/tolerance.md, "one ulp at one element")."""
-    if not diff.numel():
+def rms_past_one_ulp(err: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> float:
+    """The RMS of the errors ``err`` (of a result of ``dtype`` against the float64 ``want``), its largest error
+    counted less one ulp of ``dtype`` at that element's exact value: a kernel that returns one element as the
+    other neighbour of its exact value (FLA's chunk backward, dg 8.25 for 8.1877 in bf16 on a 5-token sequence,
+    99.99 % of that part's squared error) has rounded it, which a small part's RMS makes look large and no
+    kernel can be asked to avoid; an error spread over the elements keeps all but one element's worth
+    (kda-conformance docs/tolerance.md, "one ulp at one element"). Standalone files carry it verbatim: it uses
+    torch and math only."""
+    if not err.numel():
         return 0.0
-    squares = diff.pow(2)
-    total = float(squares.sum())
-    worst = int(diff.flatten().argmax())
-    largest = float(diff.flatten()[worst])
+    total = float(err.pow(2).sum())
+    worst = int(err.argmax())
+    largest = float(err.flatten()[worst])
     if not (math.isfinite(total) and dtype.is_floating_point):
-        return math.sqrt(total / diff.numel())
+        return math.sqrt(total / err.numel())
     exact = want.flatten()[worst].abs().to(dtype)
     ulp = float(exact.nextafter(torch.tensor(math.inf, dtype=dtype, device=exact.device))) - float(exact)
     if not math.isfinite(ulp):  # an exact value at or past the dtype's largest finite one: nothing is forgiven
         ulp = 0.0
     forgiven = max(largest - ulp, 0.0)
-    return math.sqrt(max(total - largest**2 + forgiven**2, 0.0) / diff.numel())
+    return math.sqrt(max(total - largest**2 + forgiven**2, 0.0) / err.numel())
 
 
 def measure(name: str, got: torch.Tensor | None, want: torch.Tensor, scale_rms: float = 0.0) -> Measurement:
@@ -78,7 +79,7 @@ def measure(name: str, got: torch.Tensor | None, want: torch.Tensor, scale_rms: 
     diff = torch.where(finite, raw, torch.full_like(raw, math.inf))
     ref_rms = max(float(want.pow(2).mean().sqrt()) if want.numel() else 0.0, scale_rms)
     max_abs = float(diff.max()) if diff.numel() else 0.0
-    err_rms = _rms_past_one_ulp_at_the_worst(diff, want, got.dtype)
+    err_rms = rms_past_one_ulp(diff, want, got.dtype)
     tiny = torch.finfo(torch.float64).tiny
     # Per index, a non-finite value stays NaN so that it is "bad" against any limit, infinite ones included.
     located = torch.where(finite, raw, torch.full_like(raw, math.nan))

@@ -18,6 +18,7 @@ from kda_cases.case import Case
 from kda_cases.files import atomic_write_text
 from kda_cases.materialize import cu_seqlens_tensor
 from kda_conformance.checks import serving_case
+from kda_conformance.repro.standalone_finding import rel_rms_source
 from kda_conformance.running.truth import case_truth, declared_precision
 from kda_kernels import registry
 from kda_kernels.protocol import Backend
@@ -232,24 +233,6 @@ def write_standalone(
             return x.contiguous().view(INTS[x.element_size()])
 
 
-        def rms(x):
-            return float(x.pow(2).mean().sqrt()) if x.numel() else 0.0
-
-
-        def rms_past_one_ulp(err, want, dtype):
-            # The RMS of err, its largest counted less one ulp of dtype at that element's exact value: one element
-            # on the other neighbour of its exact value is rounding (kda-conformance docs/tolerance.md).
-            if not err.numel():
-                return 0.0
-            worst = int(err.argmax())
-            largest = float(err.flatten()[worst])
-            exact = want.flatten()[worst].abs().to(dtype)
-            ulp = float(exact.nextafter(torch.tensor(math.inf, dtype=dtype, device=exact.device))) - float(exact)
-            ulp = ulp if math.isfinite(ulp) else 0.0
-            total = float(err.pow(2).sum()) - largest**2 + max(largest - ulp, 0.0) ** 2
-            return math.sqrt(max(total, 0.0) / err.numel())
-
-
         def test_{case.id.replace("-", "_")}_{backend.name}_{check}():
             device = where_it_runs()
             d = torch.load(DATA, weights_only=True)  # tensors and plain values only: a tampered file runs no code
@@ -272,7 +255,8 @@ def write_standalone(
                 finite = bool(err.isfinite().all())
                 measured = {{
                     "max_abs": float(err.max()) if finite else math.inf,
-                    "rel_rms": rms_past_one_ulp(err, want, got[name].dtype) / max(rms(want), TINY)
+                    "rel_rms": rms_past_one_ulp(err, want, got[name].dtype)
+                    / float(want.pow(2).mean().sqrt().clamp_min(TINY))
                     if finite
                     else math.inf,
                 }}
@@ -301,6 +285,7 @@ def write_standalone(
         'device it needs is missing.\n"""\n\nimport importlib\nimport math\nimport os\nfrom pathlib import Path\n\n'
         "import pytest\nimport torch\n"
     )
-    text = header + needs_source(backend) + source + "\n" + where_it_runs_source(backend, device) + body
+    text = header + needs_source(backend) + source + "\n" + where_it_runs_source(backend, device)
+    text += "\n\n" + rel_rms_source() + body
     atomic_write_text(path, text)
     return path, data_path

@@ -27,6 +27,7 @@ from kda_cases.files import atomic_write_text
 from kda_cases.materialize import materialize
 from kda_conformance.checks import offsets_past_2_31 as offsets
 from kda_conformance.checks.gradients import WHOLE_BACKWARD
+from kda_conformance.judging import metrics
 from kda_conformance.running.gradient_truth import by_tensor, term_scales, upstream_gradients
 from kda_kernels import serving
 from kda_kernels.protocol import Backend
@@ -66,6 +67,13 @@ def poisoned_memory_source() -> str:
     functions = "\n\n".join(inspect.getsource(f) for f in (serving.poisoned_scratch, serving._prefill_allocator))
     head = f"# ---- kda-conformance kernels/serving.py, verbatim {'-' * 40}"
     return f"{head}\nSENTINEL = {serving.SENTINEL!r}\n\n\n{functions}"
+
+
+def rel_rms_source() -> str:
+    """The suite's rel-RMS numerator (judging/metrics.py ``rms_past_one_ulp``), verbatim: a file measures the
+    rel-RMS its limit was set for, the largest error counted less one ulp."""
+    head = f"# ---- kda-conformance judging/metrics.py, verbatim {'-' * 40}"
+    return f"{head}\n{inspect.getsource(metrics.rms_past_one_ulp)}"
 
 
 def case_spec_source(case: Case) -> str:
@@ -203,17 +211,6 @@ MEASURED = {seen}  # when written, on {where}
 TINY = torch.finfo(torch.float64).tiny
 TOKENS = ("q", "k", "v", "g", "beta")
 
-
-def rms_past_one_ulp(err, want, dtype):
-    # The RMS of err, its largest counted less one ulp of dtype at that element's exact value: one element on
-    # the other neighbour of its exact value is rounding (kda-conformance docs/tolerance.md).
-    worst = int(err.argmax())
-    largest = float(err.flatten()[worst])
-    exact = want.flatten()[worst].abs().to(dtype)
-    ulp = float(exact.nextafter(torch.tensor(math.inf, dtype=dtype))) - float(exact)
-    ulp = ulp if math.isfinite(ulp) else 0.0
-    total = float(err.pow(2).sum()) - largest**2 + max(largest - ulp, 0.0) ** 2
-    return math.sqrt(max(total, 0.0) / err.numel())
 
 
 def first_bad(name, bad):
@@ -440,6 +437,7 @@ def standalone_file_text(finding: object, case: Case, backend: Backend, file_nam
             backend.standalone_source(case),
             _where_it_runs_source(device_type, where),
             *([poisoned_memory_source()] if poisoned else []),
+            rel_rms_source(),
             judging,
             test,
         ]
