@@ -279,10 +279,10 @@ def _budgets(
             raise InvalidTruth(f"case {case.id}: the baseline's gradient {name} is not finite: no budget from it")
         scale_max, scale_rms = scales.get(name, (0.0, 0.0))
         ref_max = float(want.abs().max()) if want.numel() else 0.0
-        ref_rms = float(want.pow(2).mean().sqrt()) if want.numel() else 0.0
+        judged = want
         if part is not None and name in part:
-            scale_rms = part_scale(reference, scales, name)
-            ref_rms = float(part[name].pow(2).mean().sqrt()) if part[name].numel() else 0.0
+            scale_rms, judged = part_scale(reference, scales, name), part[name]
+        ref_rms = float(judged.pow(2).mean().sqrt()) if judged.numel() else 0.0
         budgets[name] = derive_budget(
             case,
             name,
