@@ -3,7 +3,8 @@
 The Triton interpreter executes kernels with NumPy. For the KDA kernels it has
 six gaps, each patched here and each covered by a test in
 ``tests/test_triton_interpret.py`` that fails both when the workaround stops
-working and when the interpreter no longer needs it:
+working and when the interpreter no longer needs it, and one cost (7), timed by a
+benchmark instead:
 
 1. ``autotune``: the autotuner benchmarks every config on a GPU driver, which a
    CPU does not have ("0 active drivers"). We keep only the first config.
@@ -25,6 +26,15 @@ working and when the interpreter no longer needs it:
    runs, where an earlier workaround switched FLA to its ``tl.load`` fallback).
    The loop-index patch (2) is also applied to a vendored tree's modules
    (:func:`patch_loop_index`, called by kernels/backends/vendored.py).
+7. ``shallow_stack``: not a gap but a cost, of CPython 3.11. Its frames live in
+   16 KiB chunks, mapped when a call crosses into a new one and unmapped when
+   it returns; the interpreter's millions of small calls, from a stack as deep
+   as pytest's, crossed one such boundary back and forth: 1.8 million maps and
+   as many unmaps (strace) in examples/test_kda_like_fla.py::test_chunk. Each
+   launch runs on a thread of its own, whose stack starts empty, with the
+   caller's grad and inference modes; the caller waits for it. FLA's two chunk
+   tests there took 19.5 s with it and 55.4 s without, 31.4 s of them system
+   time (``python tests/interpreter_bench.py``, medians of 3, 2 cores).
 
 Everything is switched on by :func:`enable`, called by the pytest plugin and the
 FLA adapters on a CPU: the Triton patches at once, the one that patches FLA's own
@@ -49,7 +59,7 @@ from collections.abc import Callable, Collection, Iterator
 
 PINNED_TRITON = "3.9.0"
 VARIABLE = "TRITON_INTERPRET"  # set by enable(): a backend that may enable the interpreter declares it
-WORKAROUNDS = ("autotune", "loop_index", "bf16_arith", "bf16_reduce", "bf16_round", "builtin_alias")
+WORKAROUNDS = ("autotune", "loop_index", "bf16_arith", "bf16_reduce", "bf16_round", "builtin_alias", "shallow_stack")
 
 _enabled = False
 _fla_pending: tuple[str, ...] = ()  # the FLA workarounds enable() left for patch_fla()
@@ -361,6 +371,37 @@ def _patch_builtin_aliases() -> None:
     interpreter._patch_lang = patch_lang_and_aliases
 
 
+def _patch_launch_on_a_shallow_stack() -> None:
+    import threading
+
+    from triton.runtime import interpreter
+
+    launch = interpreter.GridExecutor.__call__
+
+    def launch_on_a_thread(self: object, *args: object, **kwargs: object) -> object:
+        import torch
+
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()  # both are per thread
+        outcome: dict[str, object] = {}
+
+        def run() -> None:
+            try:
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                    outcome["value"] = launch(self, *args, **kwargs)
+            except BaseException as exc:  # the caller's to raise, with the kernel's traceback
+                outcome["error"] = exc
+
+        # A daemon: a caller interrupted while it waits (Ctrl-C, a time limit) does not wait on at exit.
+        thread = threading.Thread(target=run, name="triton-interpreter-launch", daemon=True)
+        thread.start()
+        thread.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("value")
+
+    interpreter.GridExecutor.__call__ = launch_on_a_thread
+
+
 def _patch_safe_gate_precision() -> None:
     """FLA's safe-gate backward asks its diagonal dots for ``bf16x3`` on Triton 3.6 and later, a precision the
     interpreter's dot refuses (it takes tf32, tf32x3 and ieee); the interpreter computes every dot in numpy's
@@ -379,5 +420,6 @@ TRITON_PATCHES = {
     "bf16_reduce": _patch_bf16_reduce,
     "bf16_round": _patch_bf16_round,
     "builtin_alias": _patch_builtin_aliases,
+    "shallow_stack": _patch_launch_on_a_shallow_stack,
 }
 FLA_PATCHES = {"loop_index": _patch_loop_index, "safe_gate_precision": _patch_safe_gate_precision}

@@ -80,6 +80,28 @@ def main() -> None:
             y = torch.empty(64)
             alias_kernel[(1,)](x, y, n=64)
             result = {"max_abs": float((y - torch.exp2(x)).abs().max())}
+        elif probe == "launch_thread":
+            # Where a launch runs and what it sees of the caller's thread-local torch modes.
+            import threading
+
+            from triton.runtime import interpreter
+
+            seen = []
+            set_grid_dim = interpreter.interpreter_builder.set_grid_dim
+
+            def noting(*dims: int) -> None:
+                seen.append([threading.current_thread().name, torch.is_inference_mode_enabled()])
+                set_grid_dim(*dims)
+
+            interpreter.interpreter_builder.set_grid_dim = noting
+            x = torch.randn(64, generator=gen)
+            with torch.inference_mode():
+                y = torch.empty(64)  # an inference tensor, written by the kernel
+                alias_kernel[(1,)](x, y, n=64)
+            z = torch.empty(64)
+            alias_kernel[(1,)](x, z, n=64)
+            want = torch.exp2(x)
+            result = {"seen": seen, "max_abs": float(max((y - want).abs().max(), (z - want).abs().max()))}
         elif probe in ("chunk_fp32", "chunk_bf16"):
             from kda_cases.case import Case
             from kda_cases.materialize import materialize

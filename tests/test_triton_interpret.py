@@ -91,6 +91,7 @@ def test_a_builtin_called_through_a_module_alias_runs() -> None:
 
 
 def test_a_builtin_alias_fails_without_the_workaround() -> None:
+    # Raised inside the launch, on its own thread (shallow_stack): the caller gets the kernel's error.
     assert "Did you forget to add @triton.jit" in probe("alias", "builtin_alias")["exception"]
 
 
@@ -109,6 +110,16 @@ def test_bf16_chunk_kda_is_garbage_without_bf16_arithmetic() -> None:
 @pytest.mark.slow
 def test_bf16_chunk_kda_error_grows_without_rounding() -> None:
     assert probe("chunk_bf16", "bf16_round")["max_abs"] > 2 * probe("chunk_bf16")["max_abs"]
+
+
+def test_each_launch_runs_on_a_thread_of_its_own_with_the_callers_inference_mode() -> None:
+    """The shallow-stack workaround (a cost, timed by tests/interpreter_bench.py, not a gap): the same results,
+    each launch on its own thread, seeing the inference mode its caller was in."""
+    said = probe("launch_thread")
+    assert said["max_abs"] < 1e-6, said
+    assert said["seen"] == [["triton-interpreter-launch", True], ["triton-interpreter-launch", False]], said
+    alone = probe("launch_thread", "shallow_stack")
+    assert alone["max_abs"] < 1e-6 and [name for name, _ in alone["seen"]] == ["MainThread"] * 2, alone
 
 
 def test_enable_rejects_unknown_workaround_names() -> None:
