@@ -44,12 +44,12 @@ def run_once(tests: list[str], leave_out: list[str]) -> dict[str, float]:
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=1800)
     lines = [line for line in done.stdout.splitlines() if line.startswith('{"exit"')]
     if not lines:
-        said = done.stdout[-2000:] + done.stderr[-2000:]
-        raise SystemExit(f"a run printed no timing (exit {done.returncode}):\n{said}")
-    said = json.loads(lines[-1])
-    if said["exit"] != 0:
-        raise SystemExit(f"the tests failed (pytest exit {said['exit']}) with {leave_out or 'every workaround'}")
-    return said
+        output = done.stdout[-2000:] + done.stderr[-2000:]
+        raise SystemExit(f"a run printed no timing (exit {done.returncode}):\n{output}")
+    timing = json.loads(lines[-1])
+    if timing["exit"] != 0:
+        raise SystemExit(f"the tests failed (pytest exit {timing['exit']}) with {leave_out or 'every workaround'}")
+    return timing
 
 
 def main() -> None:

@@ -8,8 +8,8 @@ interpreter is process-wide.
 
 Every allocation is FLA's Python (``torch.empty``, ``torch.zeros``), sized from the shapes; what the kernels then
 compute into it sizes nothing. So the probe skips the kernels' launches, which in the interpreter are nearly all
-of its time: at K = V = 64 it measured 1,608.4375 bytes either way, in 4.4 s against 35.6 s with the launches
-(one run each on 2 cores). ``--launch`` runs them, to check that again.
+of its time: at K = V = 64 it measured 1,608.4375 bytes either way, in about 4 s against 35.6 s with the
+launches (one run each on 2 cores). ``--launch`` runs them, to check that again.
 """
 
 from __future__ import annotations

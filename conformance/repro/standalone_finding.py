@@ -212,7 +212,6 @@ TINY = torch.finfo(torch.float64).tiny
 TOKENS = ("q", "k", "v", "g", "beta")
 
 
-
 def first_bad(name, bad):
     at = bad.nonzero()[0].tolist()
     if name in ("final_state", "dh0"):
