@@ -7,6 +7,7 @@ the test's own environment is the install, and the issue's text is written to a 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -71,11 +72,17 @@ def test_the_github_nightly_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     merge = _runner(tmp_path, "merge")
     for shard in shards:
         folder = _runner(tmp_path, f"shard-{shard}")
+        said = ""
         for step in shard_job["steps"]:
             if "run" in step and step.get("id") not in LEFT_OUT:
                 done = _run(step["run"], folder, {**env, "KDA_SHARD": str(shard)})
                 # A night with a failure exits 1 and its part is still uploaded (if: always()).
                 assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
+                said += done.stdout
+        # The job's log and its night file say what the shard holds (pytest-xdist's own log cannot).
+        held = f"shard {shard}/{len(shards)}: "
+        night = json.loads((folder / "store" / "runs" / f"ci-night.s{shard}of{len(shards)}.night.json").read_text())
+        assert night["shard"].startswith(held) and held in said, (night.get("shard"), said[-2000:])
         upload = next(s for s in shard_job["steps"] if s.get("uses", "").startswith("actions/upload-artifact"))
         assert upload["if"] == "always()" and upload["with"]["path"] == "store/runs"
         uploads = [s["with"]["path"] for s in shard_job["steps"] if s.get("uses", "").startswith("actions/upload")]

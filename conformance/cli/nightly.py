@@ -52,6 +52,8 @@ from kda_reports.store import load_store
 
 CONFORMANCE = Path(__file__).resolve().parent.parent
 SUITES = ("test_properties.py", "test_serving.py", "test_corpus.py")
+# The line the plugin prints after collecting a shard (pytest_plugin.pytest_report_collectionfinish).
+SHARD_PREFIX = "kda-conformance: shard "
 EXAMPLE = "kda-conformance nightly --out /srv/kda-store --device cuda --backend fla_chunk --backend fla_recurrent"
 
 
@@ -220,7 +222,10 @@ def _night(args: argparse.Namespace, console: Console) -> int:
     if plan is not None:
         say(console, plan.line())
         env[WORKERS_VARIABLE] = str(plan.workers_per_gpu)
-    compiled = _compile_stage(args, config, planned, env, workers, command, console)
+    shard_tests, shard_line = _shard_tests(command, env, console) if config.shard is not None else ([], "")
+    if shard_line:  # pytest-xdist's controller never collects, so the night's own log would not say it
+        say(console, shard_line)
+    compiled = _compile_stage(args, config, planned, env, workers, shard_tests, console)
     # --compile only: the stage alone, no tests (a host's cache warmed before a night, or the stage timed, e.g.
     # with KDA_AUTOTUNE_REPLAY=0 and with replay on the same shard's jobs); its night file says so.
     only = args.compile == "only"
@@ -238,6 +243,7 @@ def _night(args: argparse.Namespace, console: Console) -> int:
         "wall_seconds": round(time.monotonic() - started, 3),
         "workers": workers,
         "memory_plan": plan.line() if plan is not None else "",
+        **({"shard": shard_line} if shard_line else {}),
         "kernel_configs": len(config.kernel_configs(planned)),
         "compile": compiled,
         "autotune_record": recorded,
@@ -284,20 +290,18 @@ def _plan(args: argparse.Namespace, config, planned: list[Case]) -> WorkerPlan |
     return plan_workers(device_gib(config.device), len(chosen_gpus(args.gpus)) or 1, planned)
 
 
-def _shard_tests(command: list[str], env: dict, console: Console) -> list[str]:
-    """The node ids of this shard's tests: the night's pytest command, collecting only, in one process."""
+def _shard_tests(command: list[str], env: dict, console: Console) -> tuple[list[str], str]:
+    """The node ids of this shard's tests and the plugin's line saying what the shard holds (its backends,
+    its share of the night, whose costs): the night's pytest command, collecting only, in one process."""
     collect = [part for i, part in enumerate(command) if part != "-n" and (i == 0 or command[i - 1] != "-n")]
     collect += ["-p", "no:xdist", "--collect-only"]  # with the command's -q: one node id a line
     done = subprocess.run(collect, env=env, capture_output=True, text=True, check=False)
-    nodeids = [line.strip() for line in done.stdout.splitlines() if "::" in line]
+    lines = done.stdout.splitlines()
+    nodeids = [line.strip() for line in lines if "::" in line]
+    said = next((line.removeprefix("kda-conformance: ") for line in lines if line.startswith(SHARD_PREFIX)), "")
     if done.returncode not in (0, 5) or not nodeids:
-        say(
-            console,
-            f"compile stage: the shard's tests could not be listed (exit {done.returncode})",
-            "warning:",
-            "yellow",
-        )
-    return nodeids
+        say(console, f"the shard's tests could not be listed (exit {done.returncode})", "warning:", "yellow")
+    return nodeids, said
 
 
 def _compile_stage(
@@ -306,7 +310,7 @@ def _compile_stage(
     planned: list[Case],
     env: dict,
     workers: int | str,
-    command: list[str],
+    shard_tests: list[str],
     console: Console,
 ) -> dict:
     """Compile every (backend, kernel configuration) of the night before its cases; its numbers for the
@@ -323,7 +327,7 @@ def _compile_stage(
         which = f"{len(configs)} kernel configurations x {len(config.backends)} backends"
     else:  # a part of the night on its own host compiles what its own tests need
         drawn_from = config.guaranteed_cases() or configs
-        jobs = shard_jobs(_shard_tests(command, env, console), planned, drawn_from)
+        jobs = shard_jobs(shard_tests, planned, drawn_from)
         which = f"the (backend, kernel configuration) pairs of shard {config.part}'s tests"
     say(console, f"compile stage: {which} = {len(jobs)} jobs over {processes} processes")
     began = time.monotonic()
