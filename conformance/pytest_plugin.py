@@ -52,6 +52,8 @@ from kda_reports.store import load_store
 
 # Whether this process writes the run (not a pytest-xdist worker): pytest_runtest_logreport has no config.
 _WRITES_RUN = [True]
+# A nightly's controller: its config, whose terminal names each failed test as it is reported.
+_NIGHT_CONFIG: list[pytest.Config | None] = [None]
 SHARD_LINE = pytest.StashKey[str]()  # --kda-shard: what this host's shard runs, for the header
 HEADER_SHOWN = pytest.StashKey[bool]()  # -v: the record lines' header, once per session
 SIGTERM_BEFORE = pytest.StashKey[object]()  # the SIGTERM handler this session replaced
@@ -149,6 +151,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SIGTERM_BEFORE] = sigterm_as_interrupt()
     worker = getattr(config, "workerinput", {}).get("workerid")
     _WRITES_RUN[0] = worker is None
+    _NIGHT_CONFIG[0] = config if worker is None and os.environ.get(PURPOSE_VARIABLE) == "nightly" else None
     gpu = getattr(config, "workerinput", {}).get("kda_gpu")
     if gpu is not None:  # before anything asks CUDA (or HIP) for its devices
         os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["HIP_VISIBLE_DEVICES"] = gpu
@@ -415,9 +418,16 @@ def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Each test's wall (setup, call, teardown), in the process that writes the run (the controller of a
     pytest-xdist run, which sees every worker's reports): the run's timing.json keeps it, and a night's
-    shards are balanced by it (running/shards.py)."""
+    shards are balanced by it (running/shards.py). A nightly's log names each failed test as it fails."""
     if _WRITES_RUN[0]:  # a worker's reports reach the controller, which counts them
         CLOCK.add_test(report.nodeid, report.duration)
+    night = _NIGHT_CONFIG[0]
+    terminal = night.pluginmanager.get_plugin("terminalreporter") if night is not None else None
+    if report.failed and terminal is not None:
+        # Named when it happens, not only in the summary: a night killed from outside (a runner lost, a job's
+        # hard limit) writes no summary, and -q's progress says only "F".
+        what = "FAILED" if report.when == "call" else f"ERROR in {report.when}"
+        terminal.write_line(f"kda-conformance: {what} {report.nodeid}")
 
 
 def pytest_keyboard_interrupt(excinfo: pytest.ExceptionInfo[BaseException]) -> None:

@@ -70,6 +70,7 @@ def test_the_github_nightly_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     shards = shard_job["strategy"]["matrix"]["shard"]
     assert len(shards) == int(env["KDA_SHARDS"]), "the matrix has as many shards as KDA_SHARDS says"
     merge = _runner(tmp_path, "merge")
+    named: list[str] = []  # each shard job's log
     for shard in shards:
         folder = _runner(tmp_path, f"shard-{shard}")
         said = ""
@@ -83,6 +84,7 @@ def test_the_github_nightly_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
         held = f"shard {shard}/{len(shards)}: "
         night = json.loads((folder / "store" / "runs" / f"ci-night.s{shard}of{len(shards)}.night.json").read_text())
         assert night["shard"].startswith(held) and held in said, (night.get("shard"), said[-2000:])
+        named.append(said)
         upload = next(s for s in shard_job["steps"] if s.get("uses", "").startswith("actions/upload-artifact"))
         assert upload["if"] == "always()" and upload["with"]["path"] == "store/runs"
         uploads = [s["with"]["path"] for s in shard_job["steps"] if s.get("uses", "").startswith("actions/upload")]
@@ -100,6 +102,12 @@ def test_the_github_nightly_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     issue = (store / "issue.md").read_text()
     assert re.match(r"\d+ new findings? in runs ci-night", issue) and "planted_transposed_state" in issue, issue[:500]
     assert "## Repro" in issue
+    # The planted bug's failed tests are named in a shard's log as they fail, before pytest's summary (a job
+    # killed from outside writes none).
+    failing = [log for log in named if "kda-conformance: FAILED conformance/" in log]
+    assert failing and all(
+        log.index("kda-conformance: FAILED conformance/") < log.index("short test summary info") for log in failing
+    ), [log[-2000:] for log in named]
 
 
 @pytest.mark.slow
