@@ -526,6 +526,21 @@ def test_workers_per_gpu_come_from_its_memory_and_the_largest_case() -> None:
     assert plan_workers(expected_gib(long[0]) / 2, 1, long).workers_per_gpu == 1  # never none, even too small
 
 
+def test_workers_per_gpu_are_those_that_run_the_most_cases_at_once() -> None:
+    """On an H100 with small cases 16 workers shrank the shares until the smallest case took 4 of them: 4 cases
+    ran at once and 12 workers waited; the plan takes 12, whose shares hold 12 of them."""
+    from kda_conformance.running.memory import at_once, plan_workers
+
+    h100 = 79.19
+    small = [Case(seq_lens=(2049,), num_heads=2, num_v_heads=2, head_k_dim=32, head_v_dim=32, dtype="fp32")]
+    plan = plan_workers(h100, 1, small)
+    assert at_once(h100, 16) == 4 and plan.workers_per_gpu == 12 and at_once(h100, 12) == 12
+    assert "16 shares of 1.2 GiB, up to 12 small cases at once" in plan.line()
+    assert all(at_once(h100, workers) < 12 for workers in range(13, 17))  # more workers, fewer at once
+    # Where more workers do run more at once (an H200), the plan keeps them all.
+    assert plan_workers(139.8, 1, small).workers_per_gpu == 16 and at_once(139.8, 16) == 16
+
+
 @pytest.mark.slow
 def test_the_compile_stage_runs_each_job_once_and_goes_on_after_a_crash(tmp_path: Path, monkeypatch) -> None:
     """A configuration whose compile leaves the device context dead ends its process; the jobs after it go on

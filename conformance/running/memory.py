@@ -117,18 +117,35 @@ class WorkerPlan:
         return (
             f"memory plan: {self.workers_per_gpu} workers per GPU x {self.gpus} GPU(s) of {self.device_gib:.0f} GiB; "
             f"each worker {CONTEXT_GIB + TRUTH_CACHE_GIB:.0f} GiB outside the shares (context {CONTEXT_GIB:.0f}, "
-            f"truth cache {TRUTH_CACHE_GIB:.0f}); {SHARES} shares of {shared / SHARES:.1f} GiB{largest}"
+            f"truth cache {TRUTH_CACHE_GIB:.0f}); {SHARES} shares of {shared / SHARES:.1f} GiB, up to "
+            f"{at_once(self.device_gib, self.workers_per_gpu)} small cases at once{largest}"
         )
 
 
 def plan_workers(device_gib: float, gpus: int, cases: list[Case]) -> WorkerPlan:
-    """As many workers per GPU as the GPU's memory holds beside the night's largest case: each worker's
-    context and truth cache outside the shares, and the shares still able to hold the largest case with
-    every worker present (at most MOST_WORKERS_PER_GPU, at least one)."""
+    """The workers per GPU that run the most cases at once: each worker's context and truth cache outside the
+    shares, the shares still able to hold the night's largest case with every worker present (at most
+    MOST_WORKERS_PER_GPU, at least one), and of those counts the one whose shares hold the most of the
+    smallest cases side by side (the fewest workers of equals).
+
+    A case holds its shares through its whole check, its backend's compiling included. More workers shrink
+    the shares: on an H100 with no case over 1 GiB, 16 workers left shares of 0.3 GiB, so the smallest case
+    took 4 and 4 cases ran at once while 12 workers waited (that wait was 38 % and 40 % of the suite's time
+    by stage in a shard job cold and warm, the results journal, twentieth session); 12 workers leave shares
+    of 1.2 GiB and run 12."""
     largest = max(cases, key=expected_gib, default=None)
     need = expected_gib(largest) if largest is not None else FLOOR_GIB
     fits = int((USABLE * device_gib - need) // (CONTEXT_GIB + TRUTH_CACHE_GIB))
-    return WorkerPlan(max(1, gpus), device_gib, max(1, min(MOST_WORKERS_PER_GPU, fits)), largest)
+    most = max(1, min(MOST_WORKERS_PER_GPU, fits))
+    best = max(range(1, most + 1), key=lambda workers: (at_once(device_gib, workers), -workers))
+    return WorkerPlan(max(1, gpus), device_gib, best, largest)
+
+
+def at_once(device_gib: float, workers: int) -> int:
+    """How many of the smallest cases (FLOOR_GIB each) ``workers`` workers on a ``device_gib`` GPU run side by
+    side: as many as the shares hold, at most one a worker."""
+    share = shared_gib(device_gib, workers) / SHARES
+    return min(workers, SHARES // math.ceil(FLOOR_GIB / share))
 
 
 def _lock_folder(device: torch.device) -> Path:
