@@ -537,6 +537,7 @@ def test_workers_per_gpu_are_those_that_run_the_most_cases_at_once() -> None:
     assert at_once(h100, 16) == 4 and plan.workers_per_gpu == 12 and at_once(h100, 12) == 12
     assert "16 shares of 1.2 GiB, up to 12 small cases at once" in plan.line()
     assert all(at_once(h100, workers) < 12 for workers in range(13, 17))  # more workers, fewer at once
+    assert plan.compile_processes == 16  # compiling holds no shares: every process the memory holds
     # Where more workers do run more at once (an H200), the plan keeps them all.
     assert plan_workers(139.8, 1, small).workers_per_gpu == 16 and at_once(139.8, 16) == 16
 

@@ -95,8 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workers",
         default="auto",
-        help="pytest-xdist workers: a number, or auto (default: as many per GPU as its memory holds beside the "
-        "night's largest case, conformance/running/memory.py; one per core on a CPU)",
+        help="pytest-xdist workers: a number, or auto (default: on a GPU, the count its memory holds beside the "
+        "night's largest case that runs the most cases at once, conformance/running/memory.py; one per core on a "
+        "CPU)",
     )
     parser.add_argument(
         "--compile",
@@ -225,7 +226,10 @@ def _night(args: argparse.Namespace, console: Console) -> int:
     shard_tests, shard_line = _shard_tests(command, env, console) if config.shard is not None else ([], "")
     if shard_line:  # pytest-xdist's controller never collects, so the night's own log would not say it
         say(console, shard_line)
-    compiled = _compile_stage(args, config, planned, env, workers, shard_tests, console)
+    # Compiling is CPU work outside the memory shares: under --workers auto it takes every process the GPUs'
+    # memory holds, which may be more than the workers that run the most cases at once.
+    processes = plan.compile_processes if plan is not None and args.workers == "auto" else workers
+    compiled = _compile_stage(args, config, planned, env, processes, shard_tests, console)
     # --compile only: the stage alone, no tests (a host's cache warmed before a night, or the stage timed, e.g.
     # with KDA_AUTOTUNE_REPLAY=0 and with replay on the same shard's jobs); its night file says so.
     only = args.compile == "only"

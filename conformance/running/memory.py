@@ -100,10 +100,17 @@ class WorkerPlan:
     device_gib: float
     workers_per_gpu: int
     largest: Case | None
+    # The most processes per GPU its memory holds with the largest case: the compile stage's, whose warm-up
+    # cases are small and whose compiling is CPU work that holds no shares.
+    fitting_per_gpu: int = 1
 
     @property
     def workers(self) -> int:
         return self.gpus * self.workers_per_gpu
+
+    @property
+    def compile_processes(self) -> int:
+        return self.gpus * max(self.workers_per_gpu, self.fitting_per_gpu)
 
     def line(self) -> str:
         shared = shared_gib(self.device_gib, self.workers_per_gpu)
@@ -138,7 +145,7 @@ def plan_workers(device_gib: float, gpus: int, cases: list[Case]) -> WorkerPlan:
     fits = int((USABLE * device_gib - need) // (CONTEXT_GIB + TRUTH_CACHE_GIB))
     most = max(1, min(MOST_WORKERS_PER_GPU, fits))
     best = max(range(1, most + 1), key=lambda workers: (at_once(device_gib, workers), -workers))
-    return WorkerPlan(max(1, gpus), device_gib, best, largest)
+    return WorkerPlan(max(1, gpus), device_gib, best, largest, most)
 
 
 def at_once(device_gib: float, workers: int) -> int:
