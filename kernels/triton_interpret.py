@@ -3,8 +3,8 @@
 The Triton interpreter executes kernels with NumPy. For the KDA kernels it has
 six gaps, each patched here and each covered by a test in
 ``tests/test_triton_interpret.py`` that fails both when the workaround stops
-working and when the interpreter no longer needs it, and one cost (7), timed by a
-benchmark instead:
+working and when the interpreter no longer needs it, and two costs (7, 8), timed
+by a benchmark instead:
 
 1. ``autotune``: the autotuner benchmarks every config on a GPU driver, which a
    CPU does not have ("0 active drivers"). We keep only the first config.
@@ -35,6 +35,12 @@ benchmark instead:
    caller's grad and inference modes; the caller waits for it. FLA's two chunk
    tests there took 19.5 s with it and 55.4 s without, 31.4 s of them system
    time (``python tests/interpreter_bench.py``, medians of 3, 2 cores).
+8. ``patch_once``: a cost. The interpreter patches ``triton.language`` again at
+   every device-function call, though a launch's patches stay until it ends
+   (8.5 of test_chunk's 40 s under cProfile). Within one launch each module's
+   device functions patch it once; the launch still restores it as it found it.
+   FLA's two chunk tests: 13.1 s with it, 18.1 s without, both with (7)
+   (``python tests/interpreter_bench.py --leave-out patch_once``, A/B 0.724).
 
 Everything is switched on by :func:`enable`, called by the pytest plugin and the
 FLA adapters on a CPU: the Triton patches at once, the one that patches FLA's own
@@ -59,7 +65,16 @@ from collections.abc import Callable, Collection, Iterator
 
 PINNED_TRITON = "3.9.0"
 VARIABLE = "TRITON_INTERPRET"  # set by enable(): a backend that may enable the interpreter declares it
-WORKAROUNDS = ("autotune", "loop_index", "bf16_arith", "bf16_reduce", "bf16_round", "builtin_alias", "shallow_stack")
+WORKAROUNDS = (
+    "autotune",
+    "loop_index",
+    "bf16_arith",
+    "bf16_reduce",
+    "bf16_round",
+    "builtin_alias",
+    "patch_once",
+    "shallow_stack",
+)
 
 _enabled = False
 _fla_pending: tuple[str, ...] = ()  # the FLA workarounds enable() left for patch_fla()
@@ -402,6 +417,38 @@ def _patch_launch_on_a_shallow_stack() -> None:
     interpreter.GridExecutor.__call__ = launch_on_a_thread
 
 
+def _patch_lang_once_a_launch() -> None:
+    import threading
+
+    from triton.runtime import interpreter
+
+    launch, device_call = interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__
+    state = threading.local()
+
+    def launch_fresh(self: object, *args: object, **kwargs: object) -> object:
+        before, state.patched = getattr(state, "patched", None), set()
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            state.patched = before
+
+    def call_patched_once(self: object, *args: object, **kwargs: object) -> object:
+        patched = getattr(state, "patched", None)
+        module = self.fn.__module__
+        if patched is None or module not in patched:
+            if patched is not None:
+                patched.add(module)
+            return device_call(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    interpreter.GridExecutor.__call__ = launch_fresh
+    interpreter.InterpretedFunction.__call__ = call_patched_once
+
+
 def _patch_safe_gate_precision() -> None:
     """FLA's safe-gate backward asks its diagonal dots for ``bf16x3`` on Triton 3.6 and later, a precision the
     interpreter's dot refuses (it takes tf32, tf32x3 and ieee); the interpreter computes every dot in numpy's
@@ -420,6 +467,7 @@ TRITON_PATCHES = {
     "bf16_reduce": _patch_bf16_reduce,
     "bf16_round": _patch_bf16_round,
     "builtin_alias": _patch_builtin_aliases,
+    "patch_once": _patch_lang_once_a_launch,
     "shallow_stack": _patch_launch_on_a_shallow_stack,
 }
 FLA_PATCHES = {"loop_index": _patch_loop_index, "safe_gate_precision": _patch_safe_gate_precision}

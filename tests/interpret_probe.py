@@ -49,6 +49,17 @@ def main() -> None:
         offs = tl.arange(0, n)
         tl.store(y + offs, exp2_alias(tl.load(x + offs)))  # noqa: F821  (set in globals above)
 
+    @triton.jit
+    def doubled(v):
+        return v * 2.0
+
+    globals()["doubled"] = doubled  # a device function, found by name as a kernel's globals find it
+
+    @triton.jit
+    def device_call_kernel(x, y, n: tl.constexpr):
+        offs = tl.arange(0, n)
+        tl.store(y + offs, exp2_alias(doubled(doubled(doubled(tl.load(x + offs))))))  # noqa: F821
+
     gen = torch.Generator().manual_seed(0)
     try:
         if probe == "cast":
@@ -80,6 +91,28 @@ def main() -> None:
             y = torch.empty(64)
             alias_kernel[(1,)](x, y, n=64)
             result = {"max_abs": float((y - torch.exp2(x)).abs().max())}
+        elif probe == "patch_once":
+            # How often triton.language is patched in two launches of three device calls each, and whether the
+            # launch leaves it as it found it.
+            from triton.runtime import interpreter
+
+            patch_lang, patches = interpreter._patch_lang, []
+
+            def counting(fn: object) -> object:
+                patches.append(fn.__name__)
+                return patch_lang(fn)
+
+            interpreter._patch_lang = counting
+            load, mul = tl.load, tl.core.tensor.__mul__
+            x = torch.randn(64, generator=gen)
+            y = torch.empty(64)
+            for _ in range(2):
+                device_call_kernel[(1,)](x, y, n=64)
+            result = {
+                "max_rel": float(((y - torch.exp2(x * 8.0)) / torch.exp2(x * 8.0)).abs().max()),
+                "patches": patches,
+                "restored": tl.load is load and tl.core.tensor.__mul__ is mul,
+            }
         elif probe == "launch_thread":
             # Where a launch runs and what it sees of the caller's thread-local torch modes.
             import threading
