@@ -538,8 +538,12 @@ def test_workers_per_gpu_are_those_that_run_the_most_cases_at_once() -> None:
     assert "16 shares of 1.2 GiB, up to 12 small cases at once" in plan.line()
     assert all(at_once(h100, workers) < 12 for workers in range(13, 17))  # more workers, fewer at once
     assert plan.compile_processes == 16  # compiling holds no shares: every process the memory holds
-    # Where more workers do run more at once (an H200), the plan keeps them all.
+    # Where more workers do run more at once (an H200), the plan keeps them all; with the nightly profile's
+    # largest case (23.4 GiB) the memory holds 10 on the H100, and those 10 run at once, as before.
     assert plan_workers(139.8, 1, small).workers_per_gpu == 16 and at_once(139.8, 16) == 16
+    longest = Case(seq_lens=(131072,), num_heads=16, num_v_heads=16, head_k_dim=128, head_v_dim=128)
+    night = plan_workers(h100, 1, [*small, longest])
+    assert night.workers_per_gpu == night.fitting_per_gpu == 10 and at_once(h100, 10) == 10
 
 
 @pytest.mark.slow
