@@ -37,10 +37,11 @@ by a benchmark instead:
    time (``python tests/interpreter_bench.py``, medians of 3, 2 cores).
 8. ``patch_once``: a cost. The interpreter patches ``triton.language`` again at
    every device-function call, though a launch's patches stay until it ends
-   (8.5 of test_chunk's 40 s under cProfile). Within one launch each module's
-   device functions patch it once; the launch still restores it as it found it.
-   FLA's two chunk tests: 13.1 s with it, 18.1 s without, both with (7)
-   (``python tests/interpreter_bench.py --leave-out patch_once``, A/B 0.724).
+   (8.5 of test_chunk's 40 s under cProfile). Within one launch it is patched
+   once for each module whose functions run (the launch's own patch first, the
+   one restored at its end). FLA's two chunk tests: 14.8 s with it, 20.7 s
+   without, both with (7) (``python tests/interpreter_bench.py --leave-out
+   patch_once``, medians of 3, A/B 0.714).
 
 Everything is switched on by :func:`enable`, called by the pytest plugin and the
 FLA adapters on a CPU: the Triton patches at once, the one that patches FLA's own
@@ -422,7 +423,7 @@ def _patch_lang_once_a_launch() -> None:
 
     from triton.runtime import interpreter
 
-    launch, device_call = interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__
+    launch, patch_lang = interpreter.GridExecutor.__call__, interpreter._patch_lang
     state = threading.local()
 
     def launch_fresh(self: object, *args: object, **kwargs: object) -> object:
@@ -432,21 +433,17 @@ def _patch_lang_once_a_launch() -> None:
         finally:
             state.patched = before
 
-    def call_patched_once(self: object, *args: object, **kwargs: object) -> object:
+    def patch_once(fn: Callable) -> object:
+        # The launch's own call comes first and always patches: its scope is the one restored at the launch's end.
         patched = getattr(state, "patched", None)
-        module = self.fn.__module__
-        if patched is None or module not in patched:
-            if patched is not None:
-                patched.add(module)
-            return device_call(self, *args, **kwargs)
-        fn = self.rewrite()
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:
-            raise interpreter.InterpreterError(repr(e)) from e
+        if patched is not None and fn.__module__ in patched:
+            return interpreter._LangPatchScope()  # nothing to restore: the launch's patches still stand
+        if patched is not None:
+            patched.add(fn.__module__)
+        return patch_lang(fn)
 
     interpreter.GridExecutor.__call__ = launch_fresh
-    interpreter.InterpretedFunction.__call__ = call_patched_once
+    interpreter._patch_lang = patch_once
 
 
 def _patch_safe_gate_precision() -> None:

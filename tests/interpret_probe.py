@@ -92,17 +92,17 @@ def main() -> None:
             alias_kernel[(1,)](x, y, n=64)
             result = {"max_abs": float((y - torch.exp2(x)).abs().max())}
         elif probe == "patch_once":
-            # How often triton.language is patched in two launches of three device calls each, and whether the
-            # launch leaves it as it found it.
+            # How often triton.language is patched in two launches of three device calls each (the kernel and
+            # its device function in one module), and whether the launch leaves it as it found it.
             from triton.runtime import interpreter
 
-            patch_lang, patches = interpreter._patch_lang, []
+            patch_core, patches = interpreter._patch_lang_core, []
 
-            def counting(fn: object) -> object:
-                patches.append(fn.__name__)
-                return patch_lang(fn)
+            def counting(lang: object, scope: object) -> object:
+                patches.append(lang.__name__)
+                return patch_core(lang, scope)
 
-            interpreter._patch_lang = counting
+            interpreter._patch_lang_core = counting
             load, mul = tl.load, tl.core.tensor.__mul__
             x = torch.randn(64, generator=gen)
             y = torch.empty(64)
