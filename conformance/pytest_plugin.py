@@ -422,8 +422,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if _WRITES_RUN[0]:  # a worker's reports reach the controller, which counts them
         CLOCK.add_test(report.nodeid, report.duration)
     night = _NIGHT_CONFIG[0]
-    terminal = night.pluginmanager.get_plugin("terminalreporter") if night is not None else None
-    if report.failed and terminal is not None:
+    terminal = night.pluginmanager.get_plugin("terminalreporter") if report.failed and night is not None else None
+    if terminal is not None:
         # Named when it happens, not only in the summary: a night killed from outside (a runner lost, a job's
         # hard limit) writes no summary, and -q's progress says only "F".
         what = "FAILED" if report.when == "call" else f"ERROR in {report.when}"

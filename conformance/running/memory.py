@@ -100,9 +100,9 @@ class WorkerPlan:
     device_gib: float
     workers_per_gpu: int
     largest: Case | None
-    # The most processes per GPU its memory holds with the largest case: the compile stage's, whose warm-up
-    # cases are small and whose compiling is CPU work that holds no shares.
-    fitting_per_gpu: int = 1
+    # The most processes per GPU its memory holds with the largest case (workers_per_gpu or more): the compile
+    # stage's, whose warm-up cases are small and whose compiling is CPU work that holds no shares.
+    fitting_per_gpu: int
 
     @property
     def workers(self) -> int:
@@ -110,7 +110,7 @@ class WorkerPlan:
 
     @property
     def compile_processes(self) -> int:
-        return self.gpus * max(self.workers_per_gpu, self.fitting_per_gpu)
+        return self.gpus * self.fitting_per_gpu
 
     def line(self) -> str:
         shared = shared_gib(self.device_gib, self.workers_per_gpu)
