@@ -317,6 +317,54 @@ def test_a_gate_gradient_that_cancels_to_zero_is_held_to_its_terms(run: Run) -> 
     assert not any(f.failed and f.tensor == "dg" for f in caught)  # one token per sequence: nothing to sum back
 
 
+def test_a_parameters_gradient_is_held_to_the_norm_of_the_terms_it_sums(run: Run) -> None:
+    """Seen on an H100 (FLA's chunk backward, T64seq/64 bf16 H1 K32V32, lower-bound gate in the kernel): dA_log,
+    one sum of 2048 terms whose truth is zero, was 2.5e-6 off, 2.4 times a rel-RMS limit taken against one
+    term's RMS, while dg was within 0.05 of its own limits. A backward whose every term of the log decay's
+    gradient is off by a quarter of dg's rel-RMS limit, independently, passes dg, and passes dA_log and ddt_bias
+    (their sums) now that those are measured against the norm of the terms they sum; against one term's RMS,
+    as before, dA_log would be many times its limit."""
+    from kda_conformance.running.gradient_truth import _gate_derivatives
+    from kda_kernels.torch_chunk import TorchChunk
+
+    case = Case(seq_lens=(1,) * 64, packed=True, dtype="bf16", num_heads=1, num_v_heads=1, head_k_dim=32,
+                head_v_dim=32)  # fmt: skip
+    x = materialize(case)
+    truth = gradient_truth(x)
+    q, k = x.q.double(), x.k.double()
+    terms = torch.maximum((q * truth.reference["dq"]).abs(), (k * truth.reference["dk"]).abs())
+    fraction = truth.budgets["dg"].rel_rms.value / 4
+    drawn = torch.randn(terms.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    off = fraction * terms * drawn  # each term of the log decay's gradient off by a fraction of itself
+    # (this seed's dA_log is 2.9 standard deviations off: the worst of the first eight)
+    slopes = _gate_derivatives(x)
+
+    class TermsOffByAFraction(TorchChunk):
+        name = "terms_off_by_a_fraction"
+
+        def run_backward(self, inputs, d_o, d_final):
+            grads = super().run_backward(inputs, d_o, d_final)
+            if inputs.q.shape != x.q.shape:  # a sequence alone or a half of the split: left correct
+                return grads
+            assert grads.A_log is not None and grads.dt_bias is not None
+            d_A_log = (off * slopes["dA_log"]).sum((0, 1, 3)).reshape(grads.A_log.shape)
+            d_dt_bias = (off * slopes["ddt_bias"]).sum((0, 1)).reshape(grads.dt_bias.shape)
+            return dataclasses.replace(
+                grads,
+                g=(grads.g.double() + off * slopes["dg"]).to(grads.g.dtype),
+                A_log=(grads.A_log.double() + d_A_log).to(grads.A_log.dtype),
+                dt_bias=(grads.dt_bias.double() + d_dt_bias).to(grads.dt_bias.dtype),
+            )
+
+    findings = run_check(get_check("gradients"), case, TermsOffByAFraction(64), CPU, {}, run)
+    judged = {f.tensor: f for f in findings if f.tensor in ("dg", "dA_log", "ddt_bias")}
+    assert set(judged) == {"dg", "dA_log", "ddt_bias"}
+    assert all(f.verdict == "pass" for f in judged.values()), [f for f in findings if f.verdict != "pass"]
+    per_term_rms = (terms * slopes["dA_log"].abs()).pow(2).mean().sqrt()
+    error = judged["dA_log"].errors.max_abs
+    assert error / per_term_rms > 4 * truth.budgets["dA_log"].rel_rms.value
+
+
 def test_gradient_records_reach_the_store_the_dashboard_and_the_findings_page(tmp_path) -> None:
     """Each gradient is a tensor of its own in the records, the dashboard and the findings page."""
     from kda_conformance.cli import main
