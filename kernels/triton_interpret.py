@@ -43,6 +43,16 @@ by a benchmark instead:
    without, both with (7) (``python tests/interpreter_bench.py --leave-out
    patch_once``, medians of 3, A/B 0.714).
 
+One option is not a workaround but an emulation: ``KDA_INTERPRET_TF32`` (:data:`TF32_VARIABLE`) makes the
+interpreter's TF32 dots take their float32 operands as an NVIDIA GPU does. A ``tl.dot`` of float32 operands at
+input precision ``tf32`` (Triton's default on NVIDIA, where ``TRITON_F32_DEFAULT`` is unset) is computed by
+the interpreter in full float32; with ``truncated`` its operands are first cut to TF32 (the low 13 mantissa
+bits dropped, as Triton hands float32 registers to the tensor cores), with ``nearest`` rounded to it (ties to
+even); unset or ``ieee`` leaves them. It lets a CPU reproduce what TF32 dots cost on a GPU: FLA's chunk
+backward on T2016x4 bf16 (reset gates, large inputs) measured dA_log 0.81 off on an H100, 0.64 off in the
+interpreter with ``truncated`` and 0.0078 without; dg's max-abs error was 3.677e-3 on the H100 and with
+``truncated``, 3.470e-3 without (docs/testing.md).
+
 Everything is switched on by :func:`enable`, called by the pytest plugin and the
 FLA adapters on a CPU: the Triton patches at once, the one that patches FLA's own
 modules (2) as soon as ``fla.ops.kda`` has been imported, whoever imports it, so
@@ -76,6 +86,10 @@ WORKAROUNDS = (
     "patch_once",
     "shallow_stack",
 )
+
+# The emulation of TF32 dots (module docstring): the variable and the values it takes ("" is "ieee").
+TF32_VARIABLE = "KDA_INTERPRET_TF32"
+TF32_MODES = ("ieee", "truncated", "nearest")
 
 _enabled = False
 _fla_pending: tuple[str, ...] = ()  # the FLA workarounds enable() left for patch_fla()
@@ -144,6 +158,7 @@ def enable(skip: Collection[str] = ()) -> None:
     reason = problem()
     if reason:
         raise TritonInterpretError(reason)
+    tf32_mode()  # a bad value is refused before anything is patched
     os.environ[VARIABLE] = "1"
     # Noise of the CPU path, not findings: FLA warns that it "rolls back to CPU", and the
     # interpreter evaluates exp and exp2 on masked-off lanes, whose overflow the kernel discards.
@@ -154,6 +169,7 @@ def enable(skip: Collection[str] = ()) -> None:
     for name, patch in TRITON_PATCHES.items():
         if name not in skip:
             patch()
+    _patch_tf32_dots()
     global _fla_pending
     _fla_pending = tuple(name for name in FLA_PATCHES if name not in skip)
     _enabled = True
@@ -444,6 +460,45 @@ def _patch_lang_once_a_launch() -> None:
 
     interpreter.GridExecutor.__call__ = launch_fresh
     interpreter._patch_lang = patch_once
+
+
+def tf32_mode() -> str:
+    """How the interpreter's TF32 dots take float32 operands, from ``KDA_INTERPRET_TF32``: ``ieee`` (unset),
+    ``truncated`` or ``nearest`` (module docstring); any other value is refused, naming the variable."""
+    mode = os.environ.get(TF32_VARIABLE, "").strip().lower() or "ieee"
+    if mode not in TF32_MODES:
+        raise TritonInterpretError(
+            f"{TF32_VARIABLE}={os.environ[TF32_VARIABLE]!r} is not a way to take TF32 dots' operands; "
+            f"allowed: {', '.join(TF32_MODES)} (unset: ieee)"
+        )
+    return mode
+
+
+def _patch_tf32_dots() -> None:
+    """Read ``KDA_INTERPRET_TF32`` at each dot, so that a test may switch it within one process."""
+    import numpy as np
+    import torch
+    from triton.runtime import interpreter as interp
+
+    from kda_reference.chunked import round_to_tf32
+
+    builder = interp.InterpreterBuilder
+    original_dot = builder.create_dot
+
+    def cut(handle: interp.TensorHandle, truncate: bool) -> interp.TensorHandle:
+        if handle.data.dtype != np.float32:  # bf16 and fp16 operands fit TF32 as they are
+            return handle
+        data = round_to_tf32(torch.from_numpy(np.ascontiguousarray(handle.data)), truncate=truncate).numpy()
+        return interp.TensorHandle(data, handle.dtype)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        mode = tf32_mode()
+        if mode != "ieee" and str(input_precision).rsplit(".", 1)[-1] == "TF32":
+            truncate = mode == "truncated"
+            a, b = cut(a, truncate), cut(b, truncate)
+        return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
 
 
 def _patch_safe_gate_precision() -> None:

@@ -60,6 +60,13 @@ def main() -> None:
         offs = tl.arange(0, n)
         tl.store(y + offs, exp2_alias(doubled(doubled(doubled(tl.load(x + offs))))))  # noqa: F821
 
+    @triton.jit
+    def dot_kernel(a, b, tf32, ieee, n: tl.constexpr):
+        square = tl.arange(0, n)[:, None] * n + tl.arange(0, n)[None, :]
+        x, y = tl.load(a + square), tl.load(b + square)
+        tl.store(tf32 + square, tl.dot(x, y))  # Triton's default input precision: TF32 on NVIDIA
+        tl.store(ieee + square, tl.dot(x, y, input_precision="ieee"))
+
     gen = torch.Generator().manual_seed(0)
     try:
         if probe == "cast":
@@ -135,6 +142,21 @@ def main() -> None:
             alias_kernel[(1,)](x, z, n=64)
             want = torch.exp2(x)
             result = {"seen": seen, "max_abs": float(max((y - want).abs().max(), (z - want).abs().max()))}
+        elif probe == "tf32_dot":
+            # A float32 dot at the default precision and at "ieee" (KDA_INTERPRET_TF32 says how the interpreter
+            # takes the first), each against float64 products of the operands as they are, cut and rounded to TF32.
+            from kda_reference.chunked import round_to_tf32
+
+            a, b = torch.randn(16, 16, generator=gen), torch.randn(16, 16, generator=gen)
+            tf32, ieee = torch.empty(16, 16), torch.empty(16, 16)
+            dot_kernel[(1,)](a, b, tf32, ieee, n=16)
+            wants = {
+                "exact": a.double() @ b.double(),
+                "truncated": round_to_tf32(a, truncate=True).double() @ round_to_tf32(b, truncate=True).double(),
+                "nearest": round_to_tf32(a).double() @ round_to_tf32(b).double(),
+            }
+            result = {f"tf32_vs_{name}": float((tf32.double() - want).abs().max()) for name, want in wants.items()}
+            result["ieee_vs_exact"] = float((ieee.double() - wants["exact"]).abs().max())
         elif probe in ("chunk_fp32", "chunk_bf16"):
             from kda_cases.case import Case
             from kda_cases.materialize import materialize

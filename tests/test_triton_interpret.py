@@ -132,6 +132,38 @@ def test_triton_language_is_patched_once_a_launch_for_each_module() -> None:
     assert said["max_rel"] == alone["max_rel"] < 1e-6
 
 
+def tf32_probe(mode: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env[triton_interpret.TF32_VARIABLE] = mode
+    done = subprocess.run([sys.executable, str(PROBE), "tf32_dot"], capture_output=True, text=True, timeout=300,
+                          env=env)  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"probe tf32_dot printed no result; stderr:\n{done.stderr[-2000:]}"
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("mode", ["truncated", "nearest"])
+def test_tf32_dots_take_their_operands_as_an_nvidia_gpu_when_asked(mode: str) -> None:
+    """KDA_INTERPRET_TF32: a float32 dot at the default precision (TF32 on NVIDIA) takes its operands cut or
+    rounded to TF32, within float32's rounding of that product and far from the exact one; an "ieee" dot keeps
+    them. Products of 16 standard normals: a TF32 operand is off by up to 2^-11 (nearest) or 2^-10 (cut) of
+    itself, float32's accumulation by about 2^-24 of the sum."""
+    said = tf32_probe(mode)
+    assert said[f"tf32_vs_{mode}"] < 1e-5 < 1e-3 < said["tf32_vs_exact"], said
+    assert said["ieee_vs_exact"] < 1e-5, said
+
+
+def test_tf32_dots_are_the_interpreters_own_by_default() -> None:
+    said = tf32_probe("")
+    assert said["tf32_vs_exact"] < 1e-5 and said["ieee_vs_exact"] < 1e-5, said
+
+
+def test_an_unknown_tf32_mode_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(triton_interpret.TF32_VARIABLE, "half")
+    with pytest.raises(triton_interpret.TritonInterpretError, match=r"KDA_INTERPRET_TF32='half'.*ieee, truncated"):
+        triton_interpret.tf32_mode()
+
+
 def test_enable_rejects_unknown_workaround_names() -> None:
     with pytest.raises(ValueError, match="unknown workarounds"):
         triton_interpret.enable(skip=["no_such_thing"])
