@@ -118,15 +118,18 @@ def ddt_bias_first_sequence(inputs: KDAInputs, grads: Gradients) -> Gradients:
 
 # Two more ways a backward goes wrong that are not one gradient's error: it varies from run to run (atomics
 # that add in another order), or it reads scratch nobody wrote (a 128 MiB torch.empty buffer taken for zeros: on
-# a CPU a block that large is fresh zero pages from the system every time, under poisoned scratch NaN).
+# a CPU a block that large is mostly fresh zero pages from the system, under poisoned scratch NaN), and both.
 class _VariesBackward(TorchChunk):
     name = "planted_bwd_varies"
     description = "dq changes in its last bits from run to run"
 
     def run_backward(self, inputs: KDAInputs, d_o: torch.Tensor, d_final: torch.Tensor | None) -> Gradients:
-        grads = super().run_backward(inputs, d_o, d_final)
-        noise = 1 + 1e-6 * torch.randn(grads.q.shape, dtype=torch.float32, device=grads.q.device)
-        return replaced(grads, q=(grads.q.float() * noise).to(grads.q.dtype))
+        return jittered_dq(super().run_backward(inputs, d_o, d_final))
+
+
+def jittered_dq(grads: Gradients) -> Gradients:
+    noise = 1 + 1e-6 * torch.randn(grads.q.shape, dtype=torch.float32, device=grads.q.device)
+    return replaced(grads, q=(grads.q.float() * noise).to(grads.q.dtype))
 
 
 class _ReadsScratch(TorchChunk):
@@ -140,8 +143,20 @@ class _ReadsScratch(TorchChunk):
         return replaced(grads, v=(grads.v.float() + taken).to(grads.v.dtype))
 
 
+class _VariesAndReadsScratch(_ReadsScratch):
+    """A scratch reader whose plain runs differ, as one reading stale memory does: the check must not take it
+    for a merely nondeterministic backward (it did, when two plain runs read different stale memory)."""
+
+    name = "planted_bwd_varies_reads_scratch"
+    description = "dv plus a torch.empty buffer, dq changing in its last bits from run to run"
+
+    def run_backward(self, inputs: KDAInputs, d_o: torch.Tensor, d_final: torch.Tensor | None) -> Gradients:
+        return jittered_dq(super().run_backward(inputs, d_o, d_final))
+
+
 register(_VariesBackward.name, _VariesBackward)
 register(_ReadsScratch.name, _ReadsScratch)
+register(_VariesAndReadsScratch.name, _VariesAndReadsScratch)
 
 
 class _GateCumsumInBf16(TorchChunk):
