@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -451,6 +452,23 @@ def test_flas_tf32_backward_dots_cost_its_dA_log_in_the_interpreter_as_on_an_h10
 
     cut, ieee = dA_log_ratios("truncated"), dA_log_ratios("ieee")
     assert min(cut) > 1.5 and max(ieee) < 0.5, (cut, ieee)
+
+
+@pytest.mark.slow
+def test_a_cli_repro_of_flas_gradients_on_the_cpu_switches_the_interpreter_on_first(tmp_path) -> None:
+    """`kda-conformance repro --device cpu --backend fla_chunk --check gradients` stopped at "triton was imported
+    before the Triton interpreter was switched on": the float64 gradients' checkpointing imports triton (through
+    torch._dynamo) before FLA's first call switched it on. A run now switches it on first, as pytest does."""
+    case = json.dumps({"seq_lens": [9], "num_heads": 1, "num_v_heads": 1, "head_k_dim": 16, "head_v_dim": 16,
+                       "dtype": "fp32"})  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    argv = ["repro", "--device", "cpu", "--backend", "fla_chunk", "--check", "gradients", "--case", case]
+    done = subprocess.run(
+        [sys.executable, "-m", "kda_conformance.cli", *argv, "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    said = done.stdout + done.stderr
+    assert done.returncode == 0 and "passes on this case" in said, said[-3000:]
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ from kda_conformance.running.runnable import Drawn, RunnableCheck
 from kda_conformance.running.stages import CLOCK
 from kda_conformance.running.truth import CaseTruth, declared_precision
 from kda_conformance.running.truth_cache import TruthCache
-from kda_kernels import registry
+from kda_kernels import registry, triton_interpret
 from kda_kernels.guard import BackendFault
 from kda_kernels.left_work import end_process
 from kda_kernels.protocol import Backend, WorkingPrecision
@@ -95,6 +95,20 @@ def _confirmed(finding: Finding, outcomes: list[tuple[int, list[Finding]]]) -> F
     return dataclasses.replace(finding, verdict="marginal", redraws=f"not confirmed: {text}", reason=reason)
 
 
+def _interpreter_first(config: RunConfig) -> None:
+    """On a CPU, switch Triton's interpreter on before anything imports triton where a backend of the run runs
+    in it, as the pytest plugin does for its session: the float64 gradients' checkpointing imports triton
+    through torch._dynamo before the backend is first called, and ``kda-conformance repro --device cpu
+    --backend fla_chunk --check gradients`` stopped there ("triton was imported before the Triton interpreter
+    was switched on"). Where triton came in earlier anyway, the backend's own call says so."""
+    if config.device.type != "cpu" or triton_interpret.problem():
+        return
+    known = set(registry.names())
+    interpreted = [name for name in config.backends if name in known]
+    if any(triton_interpret.VARIABLE in registry.get(name).sets_environment for name in interpreted):
+        triton_interpret.enable()
+
+
 class Run:
     """A run's state: created by a front end from its :class:`RunConfig`."""
 
@@ -119,6 +133,7 @@ class Run:
         self.frame: pd.DataFrame | None = None  # the records as written, once the run finished
         # (backend, kernel configuration) pairs that crashed the device this night, on this host.
         self.quarantine = Quarantine(run_file(config.out, config.run_id, config.part, "quarantine"))
+        _interpreter_first(config)
 
     @property
     def recorder(self) -> RunRecorder:
