@@ -339,15 +339,14 @@ def test_a_parameters_gradient_is_held_to_the_norm_of_the_terms_it_sums(run: Run
     gradient is off by a quarter of dg's rel-RMS limit, independently, passes dg, and passes dA_log and ddt_bias
     (their sums) now that those are measured against the norm of the terms they sum; against one term's RMS,
     as before, dA_log would be many times its limit."""
-    from kda_conformance.running.gradient_truth import _gate_derivatives
+    from kda_conformance.running.gradient_truth import _gate_derivatives, gate_terms
     from kda_kernels.torch_chunk import TorchChunk
 
     case = Case(seq_lens=(1,) * 64, packed=True, dtype="bf16", num_heads=1, num_v_heads=1, head_k_dim=32,
                 head_v_dim=32)  # fmt: skip
     x = materialize(case)
     truth = gradient_truth(x)
-    q, k = x.q.double(), x.k.double()
-    terms = torch.maximum((q * truth.reference["dq"]).abs(), (k * truth.reference["dk"]).abs())
+    terms = gate_terms(x, truth.reference)
     fraction = truth.budgets["dg"].rel_rms.value / 4
     drawn = torch.randn(terms.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     off = fraction * terms * drawn  # each term of the log decay's gradient off by a fraction of itself

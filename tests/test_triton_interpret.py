@@ -30,8 +30,11 @@ pytestmark = [
 
 
 @functools.cache
-def probe(name: str, *skip: str) -> dict:
+def probe(name: str, *skip: str, tf32: str | None = None) -> dict:
+    """``tf32``: KDA_INTERPRET_TF32 for the probe's process (None: as this process has it)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if tf32 is not None:
+        env[triton_interpret.TF32_VARIABLE] = tf32
     done = subprocess.run(
         [sys.executable, str(PROBE), name, *skip], capture_output=True, text=True, timeout=300, env=env
     )
@@ -132,29 +135,19 @@ def test_triton_language_is_patched_once_a_launch_for_each_module() -> None:
     assert said["max_rel"] == alone["max_rel"] < 1e-6
 
 
-def tf32_probe(mode: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env[triton_interpret.TF32_VARIABLE] = mode
-    done = subprocess.run([sys.executable, str(PROBE), "tf32_dot"], capture_output=True, text=True, timeout=300,
-                          env=env)  # fmt: skip
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"probe tf32_dot printed no result; stderr:\n{done.stderr[-2000:]}"
-    return json.loads(lines[-1])
-
-
 @pytest.mark.parametrize("mode", ["truncated", "nearest"])
 def test_tf32_dots_take_their_operands_as_an_nvidia_gpu_when_asked(mode: str) -> None:
     """KDA_INTERPRET_TF32: a float32 dot at the default precision (TF32 on NVIDIA) takes its operands cut or
     rounded to TF32, within float32's rounding of that product and far from the exact one; an "ieee" dot keeps
     them. Products of 16 standard normals: a TF32 operand is off by up to 2^-11 (nearest) or 2^-10 (cut) of
     itself, float32's accumulation by about 2^-24 of the sum."""
-    said = tf32_probe(mode)
+    said = probe("tf32_dot", tf32=mode)
     assert said[f"tf32_vs_{mode}"] < 1e-5 < 1e-3 < said["tf32_vs_exact"], said
     assert said["ieee_vs_exact"] < 1e-5, said
 
 
 def test_tf32_dots_are_the_interpreters_own_by_default() -> None:
-    said = tf32_probe("")
+    said = probe("tf32_dot", tf32="")
     assert said["tf32_vs_exact"] < 1e-5 and said["ieee_vs_exact"] < 1e-5, said
 
 

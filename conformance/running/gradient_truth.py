@@ -186,10 +186,7 @@ def term_scales(inputs: KDAInputs, reference: dict[str, torch.Tensor]) -> dict[s
     off by about that fraction of this norm in their sum; against one term's size it would be held sqrt(terms)
     times tighter than dg itself (on an H100, FLA's dA_log on 64 one-token sequences, bf16 K32, a sum of 2048
     terms whose truth is zero: 2.5e-6 off, 1e-5 of one term's RMS and 2.2e-7 of their norm)."""
-    q, k = inputs.q.double(), inputs.k.double()
-    terms = torch.maximum((q * reference["dq"]).abs(), (k * reference["dk"]).abs())
-    group = inputs.v.shape[2] // q.shape[2]
-    terms = terms.repeat_interleave(group, dim=2)  # per value head, as the gate is
+    terms = gate_terms(inputs, reference)
     scales = {}
     for name, factor in _gate_derivatives(inputs).items():
         if name not in reference:
@@ -200,6 +197,14 @@ def term_scales(inputs: KDAInputs, reference: dict[str, torch.Tensor]) -> dict[s
             product = product.pow(2).sum(dim=summed).sqrt()
         scales[name] = (float(product.max()), float(product.pow(2).mean().sqrt())) if product.numel() else (0, 0)
     return scales
+
+
+def gate_terms(inputs: KDAInputs, reference: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``max(|q * dq|, |k * dk|)`` per token, value head and key channel (float64): the size of the terms the
+    gradient of the log decay sums there (:func:`term_scales`)."""
+    q, k = inputs.q.double(), inputs.k.double()
+    terms = torch.maximum((q * reference["dq"]).abs(), (k * reference["dk"]).abs())
+    return terms.repeat_interleave(inputs.v.shape[2] // q.shape[2], dim=2)  # per value head, as the gate is
 
 
 def _gate_derivatives(inputs: KDAInputs) -> dict[str, torch.Tensor]:
