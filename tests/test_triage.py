@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -46,7 +48,7 @@ def test_triage_names_the_switch_that_clears_a_tf32_error_and_an_empty_member_bu
     outcomes = {r["switch"]: r["outcome"] for r in tf32["reruns"]}
     assert outcomes["as it failed"] == "fails" and outcomes["zero-length members removed"].startswith("n/a")
     ieee = next(r for r in tf32["reruns"] if r["switch"] == "IEEE dots")
-    assert ieee["command"].startswith("TRITON_F32_DEFAULT=ieee kda-conformance run") and ieee["exit"] == 0
+    assert ieee["command"].startswith("TRITON_F32_DEFAULT=ieee KDA_LEDGER='' kda-conformance run") and ieee["exit"] == 0
     empty = results["planted_zero_length_shifts_sequences"]
     assert empty["cause"] == "zero-length members removed", empty
     page = (store / "triage" / "triage.md").read_text()
@@ -87,6 +89,38 @@ def test_a_process_killed_in_the_call_reproduces_and_a_switch_can_clear_it(tmp_p
     assert outcomes["as it failed"] == "dies of SIGABRT" and result.reproduces, outcomes
     assert outcomes["zero-length members removed"] == "passes", outcomes
     assert result.cause == "zero-length members removed"
+
+
+def test_a_finding_the_ledger_knows_is_triaged_as_it_fails_not_as_a_pass(
+    tmp_path: Path, plugins: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On an H100, `triage --finding fla-bwd-intra-tf32-parameter-gradients` read "does not reproduce here (it
+    passes)": a failure the ledger knows exits 0, as a pass does. Each rerun runs with the ledger off."""
+    ledger = tmp_path / "ledger.toml"
+    ledger.write_text(
+        '[[issue]]\nid = "tf32-known"\nbackends = ["triage_tf32_unless_ieee"]\ndescription = "d"\n'
+        'upstream = "u"\nadded = "2026-12-07"\nworst = 1e9\nconfirmed = "c"\n'
+        '[[issue.links]]\nkind = "none"\nref = "r"\nstatus = "s"\n'
+    )
+    monkeypatch.setenv("KDA_LEDGER", str(ledger))
+    registry.load_plugin("kda_triage")
+    case = Case(seq_lens=(40,), dtype="fp32", num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16)
+    line = f"kda-conformance run --device cpu --backend triage_tf32_unless_ieee --case '{case.to_json()}'"
+    argv = ["run", "--device", "cpu", *plugins, "--backend", "triage_tf32_unless_ieee", "--case", case.to_json()]
+    assert main([*argv, "--out", str(tmp_path / "known"), "--no-dashboard", "--redraws", "0"]) == 0  # known
+    result = triage("tf32-known", line, build_parser(), tmp_path, plugins=["kda_triage"], jobs=2)
+    outcomes = {r.switch: r.outcome for r in result.reruns}
+    assert outcomes["as it failed"] == "fails" and result.cause == "IEEE dots", outcomes
+    assert result.reruns[0].command.startswith("KDA_LEDGER='' kda-conformance run")
+
+
+def test_a_ledger_the_environment_names_must_be_readable(tmp_path: Path) -> None:
+    case = Case(seq_lens=(9,), num_heads=1, num_v_heads=1, head_k_dim=16, head_v_dim=16).to_json()
+    argv = ["repro", "--device", "cpu", "--backend", "torch_chunk", "--check", "budget", "--case", case]
+    env = {**ENV, "KDA_LEDGER": str(tmp_path / "nowhere.toml")}
+    done = subprocess.run([sys.executable, "-m", "kda_conformance.cli", *argv], capture_output=True, text=True, env=env)
+    assert done.returncode == 2 and "KDA_LEDGER: " in done.stdout + done.stderr, done.stdout + done.stderr
+    assert "nowhere.toml" in done.stdout + done.stderr and "Traceback" not in done.stderr
 
 
 def test_a_finding_that_does_not_fail_here_runs_no_switch(tmp_path: Path, plugins: list[str]) -> None:

@@ -57,7 +57,9 @@ is a declared working precision, judged at that precision, its cost shown apart
 ([tolerance.md](tolerance.md#a-declared-working-precision)).
 
 Apply it in code with `kda_conformance.judging.known.apply_known(findings)`; every check's findings pass through
-it (`Run.checked`).
+it (`Run.checked`). A run applies another ledger where `KDA_LEDGER` names its file, and none where it is set
+empty: `kda-conformance triage` reruns every case so (`KDA_LEDGER=''` in each rerun's command), since a failure
+the ledger knows exits 0 as a pass does, and triage asks whether the case fails, known or not.
 """
 
 

@@ -28,6 +28,9 @@ from pathlib import Path
 from kda_reports.findings import SUITE_BACKEND, Finding
 
 LEDGER = Path(__file__).resolve().parent.parent / "known_issues.toml"
+# The ledger a run applies, where not this one: another file, or none at all where the variable is set empty
+# (triage's reruns ask whether a case fails, and a known failure exits 0 as a pass does).
+LEDGER_VARIABLE = "KDA_LEDGER"
 LINK_KINDS = ("issue", "pr", "commit", "none")
 
 
@@ -175,8 +178,26 @@ def load_ledger(path: Path = LEDGER) -> tuple[KnownIssue, ...]:
 
 
 @functools.cache
+def ledger_problem() -> str | None:
+    """What is wrong with the ledger ``KDA_LEDGER`` names (a run checks it before its first case), else None."""
+    chosen = os.environ.get(LEDGER_VARIABLE)
+    if not chosen:
+        return None
+    try:
+        load_ledger(Path(chosen))
+    except OSError as exc:
+        return f"{chosen}: {exc.strerror or exc} (the ledger a run applies; set it empty to apply none)"
+    except (ValueError, TypeError, KeyError) as exc:
+        return f"{chosen}: {exc}"
+    return None
+
+
 def ledger() -> tuple[KnownIssue, ...]:
-    return load_ledger()
+    """The entries a run applies: the suite's ledger, or the file ``KDA_LEDGER`` names (none where it is empty)."""
+    chosen = os.environ.get(LEDGER_VARIABLE)
+    if chosen is None:
+        return load_ledger()
+    return load_ledger(Path(chosen)) if chosen else ()
 
 
 def apply_known(findings: Iterable[Finding], issues: Iterable[KnownIssue] | None = None) -> list[Finding]:

@@ -34,6 +34,7 @@ from kda_cases.kernel_configs import KernelConfig, distinct_configs
 from kda_cases.profiles import Profile, get_profile
 from kda_cases.sentinels import load_sentinels
 from kda_cases.strategies import kernel_pool_lines, with_kernel_pool
+from kda_conformance.judging.known import LEDGER_VARIABLE, ledger_problem
 from kda_conformance.running import shards
 from kda_conformance.running.option_values import (
     PROFILE_VARIABLE,
@@ -320,6 +321,9 @@ def build_config(
         raise ConfigError("redraws", f"{redraws} must be 0 or a positive number of draws")
     if case_timeout is not None and case_timeout <= 0:
         raise ConfigError("case-timeout", f"{case_timeout} must be a positive number of seconds")
+    ledger_wrong = ledger_problem()
+    if ledger_wrong:
+        raise ConfigError(LEDGER_VARIABLE, ledger_wrong)
     return RunConfig(
         device=resolved,
         backends=chosen,

@@ -20,15 +20,17 @@ SHARD_VARIABLE = "KDA_SHARD"
 
 class ConfigError(ValueError):
     """An option's value is not allowed. ``option`` is its name without dashes (``device``, ``backend``):
-    each front end shows it under its own spelling (``--device``, ``--kda-device``)."""
+    each front end shows it under its own spelling (``--device``, ``--kda-device``). An environment variable
+    that only the environment sets (``KDA_LEDGER``) is named as it is in every front end."""
 
     def __init__(self, option: str, message: str) -> None:
-        super().__init__(f"--{option}: {message}")
+        super().__init__(self.shown_as("", option, message))
         self.option, self.message = option, message
 
-    def shown_as(self, prefix: str) -> str:
+    def shown_as(self, prefix: str, option: str = "", message: str = "") -> str:
         """The message with the option spelled ``--{prefix}{option}``."""
-        return f"--{prefix}{self.option}: {self.message}"
+        option, message = option or self.option, message or self.message
+        return f"{option}: {message}" if option.isupper() else f"--{prefix}{option}: {message}"
 
 
 def parse_lengths(text: str) -> tuple[int, ...]:
