@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from suite_paths import alone_in, rel_rms_agrees_with_the_suite
@@ -125,6 +126,12 @@ def test_a_written_file_imports_nothing_of_the_suite_fails_and_skips_without_its
     )
     unknown = subprocess.run([*findings, "--report", "no-such-finding"], env=env, capture_output=True, text=True)
     assert unknown.returncode == 2 and "no such finding" in unknown.stdout
+    # A GPU's records read on a CPU: the file is written and not run here, where it could only skip.
+    [part] = (store / "runs").glob("*.parquet")
+    pd.read_parquet(part).assign(env_device_type="cuda", env_device_name="NVIDIA H100 80GB HBM3").to_parquet(part)
+    done = subprocess.run([*findings, "--write-tests", str(tmp_path / "gpu")], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and list((tmp_path / "gpu").glob("test_*.py")), done.stdout[-2000:]
+    assert "(written; not run on cpu: it was measured on cuda NVIDIA H100 80GB HBM3" in " ".join(done.stdout.split())
 
 
 def test_no_file_in_findings_imports_the_suite() -> None:

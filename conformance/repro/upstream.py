@@ -533,6 +533,9 @@ def _write_and_run(
     # The file first, run in a process of its own (a crash there costs this process nothing); the suite's
     # own rerun last, since a sticky device error in it ends what this process may run.
     path = write_standalone_finding(finding, case, backend, folder, name)
+    measured_on = finding.environment.split(",")[0].split(" ")[0]  # "cuda NVIDIA H100 80GB HBM3, torch ..."
+    if measured_on and measured_on != device.type:  # a GPU's finding written on a CPU: the file skips here
+        return f"{path.name} (written; not run on {device}: it was measured on {finding.environment})"
     try:
         support = guard.availability(backend, device)
         support = guard.supports(backend, case) if support else support
