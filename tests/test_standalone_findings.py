@@ -124,6 +124,10 @@ def test_a_written_file_imports_nothing_of_the_suite_fails_and_skips_without_its
         "| fake_kda_chunk | budget | o |" in report.stdout
         and "| fake_kda_chunk | budget | final_state |" in report.stdout
     )
+    # Each row says how many times its limits it is, the worst first: the failing rows past 1.
+    rows = [line.split(" | ") for line in report.stdout.splitlines() if line.startswith("| fake_kda_chunk |")]
+    times = [float(row[7]) for row in rows]
+    assert times == sorted(times, reverse=True) and times[0] > 1, rows
     unknown = subprocess.run([*findings, "--report", "no-such-finding"], env=env, capture_output=True, text=True)
     assert unknown.returncode == 2 and "no such finding" in unknown.stdout
     # A GPU's records read on a CPU: the file is written and not run here, where it could only skip.
