@@ -177,14 +177,13 @@ def load_ledger(path: Path = LEDGER) -> tuple[KnownIssue, ...]:
     return tuple(issues)
 
 
-@functools.cache
 def ledger_problem() -> str | None:
     """What is wrong with the ledger ``KDA_LEDGER`` names (a run checks it before its first case), else None."""
     chosen = os.environ.get(LEDGER_VARIABLE)
     if not chosen:
         return None
     try:
-        load_ledger(Path(chosen))
+        _ledger_at(Path(chosen))
     except OSError as exc:
         return f"{chosen}: {exc.strerror or exc} (the ledger a run applies; set it empty to apply none)"
     except (ValueError, TypeError, KeyError) as exc:
@@ -193,11 +192,17 @@ def ledger_problem() -> str | None:
 
 
 def ledger() -> tuple[KnownIssue, ...]:
-    """The entries a run applies: the suite's ledger, or the file ``KDA_LEDGER`` names (none where it is empty)."""
+    """The entries a run applies: the suite's ledger, or the file ``KDA_LEDGER`` names (none where it is empty).
+    Every check's findings pass through it: each file is read once a process."""
     chosen = os.environ.get(LEDGER_VARIABLE)
-    if chosen is None:
-        return load_ledger()
-    return load_ledger(Path(chosen)) if chosen else ()
+    if chosen == "":
+        return ()
+    return _ledger_at(LEDGER if chosen is None else Path(chosen))
+
+
+@functools.cache
+def _ledger_at(path: Path) -> tuple[KnownIssue, ...]:
+    return load_ledger(path)
 
 
 def apply_known(findings: Iterable[Finding], issues: Iterable[KnownIssue] | None = None) -> list[Finding]:
