@@ -80,6 +80,7 @@ class Measured:
     first_bad: str
     precision: str
     subject: str = ""  # what the record measured: the whole call, or a part of a check's (a sequence alone...)
+    worst: float = math.nan  # the record's error/limit, the larger of its two metrics' (1 is the limit)
 
 
 def _measured(rows: pd.DataFrame) -> tuple[Measured, ...]:
@@ -117,6 +118,7 @@ def _measured(rows: pd.DataFrame) -> tuple[Measured, ...]:
             first_bad=str(row.get("first_bad") or ""),
             precision=str(row.get("precision") or "") if pd.notna(row.get("precision")) else "",
             subject=subject,
+            worst=number(row, "worst"),
         )
     return tuple(out.values())
 
