@@ -347,6 +347,12 @@ def test_{name}():
 """
 
 
+def measured_device_type(finding: object) -> str:
+    """Where the finding's smallest case was measured: ``cpu``, or ``cuda`` for a GPU (the device a standalone
+    file runs its kernel on, and skips without)."""
+    return "cpu" if finding.environment.startswith("cpu") else "cuda"
+
+
 def standalone_file_text(finding: object, case: Case, backend: Backend, file_name: str) -> str:
     """The whole file for ``finding`` (a kda_conformance.repro.upstream UpstreamFinding) on ``case`` and
     ``backend`` (its ``standalone_source`` gives the call), to be saved as ``file_name``: the kernel's forward
@@ -354,7 +360,7 @@ def standalone_file_text(finding: object, case: Case, backend: Backend, file_nam
     assert backend.standalone_source is not None
     measured = called_measurements(finding, backend)
     backward = takes_gradients(measured)
-    device_type = "cpu" if finding.environment.startswith("cpu") else "cuda"
+    device_type = measured_device_type(finding)
     where = finding.environment or "the device it was written on"
     limits = {m.tensor: {"max_abs": m.max_abs_limit, "rel_rms": m.rel_rms_limit} for m in measured}
     library = {m.tensor: m.library_tolerance for m in measured if not math.isnan(m.library_tolerance)}

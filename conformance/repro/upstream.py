@@ -40,6 +40,7 @@ from kda_conformance.judging.known import KnownIssue
 from kda_conformance.repro.standalone_finding import (
     called_measurements,
     filler_of,
+    measured_device_type,
     takes_gradients,
     write_standalone_finding,
 )
@@ -527,7 +528,7 @@ def _write_and_run(
             "not written: its whole backward was within every limit; what failed (a sequence alone, a resumed "
             "half, a repeat or poisoned scratch) reruns with its repro line"
         )
-    if finding.environment.startswith("cpu") and backend.interpreted(torch.device("cpu")):
+    if measured_device_type(finding) == "cpu" and backend.interpreted(torch.device("cpu")):
         return (
             "not written: measured in Triton's CPU interpreter with the suite's workarounds, which a standalone "
             "file does not carry; rerun on a GPU"
@@ -535,9 +536,9 @@ def _write_and_run(
     # The file first, run in a process of its own (a crash there costs this process nothing); the suite's
     # own rerun last, since a sticky device error in it ends what this process may run.
     path = write_standalone_finding(finding, case, backend, folder, name)
-    measured_on = finding.environment.split(",")[0].split(" ")[0]  # "cuda NVIDIA H100 80GB HBM3, torch ..."
-    if measured_on and measured_on != device.type:  # a GPU's finding written on a CPU: the file skips here
-        return f"{path.name} (written; not run on {device}: it was measured on {finding.environment})"
+    if measured_device_type(finding) != device.type:  # a GPU's finding written on a CPU: the file skips here
+        where = finding.environment or measured_device_type(finding)
+        return f"{path.name} (written; not run on {device}: it was measured on {where})"
     try:
         support = guard.availability(backend, device)
         support = guard.supports(backend, case) if support else support
