@@ -24,13 +24,13 @@ class ConfigError(ValueError):
     that only the environment sets (``KDA_LEDGER``) is named as it is in every front end."""
 
     def __init__(self, option: str, message: str) -> None:
-        super().__init__(self.shown_as("", option, message))
         self.option, self.message = option, message
+        super().__init__(self.shown_as(""))
 
-    def shown_as(self, prefix: str, option: str = "", message: str = "") -> str:
-        """The message with the option spelled ``--{prefix}{option}``."""
-        option, message = option or self.option, message or self.message
-        return f"{option}: {message}" if option.isupper() else f"--{prefix}{option}: {message}"
+    def shown_as(self, prefix: str) -> str:
+        """The message with the option spelled ``--{prefix}{option}`` (a variable's name as it is)."""
+        spelled = self.option if self.option.isupper() else f"--{prefix}{self.option}"
+        return f"{spelled}: {self.message}"
 
 
 def parse_lengths(text: str) -> tuple[int, ...]:
