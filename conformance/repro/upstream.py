@@ -528,7 +528,8 @@ def _write_and_run(
             "not written: its whole backward was within every limit; what failed (a sequence alone, a resumed "
             "half, a repeat or poisoned scratch) reruns with its repro line"
         )
-    if measured_device_type(finding) == "cpu" and backend.interpreted(torch.device("cpu")):
+    measured_on = measured_device_type(finding)
+    if measured_on == "cpu" and backend.interpreted(torch.device("cpu")):
         return (
             "not written: measured in Triton's CPU interpreter with the suite's workarounds, which a standalone "
             "file does not carry; rerun on a GPU"
@@ -536,8 +537,8 @@ def _write_and_run(
     # The file first, run in a process of its own (a crash there costs this process nothing); the suite's
     # own rerun last, since a sticky device error in it ends what this process may run.
     path = write_standalone_finding(finding, case, backend, folder, name)
-    if measured_device_type(finding) != device.type:  # a GPU's finding written on a CPU: the file skips here
-        where = finding.environment or measured_device_type(finding)
+    if measured_on != device.type:  # a GPU's finding written on a CPU: the file skips here
+        where = finding.environment or measured_on
         return f"{path.name} (written; not run on {device}: it was measured on {where})"
     try:
         support = guard.availability(backend, device)
