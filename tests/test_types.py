@@ -19,13 +19,13 @@ PACKAGES: dict[str, str] = CONFIG["tool"]["setuptools"]["package-dir"]  # import
 EXCEPTIONS = next(o["module"] for o in CONFIG["tool"]["mypy"]["overrides"] if o.get("ignore_errors"))
 
 
-def _mypy(folder: Path, config: Path = PYPROJECT) -> tuple[str, int]:
+def _mypy(folder: Path, config: Path) -> tuple[str, int]:
     """mypy over every package seen under its import name (a folder of links: mypy does not run the
     editable install's import hook), with ``config`` and the cache in the repo."""
     folder.mkdir()
     for name, source in PACKAGES.items():
         (folder / name).symlink_to(ROOT / source, target_is_directory=True)
-    # A cache per configuration: the two tests may run at once (pytest-xdist).
+    # A cache per configuration: this one shows the exceptions' errors, a developer's own mypy run hides them.
     argv = ["--config-file", str(config), "--cache-dir", str(ROOT / ".mypy_cache" / config.stem)]
     for name in PACKAGES:
         argv += ["-p", name]
