@@ -94,6 +94,7 @@ def derive_budget(
     declared_roundoff: float = 0.0,
     terms_max_abs: float = 0.0,
     stored_share: float = 1.0,
+    least: tuple[float, float] | None = None,
 ) -> Budget:
     """Apply the rule to one tensor, given the baseline's errors on it, the reference's largest magnitude
     and the tensor's number of elements (the max-abs floor covers the largest of that many errors). A
@@ -104,7 +105,8 @@ def derive_budget(
     magnitude ``terms_max_abs``: the accumulation's share of the floor, and the cap, scale with it, while
     storing the result costs only its own magnitude; ``stored_share`` is the tensor's RMS over the RMS its
     rel-RMS is taken against (the terms', where larger), which the stored-dtype share of the rel-RMS floor
-    is scaled by."""
+    is scaled by. ``least``: (max-abs, rel-RMS) below which neither floor goes, what rounding elsewhere is known
+    to allow this tensor (dA_log: one channel's limit summed over its channels, running/gradient_truth.py)."""
     stored = UNIT_ROUNDOFF[stored_dtype_name(case, tensor)]
     working = max(UNIT_ROUNDOFF[case.dtype], stored, declared_roundoff)
     # A state stored in float32 is computed from intermediates kept in the input dtype: no correct kernel is
@@ -117,6 +119,8 @@ def derive_budget(
     lambda_max = math.sqrt(rule.floor_lambda**2 + 2 * math.log(max(elements, 1)))
     magnitude = max(reference_max_abs, terms_max_abs)
     floor_max_abs = rule.floor_ulps * resolution * reference_max_abs + lambda_max * growth * magnitude
+    if least is not None:
+        floor_max_abs, floor_rel_rms = max(floor_max_abs, least[0]), max(floor_rel_rms, least[1])
     cap = math.sqrt(working)
     return Budget(
         tensor,
