@@ -28,7 +28,7 @@ from kda_cases.materialize import materialize
 from kda_conformance.checks import offsets_past_2_31 as offsets
 from kda_conformance.checks.gradients import WHOLE_BACKWARD
 from kda_conformance.judging import metrics
-from kda_conformance.running.gradient_truth import by_tensor, term_scales, upstream_gradients
+from kda_conformance.running.gradient_truth import by_tensor, gate_gradient_terms, term_scales, upstream_gradients
 from kda_kernels import serving
 from kda_kernels.protocol import Backend
 from kda_reference import plain, preprocess
@@ -197,7 +197,8 @@ def _term_rms(case: Case) -> dict[str, float]:
     inputs = materialize(case)
     d_o, d_final = upstream_gradients(inputs)
     args = (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.options, d_o, d_final)
-    return {name: rms for name, (_, rms) in term_scales(inputs, by_tensor(kda_gradients(*args))).items()}
+    terms = gate_gradient_terms(inputs, by_tensor(kda_gradients(*args)))
+    return {name: rms for name, (_, rms) in term_scales(terms).items()}
 
 
 # Both tests' judging: each tensor against the float64 truth and its limits.

@@ -122,8 +122,8 @@ def gradient_truth(
         tf32 = None if precision is None else TorchChunk.at_precision(precision).tf32_dots
         declared = None if precision is None else strict if tf32 is None else baselines(tf32)
     with CLOCK.stage("compare", device):
-        scales = term_scales(inputs, reference)
-        coherent = coherent_channel_scale(inputs, reference)
+        terms = gate_gradient_terms(inputs, reference)
+        scales, coherent = term_scales(terms), coherent_channel_scale(terms)
         alone = alone_sequences(case)
         judged: list[tuple[int, tuple[int, int, int]] | None] = [None, *alone]
 
@@ -172,8 +172,9 @@ def beyond_range(case: Case, reference: dict[str, torch.Tensor]) -> None:
             )
 
 
-def term_scales(inputs: KDAInputs, reference: dict[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
-    """The (max-abs, RMS) magnitude of the terms the gate's gradients sum, for dg, dA_log and ddt_bias.
+def term_scales(terms: dict[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
+    """The (max-abs, RMS) magnitude of the terms the gate's gradients sum, for dg, dA_log and ddt_bias, from each
+    one's terms (:func:`gate_gradient_terms`).
 
     A chunk kernel forms the gradient of the cumulative log decay as ``q * dq - k * dk`` plus the delta rule's
     terms and sums it back over the chunk (FLA's and GLA's backward): where a gate has little effect the terms
@@ -189,7 +190,7 @@ def term_scales(inputs: KDAInputs, reference: dict[str, torch.Tensor]) -> dict[s
     times tighter than dg itself (on an H100, FLA's dA_log on 64 one-token sequences, bf16 K32, a sum of 2048
     terms whose truth is zero: 2.5e-6 off, 1e-5 of one term's RMS and 2.2e-7 of their norm)."""
     scales = {}
-    for name, product in gate_gradient_terms(inputs, reference).items():
+    for name, product in terms.items():
         if name in PARAMETER_GRADIENTS and product.numel():
             product = _channel_norms(product)  # [HV, K]: the norm of the terms each ddt_bias sums
             if name == "dA_log":  # one per head: the norm over its channels too
@@ -198,9 +199,9 @@ def term_scales(inputs: KDAInputs, reference: dict[str, torch.Tensor]) -> dict[s
     return scales
 
 
-def coherent_channel_scale(inputs: KDAInputs, reference: dict[str, torch.Tensor]) -> tuple[float, float]:
+def coherent_channel_scale(terms: dict[str, torch.Tensor]) -> tuple[float, float]:
     """The (max-abs, RMS) over heads of the sum over key channels of the norms of the terms dA_log sums in each
-    channel (0 where the case has no dA_log).
+    channel, from the gate gradients' terms (:func:`gate_gradient_terms`; 0 where the case has no dA_log).
 
     dA_log sums, over the key channels of a head, one sum over the tokens per channel. A kernel whose every
     channel's sum is off by the fraction of its terms' norm that one channel's sum is allowed (ddt_bias's
@@ -209,7 +210,7 @@ def coherent_channel_scale(inputs: KDAInputs, reference: dict[str, torch.Tensor]
     Their sum is then off by that fraction of this sum of norms, up to sqrt(K) times the norm of all the terms
     that the rel-RMS is taken against. The baseline's channels cancel (on the CPU, at T9 to T130 bf16 and fp16
     K16, its dA_log rel-RMS is 4 to 45 times below its ddt_bias's), FLA's add up (1.6 to 3.4 times above)."""
-    product = gate_gradient_terms(inputs, reference).get("dA_log")
+    product = terms.get("dA_log")
     if product is None or not product.numel():
         return 0.0, 0.0
     return _max_and_rms(_channel_norms(product).sum(dim=-1))
@@ -322,8 +323,7 @@ def _budgets(
     whole's was about half that) would otherwise be held below the rounding of its own values.
 
     dA_log's floors are no lower than what ddt_bias's rel-RMS limit (dg's without a dt_bias) allows its
-    channels' sums when they add up
-    (``coherent``, :func:`coherent_channel_scale`)."""
+    channels' sums when they add up (``coherent``, :func:`coherent_channel_scale`)."""
     budgets: dict[str, Budget] = {}
     for name in sorted(errors, key=lambda n: n == "dA_log"):  # dA_log's floor takes ddt_bias's (or dg's) limit
         measured, want = errors[name], reference[name]
